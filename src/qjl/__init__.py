@@ -4,7 +4,10 @@ Importing the package has no side effects: nothing is patched, no device is touc
 """
 
 from .codec import BitBudget, Codec, Codes
-from .sketch import QJLSketch
+from .outliers import OutlierQJL
+from .sketch import QJLSketch, scale_constant, sphere_abs_moment
+from .values import TokenwiseQuantizer
 
-__all__ = ["BitBudget", "Codec", "Codes", "QJLSketch"]
+__all__ = ["BitBudget", "Codec", "Codes", "OutlierQJL", "QJLSketch", "TokenwiseQuantizer",
+           "scale_constant", "sphere_abs_moment"]
 __version__ = "0.1.0"
