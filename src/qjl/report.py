@@ -1,0 +1,59 @@
+"""Terminal tables, JSON and PNG plots for the command-line reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+__all__ = ["format_table", "write_json", "plot_stats", "environment"]
+
+
+def environment() -> dict:
+    """Machine and library versions, written with every report."""
+    return {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+
+
+def format_table(headers: list, rows: list) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "  ".join(c.rjust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths), *map(line, cells[1:])])
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def plot_stats(result: dict, path: Path) -> None:
+    """Left: relative RMSE of Eq. (4) against m per family.  Right: Theorem 3.6 score error against 3 eps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    kinds = sorted({r["kind"] for r in result["rows"]}, key=[r["kind"] for r in result["rows"]].index)
+    for kind in kinds:
+        rows = [r for r in result["rows"] if r["kind"] == kind]
+        ms = [r["sketch_dim"] for r in rows]
+        ax1.loglog(ms, [r["rel_rmse"] for r in rows], "o-", label=kind)
+        ax2.loglog(ms, [r["attention"]["median_max_rel_err"] for r in rows], "o-", label=f"{kind} (median)")
+    ms = [r["sketch_dim"] for r in result["rows"] if r["kind"] == kinds[0]]
+    ax1.loglog(ms, [(1.5708 / m) ** 0.5 for m in ms], "k--", label="sqrt(pi/(2m)) (Gaussian, q perp k)")
+    ax2.loglog(ms, [r["attention"]["bound_3eps"] for r in result["rows"] if r["kind"] == kinds[0]], "k--",
+               label="3 eps (Theorem 3.6)")
+    ax1.set(xlabel="sketch dim m", ylabel="RMS |Prod - <q,k>| / (|q| |k|)", title=f"Eq. (4) error, d={result['config']['dim']}")
+    ax2.set(xlabel="sketch dim m", ylabel="max_i |S~(i) - S(i)| / S(i)", title="attention-score error (Thm 3.6)")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
