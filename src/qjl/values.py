@@ -23,7 +23,7 @@ from ._validation import check_fits, check_positive_int, check_vectors, storage_
 from .codec import BitBudget, Codec, Codes
 from .packing import pack_bits, packed_size, unpack_bits
 
-__all__ = ["TokenwiseQuantizer"]
+__all__ = ["TokenwiseQuantizer", "minmax_quantize"]
 
 
 def _round_toward(target: torch.Tensor, dtype: torch.dtype, direction: float) -> torch.Tensor:
@@ -32,6 +32,24 @@ def _round_toward(target: torch.Tensor, dtype: torch.dtype, direction: float) ->
     short = y.float() > target if direction < 0 else y.float() < target
     step = torch.full_like(y, direction)
     return torch.where(short, torch.nextafter(y, step), y)
+
+
+def minmax_quantize(xg: torch.Tensor, bits: int, scale_dtype: torch.dtype):
+    """Asymmetric min-max quantization over the last axis (see the module doc).
+
+    xg: [..., g] float32 -> (codes [..., g] uint8, scale [...], zero [...] in scale_dtype).
+    """
+    lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)
+    check_fits("x", torch.stack([lo, hi]), scale_dtype)
+    levels = (1 << bits) - 1
+    zero = _round_toward(lo, scale_dtype, -1.0)
+    scale = _round_toward((hi - zero.float()) / levels, scale_dtype, 1.0)
+    check_fits("x (range of a group)", scale.float(), scale_dtype)
+    s = scale.float().unsqueeze(-1)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round((xg - zero.float().unsqueeze(-1)) / safe).clamp_(0, levels)
+    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
+    return codes.to(torch.uint8), scale, zero
 
 
 class TokenwiseQuantizer(Codec):
@@ -69,18 +87,8 @@ class TokenwiseQuantizer(Codec):
     def quantize(self, x: torch.Tensor) -> Codes:
         """x: [..., dim] -> Codes(codes [..., ceil(dim*bits/8)] uint8, scale/zero [..., groups])."""
         check_vectors("x", x, self.dim)
-        xg = self._grouped(x.float())
-        lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)
-        check_fits("x", torch.stack([lo, hi]), self.scale_dtype)
-        levels = (1 << self.bits) - 1
-        zero = _round_toward(lo, self.scale_dtype, -1.0)
-        scale = _round_toward((hi - zero.float()) / levels, self.scale_dtype, 1.0)
-        check_fits("x (range of a group)", scale.float(), self.scale_dtype)
-        s = scale.float().unsqueeze(-1)
-        safe = torch.where(s > 0, s, torch.ones_like(s))
-        codes = torch.round((xg - zero.float().unsqueeze(-1)) / safe).clamp_(0, levels)
-        codes = torch.where(s > 0, codes, torch.zeros_like(codes))
-        codes = codes.reshape(*codes.shape[:-2], -1)[..., : self.dim].to(torch.uint8)
+        codes, scale, zero = minmax_quantize(self._grouped(x.float()), self.bits, self.scale_dtype)
+        codes = codes.reshape(*codes.shape[:-2], -1)[..., : self.dim]
         return Codes(tuple(x.shape[:-1]), {"codes": pack_bits(codes, self.bits), "scale": scale, "zero": zero})
 
     def dequantize(self, codes: Codes) -> torch.Tensor:

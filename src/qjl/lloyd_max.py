@@ -1,0 +1,149 @@
+r"""Lloyd-Max scalar codebooks for the densities the data-oblivious codecs produce.
+
+* ``sphere``: one coordinate of a uniform point on S^{d-1} (seed 003, TurboQuant):
+  ``f(x) = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2)) (1 - x^2)^((d-3)/2)`` on [-1, 1],
+  which tends to N(0, 1/d).
+* ``polar``: a level-l angle of PolarQuant's recursive polar transform of a
+  Gaussian vector (l >= 2): the angle ``atan2(b, a)`` of two independent chi_k
+  radii, k = 2^(l-1), with density proportional to ``sin^(k-1)(2 psi)`` on
+  [0, pi/2].  Level 1 angles are uniform on [0, 2 pi), whose Lloyd-Max codebook is
+  the uniform grid of cell midpoints.
+
+The Lloyd-Max iteration (boundaries at centroid midpoints, centroids at the
+conditional means) runs on cumulative integrals of the density over a fine grid
+(float64) until the centroids move by less than 1e-13 of the interval.  For these
+log-concave densities the fixed point is the global optimum.  Results are cached
+in memory and on disk (``$QJL_CACHE_DIR`` or ``~/.cache/qjl``), keyed by density,
+parameter and bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["Codebook", "sphere_codebook", "polar_codebook", "lloyd_max", "sphere_pdf", "polar_pdf"]
+
+_VERSION = 1
+_GRID = 400_001
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """centroids: [2**bits] increasing; boundaries: [2**bits - 1] interior cell edges; mse: E(X - Q(X))^2."""
+
+    centroids: tuple
+    boundaries: tuple
+    mse: float
+    second_moment: float
+
+    def tensors(self, device=None):
+        return (torch.tensor(self.centroids, dtype=torch.float32, device=device),
+                torch.tensor(self.boundaries, dtype=torch.float32, device=device))
+
+
+def sphere_pdf(d: int):
+    """Density of one coordinate of a uniform point on S^{d-1} (d >= 3), and its effective support."""
+    log_c = math.lgamma(d / 2) - math.lgamma((d - 1) / 2) - 0.5 * math.log(math.pi)
+    half = min(1.0, 16.0 / math.sqrt(d))  # beyond 16 standard deviations the mass is < 1e-50
+
+    def pdf(x):
+        with np.errstate(divide="ignore"):  # log(0) at x = +-1 gives density 0, as it should
+            return np.exp(log_c + (d - 3) / 2 * np.log1p(-np.minimum(x * x, 1.0)))
+    return pdf, -half, half
+
+
+def polar_pdf(level: int):
+    """Density of a PolarQuant angle at ``level`` >= 2 on [0, pi/2] (unnormalized is fine)."""
+    k = 2 ** (level - 1)
+
+    def pdf(x):
+        return np.power(np.clip(np.sin(2 * x), 0.0, None), k - 1)
+    return pdf, 0.0, math.pi / 2
+
+
+def lloyd_max(pdf, lo: float, hi: float, bits: int, max_iter: int = 200_000, tol: float = 1e-13) -> Codebook:
+    """Optimal 2**bits-level scalar quantizer of the density ``pdf`` on [lo, hi]."""
+    x = np.linspace(lo, hi, _GRID)
+    p = pdf(x)
+    dx = np.diff(x)
+
+    def cumulative(v):
+        return np.concatenate([[0.0], np.cumsum((v[1:] + v[:-1]) / 2 * dx)])
+
+    F, M1, M2 = cumulative(p), cumulative(x * p), cumulative(x * x * p)
+    total = F[-1]
+    F, M1, M2 = F / total, M1 / total, M2 / total
+    levels = 1 << bits
+    c = np.interp((np.arange(levels) + 0.5) / levels, F, x)  # start at quantiles
+    for _ in range(max_iter):
+        t = np.concatenate([[lo], (c[1:] + c[:-1]) / 2, [hi]])
+        Ft, M1t = np.interp(t, x, F), np.interp(t, x, M1)
+        mass = np.diff(Ft)
+        new = np.where(mass > 0, np.diff(M1t) / np.maximum(mass, 1e-300), c)
+        done = np.max(np.abs(new - c)) < tol * (hi - lo)
+        c = new
+        if done:
+            break
+    t = np.concatenate([[lo], (c[1:] + c[:-1]) / 2, [hi]])
+    mass = np.diff(np.interp(t, x, F))
+    m1, m2 = np.diff(np.interp(t, x, M1)), np.diff(np.interp(t, x, M2))
+    mse = float(np.sum(m2 - 2 * c * m1 + c * c * mass))
+    return Codebook(tuple(c.tolist()), tuple(t[1:-1].tolist()), mse, float(M2[-1]))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("QJL_CACHE_DIR") or Path.home() / ".cache" / "qjl")
+
+
+def _cached(key: str, compute) -> Codebook:
+    path = _cache_dir() / f"codebook-v{_VERSION}-{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        return Codebook(tuple(data["centroids"]), tuple(data["boundaries"]), data["mse"], data["second_moment"])
+    except (OSError, ValueError, KeyError):
+        pass
+    book = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(book.__dict__))
+        tmp.replace(path)  # atomic: concurrent processes never read half a file
+    except OSError:
+        pass  # a read-only home is not an error: the codebook is just recomputed next time
+    return book
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an int in 1..8, got {bits!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def sphere_codebook(d: int, bits: int) -> Codebook:
+    """Lloyd-Max codebook for a coordinate of a uniform point on S^{d-1}. Distortion of a unit vector: d * mse."""
+    if isinstance(d, bool) or not isinstance(d, int) or d < 3:
+        raise ValueError(f"d must be an int >= 3, got {d!r}")
+    _check_bits(bits)
+    return _cached(f"sphere-d{d}-b{bits}", lambda: lloyd_max(*sphere_pdf(d), bits))
+
+
+@functools.lru_cache(maxsize=None)
+def polar_codebook(level: int, bits: int) -> Codebook:
+    """Lloyd-Max codebook for PolarQuant angles at ``level`` (1: uniform on [0, 2 pi))."""
+    if isinstance(level, bool) or not isinstance(level, int) or level < 1:
+        raise ValueError(f"level must be an int >= 1, got {level!r}")
+    _check_bits(bits)
+    if level == 1:
+        k = 1 << bits
+        step = 2 * math.pi / k
+        c = tuple((i + 0.5) * step for i in range(k))
+        return Codebook(c, tuple((i + 1) * step for i in range(k - 1)), step * step / 12, 4 * math.pi ** 2 / 3)
+    return _cached(f"polar-l{level}-b{bits}", lambda: lloyd_max(*polar_pdf(level), bits))
