@@ -1,4 +1,4 @@
-"""Command-line entry point: ``qjl stats`` (more commands join as the project grows)."""
+"""Command-line entry point: ``qjl stats`` and ``qjl bits``."""
 
 from __future__ import annotations
 
@@ -10,15 +10,9 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _stats(args) -> int:
-    from .report import environment, format_table, plot_stats, write_json
-    from .stats import StatsConfig, run_stats
+def _qjl_table(result: dict) -> str:
+    from .report import format_table
 
-    cfg = StatsConfig(dim=args.dim, seeds=args.seeds, kinds=tuple(args.kinds))
-    t0 = time.time()
-    result = run_stats(cfg, show_progress=not args.quiet)
-    result["environment"] = environment()
-    result["seconds"] = round(time.time() - t0, 1)
     rows = []
     for r in result["rows"]:
         tail = r["tail"]["0.2"]
@@ -33,14 +27,54 @@ def _stats(args) -> int:
         ])
     headers = ["family", "m", "max|bias|/se", "var/theory", "rel RMSE", "P(err>0.2)", "L3.5 printed",
                "L3.5 fixed", "attn err", "3eps"]
-    print(f"QJL estimator statistics: d={cfg.dim}, {cfg.seeds} seeds per setting")
-    print(format_table(headers, rows))
-    print("var/theory: variance over the Gaussian-row formula (pi/2|q|^2|k|^2 - <q,k>^2)/m for q~k (<= 1 expected "
-          "for orthogonal/hadamard). L3.5 printed: the paper's tail bound as printed; fixed: with E z^2 = pi/2.")
+    return format_table(headers, rows)
+
+
+def _codec_tables(result: dict) -> str:
+    from .report import format_table
+
+    tq = [[r["bits"], f"{r['d_mse']:.4f}", f"{r['d_mse_codebook']:.4f}", f"{r['d_mse_paper']:.3f}",
+           f"{r['d_mse_upper']:.4f}", f"{r['d_mse_lower']:.4f}", f"{r['d_prod_times_d']:.4f}",
+           f"{r['d_prod_theory_times_d']:.4f}", f"{r['d_prod_paper_times_d']:.3f}",
+           f"{r['d_prod_upper_times_d']:.4f}", f"{r['d_prod_lower_times_d']:.4f}"] for r in result["turboquant"]]
+    pq = [["/".join(map(str, p["bits_per_level"][:2])) + "/...", f"{p['angle_bits_per_coordinate']:.3f}",
+           f"{p['bits_per_coordinate_with_norm']:.3f}", f"{p['d_mse']:.4f}"] for p in result["polarquant"]]
+    return "\n".join([
+        format_table(["b", "D_mse", "Lloyd-Max", "seed003", "upper", "lower", "d*D_prod", "theory", "seed003",
+                      "upper", "lower"], tq),
+        "D_prod: Gaussian QJL sketch with k = d on the residual; theory (pi/2 - 1/d) * D_mse(b-1).",
+        "",
+        format_table(["PolarQuant levels", "angle bits/coord", "with fp32 norm", "D_mse"], pq),
+    ])
+
+
+def _stats(args) -> int:
+    from .report import environment, plot_codec_stats, plot_stats, write_json
+    from .stats import StatsConfig, run_codec_stats, run_stats
+
     out = Path(args.out)
-    write_json(out / "stats.json", result)
-    plot_stats(result, out / "stats.png")
-    print(f"wrote {out / 'stats.json'} and {out / 'stats.png'}")
+    env = environment()
+    if args.part in ("qjl", "all"):
+        cfg = StatsConfig(dim=args.dim, seeds=args.seeds, kinds=tuple(args.kinds))
+        t0 = time.time()
+        result = run_stats(cfg, show_progress=not args.quiet)
+        result.update(environment=env, seconds=round(time.time() - t0, 1))
+        print(f"QJL estimator statistics: d={cfg.dim}, {cfg.seeds} seeds per setting")
+        print(_qjl_table(result))
+        print("var/theory: variance over the Gaussian-row formula (pi/2|q|^2|k|^2 - <q,k>^2)/m for q~k (<= 1 expected "
+              "for orthogonal/hadamard). L3.5 printed: the paper's tail bound as printed; fixed: with E z^2 = pi/2.")
+        write_json(out / "stats.json", result)
+        plot_stats(result, out / "stats.png")
+        print(f"wrote {out / 'stats.json'} and {out / 'stats.png'}\n")
+    if args.part in ("codecs", "all"):
+        t0 = time.time()
+        result = run_codec_stats(dim=args.dim, vectors=args.vectors, show_progress=not args.quiet)
+        result.update(environment=env, seconds=round(time.time() - t0, 1))
+        print(f"TurboQuant / PolarQuant distortion: d={args.dim}, {result['vectors']} unit vectors, {result['seeds']} seeds")
+        print(_codec_tables(result))
+        write_json(out / "codecs.json", result)
+        plot_codec_stats(result, out / "codecs.png")
+        print(f"wrote {out / 'codecs.json'} and {out / 'codecs.png'}")
     return 0
 
 
@@ -82,7 +116,10 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=128, help="vector dimension d (default 128)")
     p.add_argument("--seeds", type=int, default=1000, help="independent sketches per setting (default 1000)")
     p.add_argument("--kinds", nargs="+", default=["gaussian", "orthogonal", "hadamard"], help="sketch families")
-    p.add_argument("--out", default="runs/stats", help="run directory for stats.json and stats.png")
+    p.add_argument("--vectors", type=int, default=32000, help="unit vectors per codec setting (default 32000)")
+    p.add_argument("--part", choices=["qjl", "codecs", "all"], default="all",
+                   help="qjl: QJL estimator vs paper 001; codecs: TurboQuant/PolarQuant vs seed 003 (default all)")
+    p.add_argument("--out", default="runs/stats", help="run directory for the JSON files and PNG plots")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_stats)
     p = sub.add_parser("bits", help="exact bit accounting of the paper's QJL configurations")

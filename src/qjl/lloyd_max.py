@@ -55,6 +55,8 @@ def sphere_pdf(d: int):
     half = min(1.0, 16.0 / math.sqrt(d))  # beyond 16 standard deviations the mass is < 1e-50
 
     def pdf(x):
+        if d == 3:  # uniform on [-1, 1] (Archimedes)
+            return np.full_like(x, math.exp(log_c))
         with np.errstate(divide="ignore"):  # log(0) at x = +-1 gives density 0, as it should
             return np.exp(log_c + (d - 3) / 2 * np.log1p(-np.minimum(x * x, 1.0)))
     return pdf, -half, half
@@ -111,6 +113,8 @@ def _cached(key: str, compute) -> Codebook:
     except (OSError, ValueError, KeyError):
         pass
     book = compute()
+    if not all(math.isfinite(v) for v in (*book.centroids, book.mse)):
+        raise RuntimeError(f"Lloyd-Max did not produce a finite codebook for {key}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

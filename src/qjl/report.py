@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["format_table", "write_json", "plot_stats", "environment"]
+__all__ = ["format_table", "write_json", "plot_stats", "plot_codec_stats", "environment"]
 
 
 def environment() -> dict:
@@ -50,6 +50,39 @@ def plot_stats(result: dict, path: Path) -> None:
                label="3 eps (Theorem 3.6)")
     ax1.set(xlabel="sketch dim m", ylabel="RMS |Prod - <q,k>| / (|q| |k|)", title=f"Eq. (4) error, d={result['config']['dim']}")
     ax2.set(xlabel="sketch dim m", ylabel="max_i |S~(i) - S(i)| / S(i)", title="attention-score error (Thm 3.6)")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_codec_stats(result: dict, path: Path) -> None:
+    """Distortion against bits (log scale) with seed 003's values and the upper/lower bounds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["turboquant"]
+    b = [r["bits"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax1.semilogy(b, [r["d_mse"] for r in rows], "o-", label="TurboQuant_mse (measured)")
+    ax1.semilogy(b, [r["d_mse_paper"] for r in rows], "x", ms=9, label="seed 003 table")
+    ax1.semilogy(b, [r["d_mse_upper"] for r in rows], "k--", label="upper sqrt(3) pi/2 4^-b")
+    ax1.semilogy(b, [r["d_mse_lower"] for r in rows], "k:", label="lower 4^-b")
+    pol = result["polarquant"]
+    ax1.semilogy([p["angle_bits_per_coordinate"] for p in pol], [p["d_mse"] for p in pol], "s-",
+                 label="PolarQuant (angle bits / coord)")
+    ax2.semilogy(b, [r["d_prod_times_d"] for r in rows], "o-", label="TurboQuant_prod (measured)")
+    ax2.semilogy(b, [r["d_prod_theory_times_d"] for r in rows], "+", ms=10, label="(pi/2 - 1/d) D_mse(b-1)")
+    ax2.semilogy(b, [r["d_prod_paper_times_d"] for r in rows], "x", ms=9, label="seed 003 table")
+    ax2.semilogy(b, [r["d_prod_upper_times_d"] for r in rows], "k--", label="upper sqrt(3) pi^2 4^-b")
+    ax2.semilogy(b, [r["d_prod_lower_times_d"] for r in rows], "k:", label="lower 4^-b")
+    ax1.set(xlabel="bits per coordinate b", ylabel="D_mse (unit vectors)", title=f"MSE distortion, d={result['dim']}")
+    ax2.set(xlabel="bits per coordinate b", ylabel="d x D_prod (unit query)", title="inner-product distortion")
     for ax in (ax1, ax2):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)

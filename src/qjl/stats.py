@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from .sketch import KINDS, QJLSketch
 
-__all__ = ["StatsConfig", "run_stats", "printed_tail_bound", "corrected_tail_bound"]
+__all__ = ["StatsConfig", "run_stats", "run_codec_stats", "printed_tail_bound", "corrected_tail_bound"]
 
 
 def printed_tail_bound(m: int, eps: float) -> float:
@@ -83,7 +83,7 @@ def _one_setting(cfg: StatsConfig, kind: str, m: int, pairs: dict, attn, progres
     est = torch.empty(cfg.seeds, len(pairs), dtype=torch.float64)
     attn_err = torch.empty(cfg.seeds, dtype=torch.float64)
     for s in range(cfg.seeds):
-        sk = QJLSketch(cfg.dim, m, kind=kind, seed=s, norm_dtype="fp32")
+        sk = QJLSketch(cfg.dim, m, kind=kind, seed=m * 1_000_000 + s, norm_dtype="fp32")  # disjoint across m
         est[s] = sk.inner_product(q_all, sk.quantize(k_all))[:, 0, 0].double()
         approx = torch.softmax(sk.inner_product(aq[None], sk.quantize(ak))[0].double(), dim=0)
         attn_err[s] = ((approx - exact).abs() / exact).max()
@@ -122,3 +122,68 @@ def run_stats(cfg: StatsConfig, show_progress: bool = True) -> dict:
                 rows.append(_one_setting(cfg, kind, m, pairs, attn, progress))
     cfg_dict = asdict(cfg)
     return {"config": cfg_dict, "pairs": list(pairs), "rows": rows}
+
+
+# -- seed 003's tables: TurboQuant and PolarQuant distortion ---------------------------------------
+PAPER_DMSE = {1: 0.36, 2: 0.117, 3: 0.030, 4: 0.009}  # seed 003, Theorem 1's table
+PAPER_DPROD = {1: 1.57, 2: 0.56, 3: 0.18, 4: 0.047}  # seed 003, Theorem 2's table (times d)
+POLAR_SPECS = ((2, 1), (3, 2), (4, 2), (4, 3), (5, 4))
+
+
+def _unit_vectors(n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def run_codec_stats(dim: int = 128, vectors: int = 32000, seeds: int = 16, show_progress: bool = True) -> dict:
+    """D_mse and D_prod of TurboQuant for b = 1..4 and PolarQuant's MSE, next to seed 003's numbers.
+
+    Unit vectors and unit queries drawn uniformly; each setting averages ``seeds``
+    independent codecs over ``vectors // seeds`` vectors each.  D_prod is reported times d.
+    """
+    from .lloyd_max import sphere_codebook
+    from .polarquant import PolarQuant
+    from .turboquant import TurboQuantMSE, TurboQuantProd
+
+    if dim < 16:
+        raise ValueError(f"dim must be >= 16, got {dim}")
+    per = max(1, vectors // seeds)
+    rows, polar = [], []
+    total = 4 * 2 * seeds + len(POLAR_SPECS) * seeds
+    with tqdm(total=total, desc="codec stats", unit="codec", disable=not show_progress, mininterval=1.0) as bar:
+        for b in range(1, 5):
+            mse_sq, prod_sq = [], []
+            for s in range(seeds):
+                x, q = _unit_vectors(per, dim, 10 * s + b), _unit_vectors(per, dim, 10_000 + 10 * s + b)
+                c = TurboQuantMSE(dim, b, seed=s, norm_dtype="fp32")
+                mse_sq.append((c.dequantize(c.quantize(x)) - x).pow(2).sum(-1))
+                bar.update(1)
+                p = TurboQuantProd(dim, b, qjl_kind="gaussian", seed=s, norm_dtype="fp32")
+                est = p.inner_product(q.unsqueeze(1), p.quantize(x.unsqueeze(1)))[:, 0, 0]
+                prod_sq.append((est - (q * x).sum(-1)).pow(2))
+                bar.update(1)
+            d_mse_prev = 1.0 if b == 1 else dim * sphere_codebook(dim, b - 1).mse
+            rows.append({
+                "bits": b,
+                "d_mse": float(torch.cat(mse_sq).mean()), "d_mse_codebook": dim * sphere_codebook(dim, b).mse,
+                "d_mse_paper": PAPER_DMSE[b], "d_mse_upper": math.sqrt(3) * math.pi / 2 * 4.0 ** -b,
+                "d_mse_lower": 4.0 ** -b,
+                "d_prod_times_d": float(torch.cat(prod_sq).mean()) * dim,
+                "d_prod_theory_times_d": (math.pi / 2 - 1 / dim) * d_mse_prev,
+                "d_prod_paper_times_d": PAPER_DPROD[b],
+                "d_prod_upper_times_d": math.sqrt(3) * math.pi ** 2 * 4.0 ** -b, "d_prod_lower_times_d": 4.0 ** -b,
+            })
+        for spec in POLAR_SPECS:
+            errs = []
+            for s in range(seeds):
+                x = _unit_vectors(per, dim, 20_000 + s)
+                pq = PolarQuant(dim, spec, seed=s, norm_dtype="fp32")
+                errs.append((pq.dequantize(pq.quantize(x)) - x).pow(2).sum(-1))
+                bar.update(1)
+            budget = pq.bit_budget()
+            angle_bits = (budget.bits_per_vector - budget.per_vector["norm"]) / dim
+            polar.append({"bits_per_level": list(pq.bits), "angle_bits_per_coordinate": angle_bits,
+                          "bits_per_coordinate_with_norm": budget.bits_per_coordinate,
+                          "d_mse": float(torch.cat(errs).mean())})
+    return {"dim": dim, "vectors": per * seeds, "seeds": seeds, "turboquant": rows, "polarquant": polar}
