@@ -1,0 +1,236 @@
+"""One layer of the compressed KV cache: exact sinks, codes, and an exact recent window.
+
+Tokens of one layer, in order: ``sink_tokens`` exact sinks, then codes (keys and
+values through their codecs), then the ``residual_length`` (+ < ``flush_block``)
+most recent tokens in full precision.  ``update`` first moves the residual's
+overflow into codes (in blocks), then appends the new tokens to the residual, so
+a forward pass attends to compressed history + exact recent tokens + itself, and
+the prompt is attended exactly during prefill.  Codes are only ever appended
+(from the original keys), never re-quantized.
+
+Attention (:meth:`attend`) scores every part, applies the mask and softmax in
+float32, and mixes values part by part; the GQA group of each KV head shares one
+read of that head's codes.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .codec import Codes
+from .kivi import KIVIKeys
+from .outliers import OutlierQJL
+
+__all__ = ["QJLCacheLayer"]
+
+
+def _cat(a, b, dim=-2):
+    return b if a is None else torch.cat([a, b], dim=dim)
+
+
+class QJLCacheLayer(CacheLayerMixin):
+    """Compressed cache of one attention layer; tensors are ``[B, H_kv, T, D]``."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, layer_idx: int, config, owner=None):
+        super().__init__()
+        self.layer_idx, self.config, self.owner = layer_idx, config, owner
+        self.key_spec, self.value_spec = config.specs(layer_idx)
+        self._reset_state()
+
+    def _reset_state(self):
+        self.keys = self.values = None  # the exact residual window (HF reads .keys for batch size)
+        self.sink_k = self.sink_v = None
+        self.key_codes = self.value_codes = None
+        self.outlier_idx = None
+        self.is_initialized = False
+
+    def __repr__(self):
+        return f"QJLCacheLayer({self.layer_idx}, key={self.key_spec.name}, value={self.value_spec.name})"
+
+    # -- HF cache-layer protocol ----------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        d = key_states.shape[-1]
+        seed = self.config.seed + 1000 * self.layer_idx
+        self.key_codec = self.key_spec.build(d, seed)
+        self.value_codec = self.value_spec.build(value_states.shape[-1], seed + 1)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new [B, H_kv, t, D] keys/values; returns them tagged for :func:`qjl.attention`."""
+        if self.owner is not None:
+            self.owner._check_attention()
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._flush()
+        self.keys = _cat(self.keys, key_states)
+        self.values = _cat(self.values, value_states)
+        key_states._qjl_layer = self  # the attention function reads the compressed state from here
+        return key_states, value_states
+
+    def _codes_len(self, codes) -> int:
+        if codes is None:
+            return 0
+        n = codes.lead[-1]
+        return n * self.key_codec.group_size if isinstance(self.key_codec, KIVIKeys) else n
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        parts = (self.sink_k, self.keys)
+        return sum(p.shape[-2] for p in parts if p is not None) + self._codes_len(self.key_codes)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[0]
+
+    # -- compression -------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Move the residual's overflow to sinks, then (in whole blocks) to codes."""
+        if self.keys is None:
+            return
+        overflow = self.keys.shape[-2] - self.config.residual_length
+        if overflow <= 0:
+            return
+        n_sink = 0 if self.sink_k is None else self.sink_k.shape[-2]
+        to_sink = min(overflow, self.config.sink_tokens - n_sink)
+        if to_sink > 0:
+            self.sink_k = _cat(self.sink_k, self.keys[..., :to_sink, :])
+            self.sink_v = _cat(self.sink_v, self.values[..., :to_sink, :])
+            self.keys, self.values = self.keys[..., to_sink:, :], self.values[..., to_sink:, :]
+            overflow -= to_sink
+        n = overflow // self.config.flush_block * self.config.flush_block
+        if n <= 0:
+            return
+        k, v = self.keys[..., :n, :], self.values[..., :n, :]
+        self.key_codes = self._append(self.key_codes, self._quantize_keys(k))
+        self.value_codes = self._append(self.value_codes, self.value_codec.quantize(v))
+        self.keys, self.values = self.keys[..., n:, :].contiguous(), self.values[..., n:, :].contiguous()
+
+    def _quantize_keys(self, k: torch.Tensor) -> Codes:
+        if isinstance(self.key_codec, OutlierQJL) and self.key_codec.n_outliers:
+            if self.outlier_idx is None:  # chosen once per layer and KV head, from the first flushed tokens
+                self.outlier_idx = self.key_codec.select_outliers(k)
+            return self.key_codec.quantize(k, self.outlier_idx)
+        return self.key_codec.quantize(k)
+
+    @staticmethod
+    def _append(codes, new: Codes) -> Codes:
+        return new if codes is None else Codes.cat([codes, new], dim=-1)
+
+    # -- attention -----------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap=None) -> torch.Tensor:
+        """query: [B, H_q, t, D]; mask [B, 1|H, t, L] (additive float or bool) -> [B, t, H_q, D]."""
+        b, hq, t, d = query.shape
+        hkv = self.keys.shape[1]
+        g = hq // hkv
+        qg = query.float().reshape(b, hkv, g * t, d)  # query head h reads KV head h // g
+        parts = []
+        if self.sink_k is not None:
+            parts.append(torch.matmul(qg, self.sink_k.float().transpose(-1, -2)))
+        if self.key_codes is not None:
+            if self.config.score_path == "inner_product":
+                parts.append(self.key_codec.inner_product(qg, self.key_codes))
+            else:
+                parts.append(torch.matmul(qg, self.key_codec.dequantize(self.key_codes).transpose(-1, -2)))
+        parts.append(torch.matmul(qg, self.keys.float().transpose(-1, -2)))
+        sizes = [p.shape[-1] for p in parts]
+        logits = torch.cat(parts, dim=-1).reshape(b, hq, t, -1) * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if attention_mask is not None:
+            mask = attention_mask[..., : logits.shape[-1]]
+            if mask.dtype == torch.bool:
+                logits = logits.masked_fill(~mask, float("-inf"))
+            else:
+                logits = logits + mask.float()
+        probs = torch.softmax(logits, dim=-1).reshape(b, hkv, g * t, -1)
+        chunks = probs.split(sizes, dim=-1)
+        values = []
+        if self.sink_v is not None:
+            values.append(self.sink_v.float())
+        if self.value_codes is not None:
+            values.append(self.value_codec.dequantize(self.value_codes))
+        values.append(self.values.float())
+        out = sum(torch.matmul(p, v) for p, v in zip(chunks, values))
+        return out.reshape(b, hq, t, -1).transpose(1, 2).to(query.dtype)
+
+    # -- bookkeeping ------------------------------------------------------------------------------
+    def _tensors(self):
+        return [t for t in (self.keys, self.values, self.sink_k, self.sink_v) if t is not None]
+
+    def nbytes(self) -> dict:
+        exact = sum(t.numel() * t.element_size() for t in self._tensors())
+        kc = self.key_codes.nbytes() if self.key_codes is not None else 0
+        vc = self.value_codes.nbytes() if self.value_codes is not None else 0
+        return {"key_codes": kc, "value_codes": vc, "exact": exact}
+
+    def counts(self) -> dict:
+        """Stored coordinates by part: compressed tokens and exact (sink + residual) tokens."""
+        if not self.is_initialized:
+            return {"compressed": 0, "exact": 0}
+        b, h, _, d = self.keys.shape
+        exact = sum(t.shape[-2] for t in (self.keys, self.sink_k) if t is not None)
+        return {"compressed": b * h * d * self._codes_len(self.key_codes), "exact": b * h * d * exact}
+
+    def reset(self) -> None:
+        self._reset_state()
+
+    def _select(self, index: torch.Tensor) -> None:
+        """Reindex the batch axis of everything held."""
+        sel = lambda t: None if t is None else t.index_select(0, index.to(t.device))  # noqa: E731
+        self.keys, self.values = sel(self.keys), sel(self.values)
+        self.sink_k, self.sink_v = sel(self.sink_k), sel(self.sink_v)
+        self.outlier_idx = sel(self.outlier_idx)
+        for name in ("key_codes", "value_codes"):
+            codes = getattr(self, name)
+            if codes is not None:
+                setattr(self, name, codes.index_select(0, index.to(codes.fields[next(iter(codes.fields))].device)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select(torch.as_tensor(indices).flatten())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``|tokens_to_remove|`` tokens (residual first, then codes, then sinks)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if n > self.get_seq_length():
+            raise ValueError(f"cannot crop {n} tokens from a layer holding {self.get_seq_length()}")
+        r = min(n, self.keys.shape[-2])
+        self.keys, self.values = self.keys[..., : self.keys.shape[-2] - r, :], self.values[..., : self.values.shape[-2] - r, :]
+        n -= r
+        c = min(n, self._codes_len(self.key_codes))
+        if c:
+            unit = self.key_codec.group_size if isinstance(self.key_codec, KIVIKeys) else 1
+            if c % unit:
+                raise ValueError(f"cannot crop {c} tokens from KIVI codes grouped by {unit}: crop whole groups")
+            keep_k = self.key_codes.lead[-1] - c // unit
+            self.key_codes = self.key_codes.narrow(-1, 0, keep_k) if keep_k else None
+            keep_v = self.value_codes.lead[-1] - c
+            self.value_codes = self.value_codes.narrow(-1, 0, keep_v) if keep_v else None
+            n -= c
+        if n:
+            keep = self.sink_k.shape[-2] - n
+            self.sink_k, self.sink_v = self.sink_k[..., :keep, :], self.sink_v[..., :keep, :]

@@ -1,0 +1,164 @@
+"""Cache configuration: which codec for keys and values, per layer, and the exact window.
+
+``QJLConfig`` is frozen and validated on construction (codec names, parameter
+names, a trial build of every codec), so a bad configuration fails before any
+model runs.  Codec parameters that scale with the head dimension (QJL's sketch
+size) are given in ``CodecSpec.per_dim`` as multiples of ``head_dim``.
+
+Named presets (``QJLConfig.preset(name)``) and their honest bits per value
+(``config.bits_per_value(head_dim)``) are listed by ``qjl.config.PRESETS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .codec import Codec
+from .registry import CODECS, codec_parameters, make_codec
+
+__all__ = ["CodecSpec", "QJLConfig", "PRESETS", "DEFAULT_PRESET"]
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A codec by registry name, with fixed parameters and parameters proportional to head_dim.
+
+    ``CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 2.0})`` gives a QJL sketch of
+    ``2 * head_dim`` bits (rounded to a multiple of 8).
+    """
+
+    name: str
+    params: dict = field(default_factory=dict)
+    per_dim: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        allowed = codec_parameters(self.name)  # raises ValueError on an unknown name
+        for source in (self.params, self.per_dim):
+            unknown = sorted(set(source) - set(allowed))
+            if unknown:
+                raise ValueError(f"codec {self.name!r} has no parameter(s) {unknown}; allowed: {allowed}")
+        both = sorted(set(self.params) & set(self.per_dim))
+        if both:
+            raise ValueError(f"parameter(s) {both} given both in params and per_dim")
+        for k, v in self.per_dim.items():
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"per_dim[{k!r}] must be a positive multiple of head_dim, got {v!r}")
+
+    def resolve(self, head_dim: int) -> dict:
+        out = dict(self.params)
+        for k, ratio in self.per_dim.items():
+            out[k] = max(8, int(round(ratio * head_dim / 8)) * 8)
+        return out
+
+    def build(self, head_dim: int, seed: int = 0) -> Codec:
+        params = self.resolve(head_dim)
+        if "seed" in codec_parameters(self.name) and "seed" not in params:
+            params["seed"] = seed
+        return make_codec(self.name, head_dim, **params)
+
+    def describe(self, head_dim: int) -> str:
+        p = self.resolve(head_dim)
+        return self.name + ("(" + ", ".join(f"{k}={v}" for k, v in sorted(p.items())) + ")" if p else "")
+
+
+@dataclass(frozen=True)
+class QJLConfig:
+    """How a :class:`qjl.QJLCache` compresses keys and values.
+
+    Args:
+        key, value: codecs for keys and values (any registry codec).
+        residual_length: the most recent tokens kept in full precision (>= 0).
+        flush_block: tokens leave the residual window in blocks of this size (a multiple of
+            KIVI's group_size when keys use "kivi").
+        sink_tokens: the first tokens of a sequence kept exact (attention sinks).
+        layer_overrides: {layer_idx: {"key": CodecSpec, "value": CodecSpec}} per-layer codecs.
+        score_path: "inner_product" (the codec's estimator, e.g. QJL's Eq. 4) or "dequantize"
+            (reconstructed keys, then a matmul).  Both give the same scores up to float error.
+        compress_sliding: also compress sliding-window layers (default: keep them exact).
+        seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
+    """
+
+    key: CodecSpec = field(default_factory=lambda: CodecSpec("turboquant_mse", {"bits": 4}))
+    value: CodecSpec = field(default_factory=lambda: CodecSpec("uniform", {"bits": 3, "group_size": 64}))
+    residual_length: int = 128
+    flush_block: int = 32
+    sink_tokens: int = 0
+    layer_overrides: dict = field(default_factory=dict)
+    score_path: str = "inner_product"
+    compress_sliding: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("residual_length", "sink_tokens", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if isinstance(self.flush_block, bool) or not isinstance(self.flush_block, int) or self.flush_block < 1:
+            raise ValueError(f"flush_block must be a positive int, got {self.flush_block!r}")
+        if self.score_path not in ("inner_product", "dequantize"):
+            raise ValueError(f"score_path must be 'inner_product' or 'dequantize', got {self.score_path!r}")
+        for layer, spec in self.layer_overrides.items():
+            if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+                raise ValueError(f"layer_overrides keys must be layer indices >= 0, got {layer!r}")
+            if not isinstance(spec, dict) or set(spec) - {"key", "value"}:
+                raise ValueError(f"layer_overrides[{layer}] must be a dict with 'key' and/or 'value', got {spec!r}")
+        for layer in (None, *self.layer_overrides):
+            k, v = self.specs(layer)
+            for role, s in (("key", k), ("value", v)):
+                if not isinstance(s, CodecSpec):
+                    raise TypeError(f"{role} codec must be a CodecSpec, got {type(s).__name__}")
+                if role == "value" and s.name in ("kivi",):
+                    raise ValueError("value codec 'kivi' quantizes per channel over tokens; KIVI's values are "
+                                     "per token: use 'uniform'")
+                if s.name == "kivi" and self.flush_block % s.params.get("group_size", 32):
+                    raise ValueError(f"flush_block={self.flush_block} must be a multiple of kivi's group_size")
+                s.build(64, self.seed)  # trial build: bad bits etc. fail here, not mid-generation
+
+    def specs(self, layer_idx: int | None) -> tuple:
+        """(key spec, value spec) for a layer."""
+        over = self.layer_overrides.get(layer_idx, {}) if layer_idx is not None else {}
+        return over.get("key", self.key), over.get("value", self.value)
+
+    def bits_per_value(self, head_dim: int, layer_idx: int | None = None, tokens: int = 4096) -> dict:
+        """Bits per stored coordinate of the compressed part (residual window excluded)."""
+        k, v = self.specs(layer_idx)
+        kb = k.build(head_dim, self.seed).bit_budget().amortized(tokens)
+        vb = v.build(head_dim, self.seed).bit_budget().amortized(tokens)
+        return {"key": kb, "value": vb, "kv": (kb + vb) / 2}
+
+    def describe(self, head_dim: int) -> str:
+        b = self.bits_per_value(head_dim)
+        return (f"keys {self.key.describe(head_dim)}, values {self.value.describe(head_dim)}, "
+                f"residual {self.residual_length}, sinks {self.sink_tokens}: {b['kv']:.2f} bits/value "
+                f"(keys {b['key']:.2f}, values {b['value']:.2f}) at head_dim={head_dim}")
+
+    @staticmethod
+    def preset(name: str, **overrides) -> "QJLConfig":
+        """A named preset (see ``PRESETS``), optionally with fields replaced."""
+        if name not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+        return replace(PRESETS[name], **overrides)
+
+
+def _uniform(bits, group=64):
+    return CodecSpec("uniform", {"bits": bits, "group_size": group})
+
+
+PRESETS = {
+    # the paper's configuration: m = 2d sign bits (256 at d = 128), 8 outlier channels with their own
+    # sketch, 2-bit token-wise values in groups of 32, 128 recent tokens exact
+    "qjl-paper": QJLConfig(key=CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 2.0, "outlier_sketch_dim": 0.5}),
+                           value=_uniform(2, 32)),
+    "qjl-4d": QJLConfig(key=CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 4.0, "outlier_sketch_dim": 0.5}),
+                        value=_uniform(4)),
+    "tq-k4v4": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), value=_uniform(4)),
+    "tq-k4v3": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), value=_uniform(3)),
+    "tq-k3v3": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=_uniform(3)),
+    "tq-k3v2": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=_uniform(2)),
+    "tq-k3v3mse": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=CodecSpec("turboquant_mse", {"bits": 3})),
+    "tqprod-k4v3": QJLConfig(key=CodecSpec("turboquant_prod", {"bits": 4}), value=_uniform(3)),
+    "polar-k42v3": QJLConfig(key=CodecSpec("polarquant", {"bits_per_level": (4, 2)}), value=_uniform(3)),
+    "kivi-k2v2": QJLConfig(key=CodecSpec("kivi", {"bits": 2, "group_size": 32}), value=_uniform(2, 32)),
+    "kivi-k4v4": QJLConfig(key=CodecSpec("kivi", {"bits": 4, "group_size": 32}), value=_uniform(4, 32)),
+}
+DEFAULT_PRESET = "tq-k4v3"
