@@ -58,6 +58,8 @@ class QJLCacheLayer(CacheLayerMixin):
         seed = self.config.seed + 1000 * self.layer_idx
         self.key_codec = self.key_spec.build(d, seed)
         self.value_codec = self.value_spec.build(value_states.shape[-1], seed + 1)
+        names = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+        self.exact_dtype = names.get(self.config.exact_dtype, key_states.dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -67,8 +69,8 @@ class QJLCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._flush()
-        self.keys = _cat(self.keys, key_states)
-        self.values = _cat(self.values, value_states)
+        self.keys = _cat(self.keys, key_states.to(self.exact_dtype))
+        self.values = _cat(self.values, value_states.to(self.exact_dtype))
         key_states._qjl_layer = self  # the attention function reads the compressed state from here
         return key_states, value_states
 

@@ -75,6 +75,7 @@ class QJLConfig:
         score_path: "inner_product" (the codec's estimator, e.g. QJL's Eq. 4) or "dequantize"
             (reconstructed keys, then a matmul).  Both give the same scores up to float error.
         compress_sliding: also compress sliding-window layers (default: keep them exact).
+        exact_dtype: storage of the exact window and sinks: None (the model's dtype), "fp16" or "bf16".
         seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
     """
 
@@ -86,6 +87,7 @@ class QJLConfig:
     layer_overrides: dict = field(default_factory=dict)
     score_path: str = "inner_product"
     compress_sliding: bool = False
+    exact_dtype: str | None = None
     seed: int = 0
 
     def __post_init__(self):
@@ -95,6 +97,8 @@ class QJLConfig:
                 raise ValueError(f"{name} must be a non-negative int, got {v!r}")
         if isinstance(self.flush_block, bool) or not isinstance(self.flush_block, int) or self.flush_block < 1:
             raise ValueError(f"flush_block must be a positive int, got {self.flush_block!r}")
+        if self.exact_dtype not in (None, "fp16", "bf16", "fp32"):
+            raise ValueError(f"exact_dtype must be None, 'fp16', 'bf16' or 'fp32', got {self.exact_dtype!r}")
         if self.score_path not in ("inner_product", "dequantize"):
             raise ValueError(f"score_path must be 'inner_product' or 'dequantize', got {self.score_path!r}")
         for layer, spec in self.layer_overrides.items():
@@ -156,6 +160,9 @@ PRESETS = {
     "tq-k3v3": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=_uniform(3)),
     "tq-k3v2": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=_uniform(2)),
     "tq-k3v3mse": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=CodecSpec("turboquant_mse", {"bits": 3})),
+    "tq-k4v3mse": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), value=CodecSpec("turboquant_mse", {"bits": 3})),
+    "tq-k5v2": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 5}), value=_uniform(2)),
+    "tq-k3v2mse": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=CodecSpec("turboquant_mse", {"bits": 2})),
     "tqprod-k4v3": QJLConfig(key=CodecSpec("turboquant_prod", {"bits": 4}), value=_uniform(3)),
     "polar-k42v3": QJLConfig(key=CodecSpec("polarquant", {"bits_per_level": (4, 2)}), value=_uniform(3)),
     "kivi-k2v2": QJLConfig(key=CodecSpec("kivi", {"bits": 2, "group_size": 32}), value=_uniform(2, 32)),

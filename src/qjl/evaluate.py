@@ -1,0 +1,184 @@
+"""``qjl eval``: quality and cost of compressed caches, side by side, on real text.
+
+Protocol (every method sees exactly the same tokens):
+
+1. tokenize ``text`` (default: the GPL-3 text every Debian machine has), take
+   ``context`` tokens as the prompt and the next ``score`` tokens as the scored part;
+2. prefill the prompt in one forward pass (exact attention over the prompt, then the
+   cache compresses everything but the recent window);
+3. feed the scored tokens in chunks of ``chunk`` tokens; each chunk attends to the
+   compressed history + exact window + itself, and yields next-token distributions;
+4. against the full-precision cache (``DynamicCache``) run the same way: mean
+   KL(p_full || p_method) in nats, top-1 agreement, perplexity of the true tokens;
+5. passkey retrieval: a ~1k-token haystack with a 5-digit key at several depths,
+   greedy answer, counted correct if the key appears in it.
+
+Cache bytes come from the tensors held (``QJLCache.memory_report``), bits per value
+split into keys / values (the compressed part) and the exact window.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import PRESETS, QJLConfig
+
+__all__ = ["EvalSetup", "default_methods", "evaluate_method", "passkey_prompts", "load_text_ids"]
+
+DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+
+
+@dataclass(frozen=True)
+class EvalSetup:
+    context: int = 1536
+    score: int = 512
+    chunk: int = 32
+    passkey_tokens: int = 1024
+    passkey_trials: int = 5
+
+    def __post_init__(self):
+        for name in ("context", "score", "chunk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.passkey_trials < 0 or self.passkey_tokens < 64:
+            raise ValueError("passkey_trials must be >= 0 and passkey_tokens >= 64")
+
+
+def default_methods() -> dict:
+    """label -> QJLConfig (None = the full-precision DynamicCache)."""
+    methods = {"full precision": None}
+    methods.update({name: cfg for name, cfg in PRESETS.items()})
+    return methods
+
+
+def load_text_ids(tokenizer, path: str, n_tokens: int) -> torch.Tensor:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if ids.numel() < n_tokens:
+        raise ValueError(f"text {path} has {ids.numel()} tokens; context + score needs {n_tokens}")
+    return ids[:n_tokens]
+
+
+def _make_cache(model, cfg):
+    from transformers import DynamicCache
+
+    from .cache import QJLCache
+
+    return DynamicCache(config=model.config) if cfg is None else QJLCache(model, cfg)
+
+
+@torch.no_grad()
+def _score(model, ids: torch.Tensor, setup: EvalSetup, cfg):
+    """-> (log-probs [score, V] float32, cache, seconds for the scored chunks)."""
+    cache = _make_cache(model, cfg)
+    ctx = ids[: setup.context].unsqueeze(0)
+    out = model(ctx, past_key_values=cache, use_cache=True)
+    logps = [torch.log_softmax(out.logits[0, -1:].float(), dim=-1)]
+    scored = ids[setup.context: setup.context + setup.score]
+    t0 = time.perf_counter()
+    for start in range(0, setup.score - 1, setup.chunk):
+        piece = scored[start: min(start + setup.chunk, setup.score - 1)].unsqueeze(0)
+        out = model(piece, past_key_values=cache, use_cache=True)
+        logps.append(torch.log_softmax(out.logits[0].float(), dim=-1))
+    return torch.cat(logps)[: setup.score], cache, time.perf_counter() - t0
+
+
+def passkey_prompts(tokenizer, n_tokens: int, trials: int) -> list:
+    """(input_ids, key) pairs: filler with 'The pass key is NNNNN.' at depths spread over the text."""
+    filler = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+    out = []
+    g = torch.Generator().manual_seed(1234)
+    unit = len(tokenizer(filler).input_ids)
+    reps = max(1, (n_tokens - 60) // unit)
+    for i in range(trials):
+        key = str(int(torch.randint(10000, 99999, (1,), generator=g)))
+        depth = int(reps * (i + 0.5) / max(trials, 1))
+        body = filler * depth + f"The pass key is {key}. Remember it. {key} is the pass key. " + filler * (reps - depth)
+        messages = [{"role": "user", "content": body + "\nWhat is the pass key? Answer with the number only."}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append((tokenizer(text, return_tensors="pt").input_ids, key))
+    return out
+
+
+@torch.no_grad()
+def _passkey(model, tokenizer, prompts, cfg) -> int:
+    hits = 0
+    for ids, key in prompts:
+        cache = _make_cache(model, cfg)
+        gen = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+        hits += key in tokenizer.decode(gen[0, ids.shape[1]:])
+    return hits
+
+
+def evaluate_method(model, tokenizer, ids, setup: EvalSetup, cfg, reference=None, prompts=None) -> tuple:
+    """Run one method; returns (metrics dict, its log-probs for use as a reference)."""
+    logp, cache, secs = _score(model, ids, setup, cfg)
+    targets = ids[setup.context: setup.context + setup.score]  # logp[i] predicts token context + i
+    n = min(len(targets), logp.shape[0])
+    nll = -logp[:n].gather(1, targets[:n].unsqueeze(1)).mean().item()
+    m = {"ppl": math.exp(nll), "tokens_per_s": (setup.score - 1) / secs if secs > 0 else float("nan"),
+         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if reference is not None:
+        kl = (reference.exp() * (reference - logp)).sum(-1)
+        m["kl"] = kl.mean().item()
+        m["top1"] = (reference.argmax(-1) == logp.argmax(-1)).float().mean().item()
+    if cfg is None:
+        layers = [layer for layer in cache.layers if layer.keys is not None]
+        nbytes = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+        coords = sum(layer.keys.numel() for layer in layers)
+        m.update(cache_bytes=nbytes, fp16_bytes=4 * coords, key_bits=16.0, value_bits=16.0,
+                 bits_per_value=8 * nbytes / (2 * coords))
+    else:
+        r = cache.memory_report()
+        m.update(cache_bytes=r["bytes"], fp16_bytes=r["fp16_bytes"], key_bits=r["key_bits"],
+                 value_bits=r["value_bits"], bits_per_value=r["bits_per_value"],
+                 compressed_bits=(r["key_bits"] + r["value_bits"]) / 2)
+        m["config"] = cfg.describe(model.config.head_dim if getattr(model.config, "head_dim", None)
+                                   else model.config.hidden_size // model.config.num_attention_heads)
+    if prompts:
+        m["passkey"] = _passkey(model, tokenizer, prompts, cfg)
+        m["passkey_trials"] = len(prompts)
+    return m, logp
+
+
+def quality_vs_bits_plot(results: dict, path) -> None:
+    """KL and perplexity against compressed bits per value, one line per key codec."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    families = {}
+    for label, m in results.items():
+        if "compressed_bits" in m:
+            families.setdefault(label.split("-")[0], []).append((m["compressed_bits"], m["kl"], m["ppl"], label))
+    for fam, pts in sorted(families.items()):
+        pts.sort()
+        ax1.plot([p[0] for p in pts], [max(p[1], 1e-5) for p in pts], "o-", label=fam)
+        ax2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=fam)
+    if "full precision" in results:
+        ax2.axhline(results["full precision"]["ppl"], color="k", ls="--", label="full precision")
+    ax1.set(xlabel="bits per value (keys+values, compressed part)", ylabel="mean KL vs full precision (nats)",
+            yscale="log", title="next-token KL")
+    ax2.set(xlabel="bits per value (keys+values, compressed part)", ylabel="perplexity", title="perplexity")
+    for ax in (ax1, ax2):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def check_config_for_model(cfg: QJLConfig, model) -> None:
+    """Fail early, before a long run, if a configuration cannot serve this model."""
+    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    cfg.bits_per_value(d)

