@@ -46,3 +46,9 @@ def test_invalid_configurations():
         QJLConfig.preset("best")
     with pytest.raises(ValueError, match="per_dim"):
         CodecSpec("qjl", per_dim={"sketch_dim": -1})
+
+
+def test_default_config_is_the_default_preset():
+    from qjl.config import DEFAULT_PRESET
+
+    assert QJLConfig() == PRESETS[DEFAULT_PRESET]

@@ -116,7 +116,7 @@ def _eval(args) -> int:
     from tqdm.auto import tqdm
 
     from .evaluate import (EvalSetup, check_config_for_model, default_methods, evaluate_method, load_text_ids,
-                           passkey_prompts, quality_vs_bits_plot)
+                           memory_at, passkey_prompts, quality_vs_bits_plot)
     from .models import load_model
     from .report import environment, format_table, write_json
 
@@ -140,6 +140,8 @@ def _eval(args) -> int:
     results, reference = {}, None
     for label, cfg in tqdm(methods.items(), desc="qjl eval", unit="method"):
         m, logp = evaluate_method(model, tok, ids, setup, cfg, reference, prompts)
+        if args.memory_tokens:
+            m["memory_at"] = {"tokens": args.memory_tokens, **memory_at(model, ids, cfg, args.memory_tokens)}
         if cfg is None:
             reference = logp
             m.update(kl=0.0, top1=1.0)
@@ -150,13 +152,14 @@ def _eval(args) -> int:
                      f"{m['value_bits']:.2f}", f"{m['kl']:.4f}", f"{m['ppl']:.3f}",
                      f"{100 * (m['ppl'] / results['full precision']['ppl'] - 1):+.2f}%", f"{100 * m['top1']:.1f}",
                      f"{m.get('passkey', '-')}/{m.get('passkey_trials', '-')}", f"{m['cache_bytes'] / 2**20:.2f}",
-                     f"{m['fp16_bytes'] / m['cache_bytes']:.2f}x", f"{m['tokens_per_s']:.1f}"])
+                     f"{m['memory_at']['x_vs_fp16']:.2f}x" if "memory_at" in m else "-", f"{m['tokens_per_s']:.1f}"])
     print(f"model {args.model}; text {args.text}: context {setup.context}, scored {setup.score} tokens in chunks "
           f"of {setup.chunk}")
     print(format_table(["method", "bits/val", "key", "value", "KL", "ppl", "dppl", "top1%", "passkey", "cache MB",
-                        "vs fp16", "tok/s"], rows))
+                        f"x@{args.memory_tokens}", "tok/s"], rows))
     print("bits/val: keys+values of the compressed part (codes, norms, scales, zero points, outlier indices); "
-          "cache MB: every tensor held, the exact window at the model's dtype; vs fp16: the same tokens at 16 bits.")
+          f"cache MB: every tensor held after scoring, exact tokens at their dtype; x@{args.memory_tokens}: fp16 bytes "
+          f"of {args.memory_tokens} tokens over the bytes this cache holds for them (exact window included).")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"model": args.model, "text": args.text, **setup.__dict__,
@@ -222,6 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=32, help="tokens per forward pass while scoring (default 32)")
     p.add_argument("--passkey", type=int, default=5, help="passkey trials at 1k tokens (0 to skip)")
     p.add_argument("--methods", nargs="+", help="presets to run (default: all); full precision always runs")
+    p.add_argument("--memory-tokens", type=int, default=4096, help="measure cache bytes at this length (0 to skip)")
     p.add_argument("--out", default="runs/eval", help="run directory")
     p.set_defaults(func=_eval)
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache and show its memory")

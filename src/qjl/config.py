@@ -65,6 +65,9 @@ class CodecSpec:
 class QJLConfig:
     """How a :class:`qjl.QJLCache` compresses keys and values.
 
+    The defaults are the preset ``DEFAULT_PRESET`` ("tq-k4v3"), the configuration that measured best
+    on the embedded model (README, "Quality on a real model").
+
     Args:
         key, value: codecs for keys and values (any registry codec).
         residual_length: the most recent tokens kept in full precision (>= 0).
@@ -79,11 +82,11 @@ class QJLConfig:
         seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
     """
 
-    key: CodecSpec = field(default_factory=lambda: CodecSpec("turboquant_mse", {"bits": 4}))
-    value: CodecSpec = field(default_factory=lambda: CodecSpec("uniform", {"bits": 3, "group_size": 64}))
+    key: CodecSpec = field(default_factory=lambda: CodecSpec("turboquant_mse", {"bits": 4, "correct_norm": True}))
+    value: CodecSpec = field(default_factory=lambda: CodecSpec("turboquant_mse", {"bits": 3, "correct_norm": True}))
     residual_length: int = 128
     flush_block: int = 32
-    sink_tokens: int = 0
+    sink_tokens: int = 4
     layer_overrides: dict = field(default_factory=dict)
     score_path: str = "inner_product"
     compress_sliding: bool = False
@@ -148,24 +151,32 @@ def _uniform(bits, group=64):
     return CodecSpec("uniform", {"bits": bits, "group_size": group})
 
 
+def _tq(bits, correct_norm=True):
+    return CodecSpec("turboquant_mse", {"bits": bits, "correct_norm": correct_norm})
+
+
+_QJL_PAPER_KEYS = CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 2.0, "outlier_sketch_dim": 0.5})
+
 PRESETS = {
-    # the paper's configuration: m = 2d sign bits (256 at d = 128), 8 outlier channels with their own
-    # sketch, 2-bit token-wise values in groups of 32, 128 recent tokens exact
-    "qjl-paper": QJLConfig(key=CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 2.0, "outlier_sketch_dim": 0.5}),
-                           value=_uniform(2, 32)),
+    # the paper's configuration, as published: m = 2d sign bits (256 at d = 128), 8 outlier channels with
+    # their own sketch, 2-bit token-wise values in groups of 32, the 128 most recent tokens exact
+    "qjl-paper": QJLConfig(key=_QJL_PAPER_KEYS, value=_uniform(2, 32), sink_tokens=0),
+    # QJL with a larger sketch (4d) and 4-bit values
     "qjl-4d": QJLConfig(key=CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 4.0, "outlier_sketch_dim": 0.5}),
-                        value=_uniform(4)),
-    "tq-k4v4": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), value=_uniform(4)),
-    "tq-k4v3": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), value=_uniform(3)),
-    "tq-k3v3": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=_uniform(3)),
-    "tq-k3v2": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=_uniform(2)),
-    "tq-k3v3mse": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=CodecSpec("turboquant_mse", {"bits": 3})),
-    "tq-k4v3mse": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), value=CodecSpec("turboquant_mse", {"bits": 3})),
-    "tq-k5v2": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 5}), value=_uniform(2)),
-    "tq-k3v2mse": QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=CodecSpec("turboquant_mse", {"bits": 2})),
-    "tqprod-k4v3": QJLConfig(key=CodecSpec("turboquant_prod", {"bits": 4}), value=_uniform(3)),
-    "polar-k42v3": QJLConfig(key=CodecSpec("polarquant", {"bits_per_level": (4, 2)}), value=_uniform(3)),
-    "kivi-k2v2": QJLConfig(key=CodecSpec("kivi", {"bits": 2, "group_size": 32}), value=_uniform(2, 32)),
-    "kivi-k4v4": QJLConfig(key=CodecSpec("kivi", {"bits": 4, "group_size": 32}), value=_uniform(4, 32)),
+                        value=_uniform(4), sink_tokens=0),
+    # TurboQuant_mse keys and values with the norm correction, 4 exact sink tokens (measured best; see README)
+    "tq-k4v3": QJLConfig(key=_tq(4), value=_tq(3)),
+    "tq-k3v3": QJLConfig(key=_tq(3), value=_tq(3)),
+    "tq-k3v2": QJLConfig(key=_tq(3), value=_tq(2), residual_length=96, flush_block=16, exact_dtype="fp16"),
+    "tq-k2v2": QJLConfig(key=_tq(2), value=_tq(2)),
+    # the paper's TurboQuant_mse (no norm correction) with uniform values and no sinks
+    "tq-paper-k4v3": QJLConfig(key=_tq(4, False), value=_uniform(3), sink_tokens=0),
+    "tqprod-k4v3": QJLConfig(key=CodecSpec("turboquant_prod", {"bits": 4}), value=_tq(3)),
+    "polar-k42v3": QJLConfig(key=CodecSpec("polarquant", {"bits_per_level": (4, 2)}), value=_tq(3)),
+    "uniform-k4v3": QJLConfig(key=_uniform(4), value=_uniform(3), sink_tokens=0),
+    # the KIVI baseline as published: per-channel keys in groups of 32 tokens, per-token values, no sinks
+    "kivi-k2v2": QJLConfig(key=CodecSpec("kivi", {"bits": 2, "group_size": 32}), value=_uniform(2, 32), sink_tokens=0),
+    "kivi-k3v3": QJLConfig(key=CodecSpec("kivi", {"bits": 3, "group_size": 32}), value=_uniform(3, 32), sink_tokens=0),
+    "kivi-k4v4": QJLConfig(key=CodecSpec("kivi", {"bits": 4, "group_size": 32}), value=_uniform(4, 32), sink_tokens=0),
 }
 DEFAULT_PRESET = "tq-k4v3"

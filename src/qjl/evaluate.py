@@ -50,11 +50,50 @@ class EvalSetup:
             raise ValueError("passkey_trials must be >= 0 and passkey_tokens >= 64")
 
 
+@dataclass(frozen=True)
+class HFQuantized:
+    """transformers' own ``QuantizedCache`` (KIVI-like, per-channel groups), run as a peer."""
+
+    backend: str = "quanto"
+    nbits: int = 4
+    q_group_size: int = 64
+    residual_length: int = 128
+
+    def make(self, model):
+        from transformers import QuantizedCache
+
+        return QuantizedCache(self.backend, model.config, nbits=self.nbits, q_group_size=self.q_group_size,
+                              residual_length=self.residual_length)
+
+    def describe(self, head_dim=None) -> str:
+        return (f"transformers QuantizedCache({self.backend}, nbits={self.nbits}, q_group_size={self.q_group_size}, "
+                f"residual_length={self.residual_length})")
+
+
+def hf_quantized_available(backend: str = "quanto") -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("optimum.quanto" if backend == "quanto" else "hqq") is not None
+
+
 def default_methods() -> dict:
-    """label -> QJLConfig (None = the full-precision DynamicCache)."""
+    """label -> QJLConfig (None = the full-precision DynamicCache; HFQuantized = transformers' peer)."""
     methods = {"full precision": None}
     methods.update({name: cfg for name, cfg in PRESETS.items()})
+    if hf_quantized_available():
+        methods["hf-quanto-k4v4"] = HFQuantized(nbits=4)
+        methods["hf-quanto-k2v2"] = HFQuantized(nbits=2)
     return methods
+
+
+def held_bytes(obj) -> int:
+    """Bytes of a tensor, looking inside tensor subclasses (quanto's packed tensors) for what is really stored."""
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor:
+            names, _ = obj.__tensor_flatten__()
+            return sum(held_bytes(getattr(obj, n)) for n in names)
+        return obj.numel() * obj.element_size()
+    return 0
 
 
 def load_text_ids(tokenizer, path: str, n_tokens: int) -> torch.Tensor:
@@ -71,7 +110,29 @@ def _make_cache(model, cfg):
 
     from .cache import QJLCache
 
-    return DynamicCache(config=model.config) if cfg is None else QJLCache(model, cfg)
+    if cfg is None:
+        return DynamicCache(config=model.config)
+    if isinstance(cfg, HFQuantized):
+        return cfg.make(model)
+    return QJLCache(model, cfg)
+
+
+def _hf_memory(cache) -> dict:
+    """Bytes held by a transformers cache, split into quantized and original-precision parts."""
+    quant = exact = q_coords = e_coords = 0
+    for layer in cache.layers:
+        for name in ("_quantized_keys", "_quantized_values"):
+            t = getattr(layer, name, None)
+            if t is not None:
+                quant += held_bytes(t)
+                q_coords += t.numel()
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is not None:
+                exact += held_bytes(t)
+                e_coords += t.numel()
+    return {"bytes": quant + exact, "fp16_bytes": 2 * (q_coords + e_coords),
+            "compressed_bits": 8 * quant / q_coords if q_coords else 0.0}
 
 
 @torch.no_grad()
@@ -130,7 +191,12 @@ def evaluate_method(model, tokenizer, ids, setup: EvalSetup, cfg, reference=None
         kl = (reference.exp() * (reference - logp)).sum(-1)
         m["kl"] = kl.mean().item()
         m["top1"] = (reference.argmax(-1) == logp.argmax(-1)).float().mean().item()
-    if cfg is None:
+    if isinstance(cfg, HFQuantized):
+        r = _hf_memory(cache)
+        m.update(cache_bytes=r["bytes"], fp16_bytes=r["fp16_bytes"], key_bits=r["compressed_bits"],
+                 value_bits=r["compressed_bits"], compressed_bits=r["compressed_bits"],
+                 bits_per_value=8 * r["bytes"] / r["fp16_bytes"] * 2, config=cfg.describe())
+    elif cfg is None:
         layers = [layer for layer in cache.layers if layer.keys is not None]
         nbytes = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
         coords = sum(layer.keys.numel() for layer in layers)
@@ -178,7 +244,27 @@ def quality_vs_bits_plot(results: dict, path) -> None:
     plt.close(fig)
 
 
-def check_config_for_model(cfg: QJLConfig, model) -> None:
+def check_config_for_model(cfg, model) -> None:
     """Fail early, before a long run, if a configuration cannot serve this model."""
-    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
-    cfg.bits_per_value(d)
+    if isinstance(cfg, QJLConfig):
+        d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+        cfg.bits_per_value(d)
+
+
+@torch.no_grad()
+def memory_at(model, ids: torch.Tensor, cfg, tokens: int) -> dict:
+    """Prefill ``tokens`` tokens (the text repeated if short), then one decode step: bytes held vs fp16."""
+    reps = -(-tokens // ids.numel())
+    x = ids.repeat(reps)[:tokens].unsqueeze(0)
+    cache = _make_cache(model, cfg)
+    model(x, past_key_values=cache, use_cache=True)
+    model(x[:, -1:], past_key_values=cache, use_cache=True)  # moves the prompt's overflow into codes
+    if isinstance(cfg, HFQuantized):
+        r = _hf_memory(cache)
+    elif cfg is None:
+        nbytes = sum(held_bytes(t) for layer in cache.layers for t in (layer.keys, layer.values))
+        r = {"bytes": nbytes, "fp16_bytes": sum(2 * layer.keys.numel() * 2 for layer in cache.layers)}
+    else:
+        r = cache.memory_report()
+    return {"bytes": r["bytes"], "fp16_bytes": r["fp16_bytes"], "x_vs_fp16": r["fp16_bytes"] / r["bytes"],
+            "bits_per_value": 16 * r["bytes"] / r["fp16_bytes"]}

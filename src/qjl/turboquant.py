@@ -40,11 +40,18 @@ class TurboQuantMSE(Codec):
         rotation: "haar" (dense, exact) or "hadamard" (O(d log d), padded to a power of two).
         seed: rotation seed.
         norm_dtype: "fp16" (default), "bf16" or "fp32".
+        correct_norm: store ``||x|| / <u, u_hat>`` instead of ``||x||`` (u = x/||x||, u_hat its
+            codebook reconstruction), so that ``<x, x_hat> = ||x||^2`` exactly.  The paper's
+            reconstruction shrinks every inner product by about ``1 - D_mse`` on average (the
+            Lloyd-Max centroid condition gives ``E<u, u_hat> = E||u_hat||^2 = 1 - D_mse``), which
+            flattens attention; the correction removes that systematic shrink for the same bits
+            (MSE grows by ~D_mse^2).  Default False: the paper's algorithm.
     """
 
     name = "turboquant_mse"
 
-    def __init__(self, dim: int, bits: int = 3, rotation: str = "haar", seed: int = 0, norm_dtype="fp16"):
+    def __init__(self, dim: int, bits: int = 3, rotation: str = "haar", seed: int = 0, norm_dtype="fp16",
+                 correct_norm: bool = False):
         self.dim = check_positive_int("dim", dim)
         check_positive_int("bits", bits)
         if bits > 8:
@@ -57,6 +64,9 @@ class TurboQuantMSE(Codec):
         self.codebook = sphere_codebook(n, bits)
         self._centroids, self._boundaries = self.codebook.tensors()
         self.norm_dtype = storage_dtype("norm_dtype", norm_dtype)
+        if not isinstance(correct_norm, bool):
+            raise TypeError(f"correct_norm must be a bool, got {type(correct_norm).__name__}")
+        self.correct_norm = correct_norm
 
     def __repr__(self):
         return f"TurboQuantMSE(dim={self.dim}, bits={self.bits}, rotation={self.rotation.kind!r}, seed={self.rotation.seed})"
@@ -70,6 +80,10 @@ class TurboQuantMSE(Codec):
         unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
         y = self.rotation.apply(unit)
         idx = torch.bucketize(y, self._boundaries.to(y.device))
+        if self.correct_norm:
+            cos = (y * self._centroids.to(y.device)[idx]).sum(-1)  # <u, u_hat> > 0 for any b >= 1
+            norm = norm / torch.where(cos > 0, cos, torch.ones_like(cos))
+            check_fits("corrected norm of x", norm, self.norm_dtype)
         return Codes(tuple(x.shape[:-1]), {"codes": pack_bits(idx, self.bits), "norm": norm.to(self.norm_dtype)})
 
     def rotated(self, codes: Codes) -> torch.Tensor:
