@@ -151,7 +151,10 @@ class QJLCacheLayer(CacheLayerMixin):
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         if attention_mask is not None:
-            mask = attention_mask[..., : logits.shape[-1]]
+            mask = attention_mask
+            if mask.shape[-1] != logits.shape[-1]:
+                raise RuntimeError(f"attention mask covers {mask.shape[-1]} keys but layer {self.layer_idx} holds "
+                                   f"{logits.shape[-1]}; was this cache used by another model?")
             if mask.dtype == torch.bool:
                 logits = logits.masked_fill(~mask, float("-inf"))
             else:

@@ -167,7 +167,7 @@ PRESETS = {
     # TurboQuant_mse keys and values with the norm correction, 4 exact sink tokens (measured best; see README)
     "tq-k4v3": QJLConfig(key=_tq(4), value=_tq(3)),
     "tq-k3v3": QJLConfig(key=_tq(3), value=_tq(3)),
-    "tq-k3v2": QJLConfig(key=_tq(3), value=_tq(2), residual_length=96, flush_block=16, exact_dtype="fp16"),
+    "tq-k3v2": QJLConfig(key=_tq(3), value=_tq(2), flush_block=16, exact_dtype="fp16"),
     "tq-k2v2": QJLConfig(key=_tq(2), value=_tq(2)),
     # the paper's TurboQuant_mse (no norm correction) with uniform values and no sinks
     "tq-paper-k4v3": QJLConfig(key=_tq(4, False), value=_uniform(3), sink_tokens=0),

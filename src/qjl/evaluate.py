@@ -217,12 +217,9 @@ def evaluate_method(model, tokenizer, ids, setup: EvalSetup, cfg, reference=None
 
 def quality_vs_bits_plot(results: dict, path) -> None:
     """KL and perplexity against compressed bits per value, one line per key codec."""
-    import matplotlib
+    from .report import save_figure, two_panels
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = two_panels()
     families = {}
     for label, m in results.items():
         if "compressed_bits" in m:
@@ -236,12 +233,7 @@ def quality_vs_bits_plot(results: dict, path) -> None:
     ax1.set(xlabel="bits per value (keys+values, compressed part)", ylabel="mean KL vs full precision (nats)",
             yscale="log", title="next-token KL")
     ax2.set(xlabel="bits per value (keys+values, compressed part)", ylabel="perplexity", title="perplexity")
-    for ax in (ax1, ax2):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, (ax1, ax2), path)
 
 
 def check_config_for_model(cfg, model) -> None:

@@ -30,14 +30,32 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
-def plot_stats(result: dict, path: Path) -> None:
-    """Left: relative RMSE of Eq. (4) against m per family.  Right: Theorem 3.6 score error against 3 eps."""
+def two_panels():
+    """A figure with two side-by-side axes (matplotlib imported lazily, headless backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    return plt.subplots(1, 2, figsize=(11, 4.2))
+
+
+def save_figure(fig, axes, path) -> None:
+    """Grid and legend on every axis, then save as PNG and close."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_stats(result: dict, path: Path) -> None:
+    """Left: relative RMSE of Eq. (4) against m per family.  Right: Theorem 3.6 score error against 3 eps."""
+    fig, (ax1, ax2) = two_panels()
     kinds = sorted({r["kind"] for r in result["rows"]}, key=[r["kind"] for r in result["rows"]].index)
     for kind in kinds:
         rows = [r for r in result["rows"] if r["kind"] == kind]
@@ -50,25 +68,14 @@ def plot_stats(result: dict, path: Path) -> None:
                label="3 eps (Theorem 3.6)")
     ax1.set(xlabel="sketch dim m", ylabel="RMS |Prod - <q,k>| / (|q| |k|)", title=f"Eq. (4) error, d={result['config']['dim']}")
     ax2.set(xlabel="sketch dim m", ylabel="max_i |S~(i) - S(i)| / S(i)", title="attention-score error (Thm 3.6)")
-    for ax in (ax1, ax2):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, (ax1, ax2), path)
 
 
 def plot_codec_stats(result: dict, path: Path) -> None:
     """Distortion against bits (log scale) with seed 003's values and the upper/lower bounds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["turboquant"]
     b = [r["bits"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = two_panels()
     ax1.semilogy(b, [r["d_mse"] for r in rows], "o-", label="TurboQuant_mse (measured)")
     ax1.semilogy(b, [r["d_mse_paper"] for r in rows], "x", ms=9, label="seed 003 table")
     ax1.semilogy(b, [r["d_mse_upper"] for r in rows], "k--", label="upper sqrt(3) pi/2 4^-b")
@@ -83,10 +90,4 @@ def plot_codec_stats(result: dict, path: Path) -> None:
     ax2.semilogy(b, [r["d_prod_lower_times_d"] for r in rows], "k:", label="lower 4^-b")
     ax1.set(xlabel="bits per coordinate b", ylabel="D_mse (unit vectors)", title=f"MSE distortion, d={result['dim']}")
     ax2.set(xlabel="bits per coordinate b", ylabel="d x D_prod (unit query)", title="inner-product distortion")
-    for ax in (ax1, ax2):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, (ax1, ax2), path)
