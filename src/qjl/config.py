@@ -165,9 +165,11 @@ PRESETS = {
     "qjl-4d": QJLConfig(key=CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 4.0, "outlier_sketch_dim": 0.5}),
                         value=_uniform(4), sink_tokens=0),
     # TurboQuant_mse keys and values with the norm correction, 4 exact sink tokens (measured best; see README)
+    "tq-k5v4": QJLConfig(key=_tq(5), value=_tq(4)),
     "tq-k4v3": QJLConfig(key=_tq(4), value=_tq(3)),
     "tq-k3v3": QJLConfig(key=_tq(3), value=_tq(3)),
-    "tq-k3v2": QJLConfig(key=_tq(3), value=_tq(2), flush_block=16, exact_dtype="fp16"),
+    # the 5x point: fp16 exact window of 112 (+< 16) tokens
+    "tq-k3v2": QJLConfig(key=_tq(3), value=_tq(2), residual_length=112, flush_block=16, exact_dtype="fp16"),
     "tq-k2v2": QJLConfig(key=_tq(2), value=_tq(2)),
     # the paper's TurboQuant_mse (no norm correction) with uniform values and no sinks
     "tq-paper-k4v3": QJLConfig(key=_tq(4, False), value=_uniform(3), sink_tokens=0),

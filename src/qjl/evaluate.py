@@ -223,7 +223,7 @@ def quality_vs_bits_plot(results: dict, path) -> None:
     families = {}
     for label, m in results.items():
         if "compressed_bits" in m:
-            families.setdefault(label.split("-")[0], []).append((m["compressed_bits"], m["kl"], m["ppl"], label))
+            families.setdefault(label.rsplit("-", 1)[0], []).append((m["compressed_bits"], m["kl"], m["ppl"], label))
     for fam, pts in sorted(families.items()):
         pts.sort()
         ax1.plot([p[0] for p in pts], [max(p[1], 1e-5) for p in pts], "o-", label=fam)
@@ -232,7 +232,8 @@ def quality_vs_bits_plot(results: dict, path) -> None:
         ax2.axhline(results["full precision"]["ppl"], color="k", ls="--", label="full precision")
     ax1.set(xlabel="bits per value (keys+values, compressed part)", ylabel="mean KL vs full precision (nats)",
             yscale="log", title="next-token KL")
-    ax2.set(xlabel="bits per value (keys+values, compressed part)", ylabel="perplexity", title="perplexity")
+    ax2.set(xlabel="bits per value (keys+values, compressed part)", ylabel="perplexity", yscale="log",
+            title="perplexity")
     save_figure(fig, (ax1, ax2), path)
 
 
