@@ -1,0 +1,36 @@
+"""Ablation on the embedded model: exact sink tokens and TurboQuant's norm correction.
+
+    python benchmarks/cache_ablation.py
+
+Same protocol as `qjl eval` (1,536-token prompt, 512 scored tokens in chunks of 32), no passkey.
+"""
+from dataclasses import replace
+
+import torch
+
+from qjl.attention import patch_attention
+from qjl.config import PRESETS, CodecSpec
+from qjl.evaluate import EvalSetup, evaluate_method, load_text_ids
+from qjl.models import load_model
+
+
+def main():
+    torch.set_grad_enabled(False)
+    model, tok = load_model()
+    patch_attention(model)
+    setup = EvalSetup()
+    ids = load_text_ids(tok, "/usr/share/common-licenses/GPL-3", setup.context + setup.score + 1)
+    ref_m, ref = evaluate_method(model, tok, ids, setup, None)
+    base = PRESETS["tq-paper-k4v3"]  # the paper's TurboQuant_mse keys, 3-bit uniform values, no sinks
+    corrected = CodecSpec("turboquant_mse", {"bits": 4, "correct_norm": True})
+    for label, cfg in [("paper TQ keys, no sinks", base),
+                       ("paper TQ keys, 4 sinks", replace(base, sink_tokens=4)),
+                       ("corrected TQ keys, no sinks", replace(base, key=corrected)),
+                       ("corrected TQ keys, 4 sinks", replace(base, key=corrected, sink_tokens=4))]:
+        r, _ = evaluate_method(model, tok, ids, setup, cfg, ref)
+        print(f"{label:30s} bits {r['compressed_bits']:.3f}  KL {r['kl']:.4f}  "
+              f"ppl {100 * (r['ppl'] / ref_m['ppl'] - 1):+.2f}%  top1 {100 * r['top1']:.1f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()
