@@ -206,3 +206,12 @@ def test_bad_arguments():
         QJLCache(model, {"key": "qjl"})
     with pytest.raises(TypeError, match="PreTrainedModel"):
         qjl.patch_attention(object())
+
+
+def test_late_layers_get_their_codec():
+    model = _patched("llama")  # 3 layers: the last 2 (round(0.5 * 3)) are late
+    cfg = QJLConfig(late_key=CodecSpec("turboquant_mse", {"bits": 6}), residual_length=8, flush_block=4)
+    cache = QJLCache(model, cfg)
+    model(_prompt(30), past_key_values=cache)
+    model(_prompt(1), past_key_values=cache)
+    assert [layer.key_codec.bits for layer in cache.layers] == [4, 6, 6]

@@ -48,7 +48,20 @@ def test_invalid_configurations():
         CodecSpec("qjl", per_dim={"sketch_dim": -1})
 
 
-def test_default_config_is_the_default_preset():
+def test_defaults():
     from qjl.config import DEFAULT_PRESET
 
-    assert QJLConfig() == PRESETS[DEFAULT_PRESET]
+    assert QJLConfig() == PRESETS["tq-k4v3"]
+    assert DEFAULT_PRESET in PRESETS
+
+
+def test_late_key_codec_for_deeper_layers():
+    late = CodecSpec("turboquant_mse", {"bits": 5})
+    cfg = QJLConfig(late_key=late, late_fraction=0.5)
+    assert [cfg.specs(i, 30)[0] == late for i in (0, 14, 15, 29)] == [False, False, True, True]
+    assert cfg.specs(3, 30)[1] == cfg.value
+    b = cfg.bits_per_value(64, num_layers=30)
+    assert b["key"] == pytest.approx((4.25 + 5.25) / 2)
+    with pytest.raises(ValueError, match="late_fraction"):
+        QJLConfig(late_key=late, late_fraction=0)
+    assert PRESETS["tq-k45v3"].bits_per_value(64, num_layers=30)["kv"] == pytest.approx(4.0)

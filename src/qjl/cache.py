@@ -47,7 +47,7 @@ class QJLCache(Cache):
         layers = []
         for i, (kind, kw) in enumerate(zip(layer_types, kwargs)):
             if kind in _COMPRESSIBLE or (kind in _SLIDING and config.compress_sliding):
-                layers.append(QJLCacheLayer(i, config, owner=self))
+                layers.append(QJLCacheLayer(i, config, owner=self, num_layers=len(layer_types)))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)

@@ -35,10 +35,10 @@ class QJLCacheLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, layer_idx: int, config, owner=None):
+    def __init__(self, layer_idx: int, config, owner=None, num_layers: int | None = None):
         super().__init__()
         self.layer_idx, self.config, self.owner = layer_idx, config, owner
-        self.key_spec, self.value_spec = config.specs(layer_idx)
+        self.key_spec, self.value_spec = config.specs(layer_idx, num_layers)
         self._reset_state()
 
     def _reset_state(self):

@@ -164,7 +164,8 @@ def _eval(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({"model": args.model, "text": args.text, **setup.__dict__,
                                                  "methods": {k: (None if v is None else v.describe(
-                                                     model.config.head_dim)) for k, v in methods.items()}},
+                                                     model.config.head_dim, model.config.num_hidden_layers))
+                                                     for k, v in methods.items()}},
                                                 indent=2))
     write_json(out / "metrics.json", {"results": results, "environment": environment()})
     quality_vs_bits_plot(results, out / "quality_vs_bits.png")
@@ -186,7 +187,9 @@ def _generate(args) -> int:
         raise ValueError("give a prompt: --prompt TEXT or --prompt-file PATH")
     model, tok = load_model(args.model)
     patch_attention(model)
-    cfg = QJLConfig.preset(args.preset)
+    from .config import DEFAULT_PRESET
+
+    cfg = QJLConfig.preset(args.preset or DEFAULT_PRESET)
     msgs = [{"role": "user", "content": text}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     cache = QJLCache(model, cfg)
@@ -196,7 +199,7 @@ def _generate(args) -> int:
     r = cache.memory_report()
     print(f"\n[cache: {r['bytes'] / 1024:.1f} KiB for {out.shape[1]} tokens vs {r['fp16_bytes'] / 1024:.1f} KiB at fp16 "
           f"({r['compression_vs_fp16']:.2f}x); compressed part {r['key_bits']:.2f} key / {r['value_bits']:.2f} value bits; "
-          f"{cfg.describe(model.config.head_dim)}]")
+          f"{cfg.describe(model.config.head_dim, model.config.num_hidden_layers)}]")
     return 0
 
 
@@ -232,7 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--prompt", help="prompt text")
     p.add_argument("--prompt-file", help="file holding the prompt")
-    p.add_argument("--preset", default="tq-k4v3", help="cache preset (see qjl.PRESETS)")
+    p.add_argument("--preset", default=None, help="cache preset (see qjl.PRESETS; default: qjl.config.DEFAULT_PRESET)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.set_defaults(func=_generate)
     args = parser.parse_args(argv)

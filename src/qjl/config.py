@@ -65,8 +65,9 @@ class CodecSpec:
 class QJLConfig:
     """How a :class:`qjl.QJLCache` compresses keys and values.
 
-    The defaults are the preset ``DEFAULT_PRESET`` ("tq-k4v3"), the configuration that measured best
-    on the embedded model (README, "Quality on a real model").
+    The field defaults are the preset "tq-k4v3" (the same codecs in every layer).  ``QJLCache(model)``
+    without a config uses ``DEFAULT_PRESET`` ("tq-k45v3": 5-bit keys in the deeper half), the
+    configuration that measured best at <= 4 bits on the embedded model (README).
 
     Args:
         key, value: codecs for keys and values (any registry codec).
@@ -75,6 +76,9 @@ class QJLConfig:
             KIVI's group_size when keys use "kivi").
         sink_tokens: the first tokens of a sequence kept exact (attention sinks).
         layer_overrides: {layer_idx: {"key": CodecSpec, "value": CodecSpec}} per-layer codecs.
+        late_key: a key codec for the last ``late_fraction`` of the layers (deeper layers are more
+            sensitive on the embedded model); explicit ``layer_overrides`` take precedence.
+        late_fraction: fraction of the layers, counted from the last, that use ``late_key``.
         score_path: "inner_product" (the codec's estimator, e.g. QJL's Eq. 4) or "dequantize"
             (reconstructed keys, then a matmul).  Both give the same scores up to float error.
         compress_sliding: also compress sliding-window layers (default: keep them exact).
@@ -88,6 +92,8 @@ class QJLConfig:
     flush_block: int = 32
     sink_tokens: int = 4
     layer_overrides: dict = field(default_factory=dict)
+    late_key: CodecSpec | None = None
+    late_fraction: float = 0.5
     score_path: str = "inner_product"
     compress_sliding: bool = False
     exact_dtype: str | None = None
@@ -109,8 +115,12 @@ class QJLConfig:
                 raise ValueError(f"layer_overrides keys must be layer indices >= 0, got {layer!r}")
             if not isinstance(spec, dict) or set(spec) - {"key", "value"}:
                 raise ValueError(f"layer_overrides[{layer}] must be a dict with 'key' and/or 'value', got {spec!r}")
-        for layer in (None, *self.layer_overrides):
-            k, v = self.specs(layer)
+        if not isinstance(self.late_fraction, (int, float)) or not 0 < self.late_fraction <= 1:
+            raise ValueError(f"late_fraction must be in (0, 1], got {self.late_fraction!r}")
+        if self.late_key is not None and not isinstance(self.late_key, CodecSpec):
+            raise TypeError(f"late_key must be a CodecSpec, got {type(self.late_key).__name__}")
+        for layer in (None, *self.layer_overrides, "late"):
+            k, v = self.specs(layer) if layer != "late" else (self.late_key or self.key, self.value)
             for role, s in (("key", k), ("value", v)):
                 if not isinstance(s, CodecSpec):
                     raise TypeError(f"{role} codec must be a CodecSpec, got {type(s).__name__}")
@@ -121,21 +131,33 @@ class QJLConfig:
                     raise ValueError(f"flush_block={self.flush_block} must be a multiple of kivi's group_size")
                 s.build(64, self.seed)  # trial build: bad bits etc. fail here, not mid-generation
 
-    def specs(self, layer_idx: int | None) -> tuple:
-        """(key spec, value spec) for a layer."""
-        over = self.layer_overrides.get(layer_idx, {}) if layer_idx is not None else {}
-        return over.get("key", self.key), over.get("value", self.value)
+    def is_late(self, layer_idx: int, num_layers: int) -> bool:
+        return self.late_key is not None and layer_idx >= num_layers - round(self.late_fraction * num_layers)
 
-    def bits_per_value(self, head_dim: int, layer_idx: int | None = None, tokens: int = 4096) -> dict:
-        """Bits per stored coordinate of the compressed part (residual window excluded)."""
-        k, v = self.specs(layer_idx)
-        kb = k.build(head_dim, self.seed).bit_budget().amortized(tokens)
-        vb = v.build(head_dim, self.seed).bit_budget().amortized(tokens)
+    def specs(self, layer_idx: int | None, num_layers: int | None = None) -> tuple:
+        """(key spec, value spec) for a layer of a model with ``num_layers`` layers."""
+        key = self.key
+        if layer_idx is not None and num_layers is not None and self.is_late(layer_idx, num_layers):
+            key = self.late_key
+        over = self.layer_overrides.get(layer_idx, {}) if layer_idx is not None else {}
+        return over.get("key", key), over.get("value", self.value)
+
+    def bits_per_value(self, head_dim: int, num_layers: int | None = None, tokens: int = 4096) -> dict:
+        """Bits per stored coordinate of the compressed part (residual window excluded), averaged over
+        the layers when ``num_layers`` is given (per-layer codecs included), else for a default layer."""
+        layers = [None] if num_layers is None else list(range(num_layers))
+        kb = vb = 0.0
+        for layer in layers:
+            k, v = self.specs(layer, num_layers)
+            kb += k.build(head_dim, self.seed).bit_budget().amortized(tokens) / len(layers)
+            vb += v.build(head_dim, self.seed).bit_budget().amortized(tokens) / len(layers)
         return {"key": kb, "value": vb, "kv": (kb + vb) / 2}
 
-    def describe(self, head_dim: int) -> str:
-        b = self.bits_per_value(head_dim)
-        return (f"keys {self.key.describe(head_dim)}, values {self.value.describe(head_dim)}, "
+    def describe(self, head_dim: int, num_layers: int | None = None) -> str:
+        b = self.bits_per_value(head_dim, num_layers)
+        late = (f" (last {self.late_fraction:g} of layers: {self.late_key.describe(head_dim)})"
+                if self.late_key is not None else "")
+        return (f"keys {self.key.describe(head_dim)}{late}, values {self.value.describe(head_dim)}, "
                 f"residual {self.residual_length}, sinks {self.sink_tokens}: {b['kv']:.2f} bits/value "
                 f"(keys {b['key']:.2f}, values {b['value']:.2f}) at head_dim={head_dim}")
 
@@ -167,6 +189,8 @@ PRESETS = {
     # TurboQuant_mse keys and values with the norm correction, 4 exact sink tokens (measured best; see README)
     "tq-k5v4": QJLConfig(key=_tq(5), value=_tq(4)),
     "tq-k4v3": QJLConfig(key=_tq(4), value=_tq(3)),
+    # 5-bit keys in the deeper half of the layers: 4.0 bits per value
+    "tq-k45v3": QJLConfig(key=_tq(4), value=_tq(3), late_key=_tq(5)),
     "tq-k3v3": QJLConfig(key=_tq(3), value=_tq(3)),
     # the 5x point: fp16 exact window of 112 (+< 16) tokens
     "tq-k3v2": QJLConfig(key=_tq(3), value=_tq(2), residual_length=112, flush_block=16, exact_dtype="fp16"),
@@ -181,4 +205,4 @@ PRESETS = {
     "kivi-k3v3": QJLConfig(key=CodecSpec("kivi", {"bits": 3, "group_size": 32}), value=_uniform(3, 32), sink_tokens=0),
     "kivi-k4v4": QJLConfig(key=CodecSpec("kivi", {"bits": 4, "group_size": 32}), value=_uniform(4, 32), sink_tokens=0),
 }
-DEFAULT_PRESET = "tq-k4v3"
+DEFAULT_PRESET = "tq-k45v3"

@@ -65,7 +65,7 @@ class HFQuantized:
         return QuantizedCache(self.backend, model.config, nbits=self.nbits, q_group_size=self.q_group_size,
                               residual_length=self.residual_length)
 
-    def describe(self, head_dim=None) -> str:
+    def describe(self, head_dim=None, num_layers=None) -> str:
         return (f"transformers QuantizedCache({self.backend}, nbits={self.nbits}, q_group_size={self.q_group_size}, "
                 f"residual_length={self.residual_length})")
 
@@ -208,7 +208,8 @@ def evaluate_method(model, tokenizer, ids, setup: EvalSetup, cfg, reference=None
                  value_bits=r["value_bits"], bits_per_value=r["bits_per_value"],
                  compressed_bits=(r["key_bits"] + r["value_bits"]) / 2)
         m["config"] = cfg.describe(model.config.head_dim if getattr(model.config, "head_dim", None)
-                                   else model.config.hidden_size // model.config.num_attention_heads)
+                                   else model.config.hidden_size // model.config.num_attention_heads,
+                                   model.config.num_hidden_layers)
     if prompts:
         m["passkey"] = _passkey(model, tokenizer, prompts, cfg)
         m["passkey_trials"] = len(prompts)
