@@ -20,6 +20,14 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+def check_bits(name: str, value, maximum: int = 8) -> int:
+    """An int in 1..maximum (bits per coordinate)."""
+    check_positive_int(name, value)
+    if value > maximum:
+        raise ValueError(f"{name} must be in 1..{maximum}, got {value}")
+    return value
+
+
 def check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {sorted(allowed)!r}, got {value!r}")

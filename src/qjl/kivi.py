@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_positive_int, check_vectors, storage_dtype
+from ._validation import check_bits, check_positive_int, check_vectors, storage_dtype
 from .codec import BitBudget, Codec, Codes
 from .packing import pack_bits, packed_size, unpack_bits
 from .values import minmax_quantize
@@ -38,10 +38,7 @@ class KIVIKeys(Codec):
 
     def __init__(self, dim: int, bits: int = 2, group_size: int = 32, scale_dtype="fp16"):
         self.dim = check_positive_int("dim", dim)
-        check_positive_int("bits", bits)
-        if bits > 8:
-            raise ValueError(f"bits must be in 1..8, got {bits}")
-        self.bits = bits
+        self.bits = check_bits("bits", bits)
         self.group_size = check_positive_int("group_size", group_size)
         self.scale_dtype = storage_dtype("scale_dtype", scale_dtype)
 

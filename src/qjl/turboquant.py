@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_fits, check_positive_int, check_vectors, storage_dtype
+from ._validation import check_bits, check_fits, check_positive_int, check_vectors, storage_dtype
 from .codec import BitBudget, Codec, Codes
 from .lloyd_max import sphere_codebook
 from .outliers import derive_seed
@@ -53,10 +53,7 @@ class TurboQuantMSE(Codec):
     def __init__(self, dim: int, bits: int = 3, rotation: str = "haar", seed: int = 0, norm_dtype="fp16",
                  correct_norm: bool = False):
         self.dim = check_positive_int("dim", dim)
-        check_positive_int("bits", bits)
-        if bits > 8:
-            raise ValueError(f"bits must be in 1..8, got {bits}")
-        self.bits = bits
+        self.bits = check_bits("bits", bits)
         self.rotation = Rotation(dim, rotation, seed)
         n = self.rotation.out_dim
         if n < 3:
@@ -126,10 +123,7 @@ class TurboQuantProd(Codec):
     def __init__(self, dim: int, bits: int = 3, sketch_dim: int | None = None, qjl_kind: str = "orthogonal",
                  rotation: str = "haar", seed: int = 0, norm_dtype="fp16"):
         self.dim = check_positive_int("dim", dim)
-        check_positive_int("bits", bits)
-        if bits > 9:
-            raise ValueError(f"bits must be in 1..9 (the MSE stage takes bits - 1 <= 8), got {bits}")
-        self.bits = bits
+        self.bits = check_bits("bits", bits, maximum=9)  # the MSE stage takes bits - 1 <= 8
         self.mse = TurboQuantMSE(dim, bits - 1, rotation, seed, norm_dtype) if bits > 1 else None
         sketch_dim = -(-dim // 8) * 8 if sketch_dim is None else sketch_dim
         self.qjl = QJLSketch(dim, sketch_dim, qjl_kind, derive_seed(seed, 2), norm_dtype)
