@@ -1,10 +1,13 @@
 """Measure the bias of the "hadamard" QJL family against its number of rounds.
 
     python benchmarks/hadamard_rounds.py --dim 128 --sketch-dim 256 --seeds 20000
+    python benchmarks/hadamard_rounds.py --small-dims --seeds 5000
 
 For q = k (the case where a wrong scale shows most) and three keys -- Gaussian,
 one-hot, and Gaussian with four 12x outlier channels -- prints the relative bias
 of Eq. (4) and its standard error over independent seeds, for 1..4 rounds.
+With --small-dims: the default 3 rounds at n = 4, 8, 16, 32 (m = 32, q = k, a Gaussian key with
+one 5x channel) next to the orthogonal family, which is why "hadamard" needs n >= 32.
 """
 import argparse
 
@@ -26,7 +29,10 @@ def main():
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--sketch-dim", type=int, default=256)
     p.add_argument("--seeds", type=int, default=20000)
+    p.add_argument("--small-dims", action="store_true")
     a = p.parse_args()
+    if a.small_dims:
+        return small_dims(a.seeds)
     ks = keys(a.dim)
     batch = torch.stack(list(ks.values()))  # [K, d]
     for rounds in (1, 2, 3, 4):
@@ -41,6 +47,33 @@ def main():
             m, se = rel[:, i].mean().item() - 1, rel[:, i].std().item() / a.seeds ** 0.5
             z = m / se if se > 0 else float("inf")
             print(f"rounds={rounds} key={name:15s} bias={m * 100:+.3f}%  se={se * 100:.3f}%  ({z:+.1f} se)")
+
+
+def small_dims(seeds: int) -> None:
+    for d in (4, 8, 16, 32):
+        g = torch.Generator().manual_seed(1)
+        k = torch.randn(d, generator=g)
+        k[0] *= 5
+        for kind in ("hadamard", "orthogonal"):
+            est = torch.empty(seeds, dtype=torch.float64)
+            for s in range(seeds):
+                # dims below 17 are refused for "hadamard" by the constructor; build it past the check
+                sk = _sketch(d, kind, s)
+                est[s] = sk.inner_product(k[None], sk.quantize(k[None]))[0, 0]
+            true = float(k @ k)
+            m, se = est.mean().item() / true - 1, est.std().item() / true / seeds ** 0.5
+            print(f"n={d:3d} {kind:10s} bias={m * 100:+.3f}%  se={se * 100:.3f}%")
+
+
+def _sketch(d: int, kind: str, seed: int) -> QJLSketch:
+    import qjl.sketch as sketch_module
+
+    saved = sketch_module._HADAMARD_MIN_N
+    sketch_module._HADAMARD_MIN_N = 1
+    try:
+        return QJLSketch(d, 32, kind=kind, seed=seed, norm_dtype="fp32")
+    finally:
+        sketch_module._HADAMARD_MIN_N = saved
 
 
 if __name__ == "__main__":

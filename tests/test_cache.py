@@ -138,11 +138,14 @@ def test_reorder_matches_reordered_inputs():
     assert torch.allclose(model(nxt, past_key_values=c1).logits, model(nxt, past_key_values=c2).logits, atol=1e-5)
 
 
-def test_beam_search_runs():
+def test_beam_search_matches_full_precision():
     model = _patched("llama")
-    out = model.generate(_prompt(30), max_new_tokens=5, num_beams=3, do_sample=False,
+    ids = _prompt(30)
+    out = model.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False,
                          past_key_values=QJLCache(model, GENEROUS))
-    assert out.shape == (1, 35)
+    ref = model.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False,
+                         past_key_values=DynamicCache(config=model.config))
+    assert torch.equal(out, ref)
 
 
 def test_nbytes_by_hand():

@@ -29,8 +29,14 @@ def test_default_preset_answers_like_full_precision():
         assert report["key_code_bytes"] > 0 and report["bytes"] < report["fp16_bytes"]
 
 
-def test_tiny_chunked_eval_runs():
+def test_tiny_chunked_eval(tmp_path):
+    import json
+
     from qjl.cli import main
 
-    assert main(["eval", "--context", "256", "--score", "64", "--passkey", "0", "--methods", "tq-k4v3",
-                 "--out", "/tmp/qjl-test-eval"]) == 0
+    assert main(["eval", "--context", "256", "--score", "64", "--passkey", "0", "--memory-tokens", "512",
+                 "--methods", "tq-k4v3", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "metrics.json").read_text())["results"]
+    assert res["full precision"]["kl"] == 0.0 and res["full precision"]["top1"] == 1.0
+    assert 0 < res["tq-k4v3"]["kl"] < 0.1 and res["tq-k4v3"]["top1"] > 0.8
+    assert res["tq-k4v3"]["memory_at"]["x_vs_fp16"] > 1.0

@@ -33,7 +33,7 @@ So ``c = ||k|| / (m E|s.k|)``:
   one-hot key (32 standard errors); three rounds (our default) +0.006%, -0.005% and
   +0.006% on Gaussian, one-hot and outlier keys, all within 0.6 standard errors
   (standard error 0.012%): no bias is detectable at that resolution.
-  Small transforms are far from uniform (measured with 5,000 seeds, q = k: +5.1%
+  Small transforms are far from uniform (``benchmarks/hadamard_rounds.py --small-dims``, q = k: +5.1%
   at n = 4, +0.23% at n = 8), so the family needs ``next_pow2(dim) >= 32``.
 
 Sketches with ``sketch_dim > dim`` stack independent blocks; the last block is
