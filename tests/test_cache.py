@@ -72,7 +72,7 @@ def test_score_paths_agree():
     outs = []
     for path in ("inner_product", "dequantize"):
         cfg = QJLConfig(key=CodecSpec("qjl", {}, per_dim={"sketch_dim": 2.0}), residual_length=8, flush_block=4,
-                        score_path=path)
+                        score_path=path, kernel="torch")
         cache = QJLCache(model, cfg)
         model(ids[:, :32], past_key_values=cache)
         outs.append(model(ids[:, 32:], past_key_values=cache).logits)

@@ -8,6 +8,11 @@ a forward pass attends to compressed history + exact recent tokens + itself, and
 the prompt is attended exactly during prefill.  Codes are only ever appended
 (from the original keys), never re-quantized.
 
+With a kernel backend (:mod:`qjl.kernels`: numba on CPU, Triton on CUDA; ``config.kernel``),
+decode steps (at most ``MAX_KERNEL_ROWS`` query rows per KV head, a mask that is the same
+for every row over the codes, no softcap) score and mix the codes inside the kernel, which
+returns a partial softmax that is merged exactly with the sinks' and the window's.
+
 Attention (:meth:`attend`) scores every part, applies the mask and softmax in
 float32, and mixes values part by part; the GQA group of each KV head shares one
 read of that head's codes.
@@ -18,11 +23,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import kernels
 from .codec import Codes
 from .kivi import KIVIKeys
 from .outliers import OutlierQJL
 
-__all__ = ["QJLCacheLayer"]
+__all__ = ["QJLCacheLayer", "MAX_KERNEL_ROWS"]
+
+MAX_KERNEL_ROWS = 32  # query rows (GQA group x new tokens) per KV head up to which the kernels are used
 
 
 def _cat(a, b, dim=-2):
@@ -60,6 +68,8 @@ class QJLCacheLayer(CacheLayerMixin):
         self.value_codec = self.value_spec.build(value_states.shape[-1], seed + 1)
         names = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
         self.exact_dtype = names.get(self.config.exact_dtype, key_states.dtype)
+        self.backend = kernels.pick_backend(key_states.device, self.config.kernel)
+        self.kernel_ok = self.backend != "torch" and kernels.supports(self.key_codec, self.value_codec)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -116,15 +126,20 @@ class QJLCacheLayer(CacheLayerMixin):
             return
         k, v = self.keys[..., :n, :], self.values[..., :n, :]
         self.key_codes = self._append(self.key_codes, self._quantize_keys(k))
-        self.value_codes = self._append(self.value_codes, self.value_codec.quantize(v))
+        self.value_codes = self._append(self.value_codes, self._quantize(self.value_codec, v))
         self.keys, self.values = self.keys[..., n:, :].contiguous(), self.values[..., n:, :].contiguous()
+
+    def _quantize(self, codec, x: torch.Tensor, *idx) -> Codes:
+        if self.backend == "triton" and kernels.can_quantize(codec):
+            return kernels.quantize(codec, x, *idx)
+        return codec.quantize(x, *idx)
 
     def _quantize_keys(self, k: torch.Tensor) -> Codes:
         if isinstance(self.key_codec, OutlierQJL) and self.key_codec.n_outliers:
             if self.outlier_idx is None:  # chosen once per layer and KV head, from the first flushed tokens
                 self.outlier_idx = self.key_codec.select_outliers(k)
-            return self.key_codec.quantize(k, self.outlier_idx)
-        return self.key_codec.quantize(k)
+            return self._quantize(self.key_codec, k, self.outlier_idx)
+        return self._quantize(self.key_codec, k)
 
     @staticmethod
     def _append(codes, new: Codes) -> Codes:
@@ -137,6 +152,10 @@ class QJLCacheLayer(CacheLayerMixin):
         hkv = self.keys.shape[1]
         g = hq // hkv
         qg = query.float().reshape(b, hkv, g * t, d)  # query head h reads KV head h // g
+        if (self.kernel_ok and softcap is None and self.key_codes is not None and g * t <= MAX_KERNEL_ROWS):
+            out = self._attend_kernel(qg, attention_mask, scaling, hq, t)
+            if out is not None:
+                return out.to(query.dtype)
         parts = []
         if self.sink_k is not None:
             parts.append(torch.matmul(qg, self.sink_k.float().transpose(-1, -2)))
@@ -169,6 +188,55 @@ class QJLCacheLayer(CacheLayerMixin):
         values.append(self.values.float())
         out = sum(torch.matmul(p, v) for p, v in zip(chunks, values))
         return out.reshape(b, hq, t, -1).transpose(1, 2).to(query.dtype)
+
+    def _code_bias(self, attention_mask, n_sink: int, n_codes: int):
+        """The mask over the codes as one [B, N] additive row, None when it masks nothing, or False
+        when it differs between rows or heads (then the reference path is used)."""
+        if attention_mask is None:
+            return None
+        sl = attention_mask[..., n_sink:n_sink + n_codes]
+        if sl.shape[1] != 1 or (sl.shape[2] > 1 and not bool((sl == sl[:, :, :1]).all())):
+            return False
+        row = sl[:, 0, 0]
+        if row.dtype == torch.bool:
+            return None if bool(row.all()) else torch.zeros(row.shape).masked_fill(~row.cpu(), float("-inf")).to(row.device)
+        row = row.float()
+        return None if not bool(row.any()) else row.contiguous()
+
+    def _attend_kernel(self, qg: torch.Tensor, attention_mask, scaling: float, hq: int, t: int):
+        """Codes through the kernel, sinks + window exactly, merged: -> [B, t, H_q, D] float32 or None."""
+        b, hkv, rows, d = qg.shape
+        n_sink = 0 if self.sink_k is None else self.sink_k.shape[-2]
+        n_codes = self._codes_len(self.key_codes)
+        total = n_sink + n_codes + self.keys.shape[-2]
+        if attention_mask is not None and attention_mask.shape[-1] != total:
+            raise RuntimeError(f"attention mask covers {attention_mask.shape[-1]} keys but layer {self.layer_idx} holds "
+                               f"{total}; was this cache used by another model?")
+        bias = self._code_bias(attention_mask, n_sink, n_codes)
+        if bias is False:
+            return None
+        qs = qg * scaling
+        parts = kernels.key_parts(self.key_codec, self.key_codes, qs)
+        vp = kernels.value_part(self.value_codec, self.value_codes)
+        m_c, l_c, o_c = kernels.decode_partial(self.backend, parts, vp, bias)
+        if vp.post is not None:
+            o_c = vp.post(o_c)
+        code = (m_c.reshape(b, hkv, rows), l_c.reshape(b, hkv, rows), o_c.reshape(b, hkv, rows, -1))
+        keys = self.keys if self.sink_k is None else torch.cat([self.sink_k, self.keys], dim=-2)
+        values = self.values if self.sink_v is None else torch.cat([self.sink_v, self.values], dim=-2)
+        bias_x = None
+        if attention_mask is not None:
+            mx = torch.cat([attention_mask[..., :n_sink], attention_mask[..., n_sink + n_codes:]], dim=-1)
+            if mx.dtype == torch.bool:
+                mx = torch.zeros(mx.shape, device=mx.device).masked_fill(~mx, float("-inf"))
+            # [B, 1|H_q, t, n] -> rows of KV head groups [B, H_kv | 1, g*t, n]
+            mx = mx.float()
+            bias_x = (mx.expand(b, hq, t, -1).reshape(b, hkv, rows, -1) if mx.shape[1] != 1
+                      else mx.expand(b, 1, t, -1).repeat(1, 1, hq // hkv, 1).reshape(b, 1, rows, -1))
+        exact = kernels.partial_exact(qs, keys, values, bias_x)
+        _, l_tot, o_tot = kernels.merge_partials([code, exact])
+        out = o_tot / l_tot.unsqueeze(-1)
+        return out.reshape(b, hq, t, d).transpose(1, 2)
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def _tensors(self):

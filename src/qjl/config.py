@@ -84,6 +84,9 @@ class QJLConfig:
         compress_sliding: also compress sliding-window layers (default: keep them exact).
         exact_dtype: storage of the exact window and sinks: None (the model's dtype), "fp16" or "bf16".
         seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
+        kernel: attention/quantization kernels (:mod:`qjl.kernels`): "auto" (default: Triton on
+            CUDA, the numba kernel on CPU, for the codecs they cover), "cpu", "triton" or "torch"
+            (the reference path).  Every kernel computes the same attention up to float error.
     """
 
     key: CodecSpec = field(default_factory=lambda: CodecSpec("turboquant_mse", {"bits": 4, "correct_norm": True}))
@@ -98,6 +101,7 @@ class QJLConfig:
     compress_sliding: bool = False
     exact_dtype: str | None = None
     seed: int = 0
+    kernel: str = "auto"
 
     def __post_init__(self):
         for name in ("residual_length", "sink_tokens", "seed"):
@@ -108,6 +112,8 @@ class QJLConfig:
             raise ValueError(f"flush_block must be a positive int, got {self.flush_block!r}")
         if self.exact_dtype not in (None, "fp16", "bf16", "fp32"):
             raise ValueError(f"exact_dtype must be None, 'fp16', 'bf16' or 'fp32', got {self.exact_dtype!r}")
+        if self.kernel not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"kernel must be 'auto', 'torch', 'cpu' or 'triton', got {self.kernel!r}")
         if self.score_path not in ("inner_product", "dequantize"):
             raise ValueError(f"score_path must be 'inner_product' or 'dequantize', got {self.score_path!r}")
         for layer, spec in self.layer_overrides.items():

@@ -1,0 +1,271 @@
+"""CPU decode attention over packed codes (numba, multi-threaded, compiled once and cached).
+
+Reads the packed codes directly through lookup tables, never a ±1 or float key matrix:
+
+* keys: the codes of ``g = 8 // bits`` consecutive coordinates form one index of
+  ``g * bits`` bits (a byte of 8 QJL signs, four 2-bit, two 3- or 4-bit codes); per
+  (sequence, KV head) a table ``T[i, v, r] = sum_j qp[r, i*g+j] * cent[code_j(v)]``
+  holds every query row of the GQA group, so one read of a token's codes scores all
+  of them with ``n / g`` table lookups;
+* values: the softmax weights are scattered into a histogram ``H[i, v, r] += w[r] * scale``
+  over the same indices, expanded once at the end (``sum_v H[i, v, r] * cent[code_j(v)]``),
+  plus the zero points' sum -- again one read of the codes per token for all rows.
+
+Work is split over (sequence x KV head, token block) with ``numba.prange``; each block
+returns a partial softmax that :func:`qjl.kernels.plan.merge_partials` combines.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from .plan import KeyPart, ValuePart, merge_partials
+
+__all__ = ["available", "decode_partial"]
+
+try:
+    import numba
+    from numba import njit, prange
+except ImportError:  # pragma: no cover - numba is a dependency; kept optional for odd platforms
+    numba = None
+
+# reassociation etc. for vectorized sums, but not "no infs/NaNs": masked logits are -inf
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
+_MIN_BLOCK = 512  # tokens per work item at least (table building amortizes over them)
+
+
+def available() -> bool:
+    return numba is not None
+
+
+RW = 4  # query rows per table entry (one 128-bit vector of float32); more rows run in chunks of RW
+
+
+def _layout(bits: int):
+    """How b-bit codes are read: chunks of ``bits`` bytes = 8 codes = ``per_chunk`` fields of ``width`` bits.
+
+    Each field indexes one table entry; it holds ``g = 8 // bits`` codes (a byte of QJL
+    signs, four 2-bit, two 3- or 4-bit, or one 5- to 8-bit code).
+    """
+    g = 8 // bits
+    return g, g * bits, 8 // g
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(kbits1: int, kbits2: int, vbits: int):
+    """The decode kernel with the code widths baked in as constants (compiled once per triple)."""
+    g1, width1, per1 = _layout(kbits1)
+    g2, width2, per2 = _layout(kbits2)
+    gv, widthv, perv = _layout(vbits)
+    kw = dict(cache=False, fastmath=_FASTMATH)
+
+    def make_table(bits):
+        g, width, _ = _layout(bits)
+        nv, mask = 1 << width, (1 << bits) - 1
+
+        @njit(**kw)
+        def table(q, n, cent):
+            """q [RW, n] -> T [n/g * 2^width * RW] float32: T[i, v, r] = sum_j q[r, i*g+j] cent[code_j(v)]."""
+            out = np.zeros((n // g) * nv * RW, dtype=np.float32)
+            for i in range(n // g):
+                for v in range(nv):
+                    base = (i * nv + v) * RW
+                    for j in range(g):
+                        cv = cent[(v >> (j * bits)) & mask]
+                        for r in range(RW):
+                            out[base + r] += q[r, i * g + j] * cv
+            return out
+        return table
+
+    def make_score(bits):
+        g, width, per_chunk = _layout(bits)
+        nv, fmask = 1 << width, (1 << width) - 1
+
+        @njit(**kw)
+        def score(codes, flat, norm, t0, t1, out):
+            """out[r, t - t0] += norm[t] * sum_i T[i, field_i(t), r]: one table lookup per field."""
+            chunks = codes.shape[1] // bits
+            for t in range(t0, t1):
+                a0 = a1 = a2 = a3 = np.float32(0.0)
+                for ch in range(chunks):
+                    w = np.uint64(0)
+                    for j in range(bits):
+                        w |= np.uint64(codes[t, ch * bits + j]) << np.uint64(8 * j)
+                    for f in range(per_chunk):
+                        v = (w >> np.uint64(f * width)) & np.uint64(fmask)
+                        o = (np.uint64(ch * per_chunk + f) * np.uint64(nv) + v) * np.uint64(RW)
+                        a0 += flat[o]
+                        a1 += flat[o + np.uint64(1)]
+                        a2 += flat[o + np.uint64(2)]
+                        a3 += flat[o + np.uint64(3)]
+                nt = norm[t]
+                c = t - t0
+                out[0, c] += a0 * nt
+                out[1, c] += a1 * nt
+                out[2, c] += a2 * nt
+                out[3, c] += a3 * nt
+        return score
+
+    table1, score1 = make_table(kbits1), make_score(kbits1)
+    table2, score2 = make_table(kbits2), make_score(kbits2)
+    nvv, fmaskv, maskv = 1 << widthv, (1 << widthv) - 1, (1 << vbits) - 1
+
+    @njit(**kw)
+    def mix(codes, n, cent, gsize, scale, zero, has_zero, p, t0, t1, out):
+        """out[r, c] = sum_t p[r, t-t0] (zero[t, g(c)] + scale[t, g(c)] cent[code[t, c]]) via a histogram of fields."""
+        chunks = codes.shape[1] // vbits
+        ngroups = scale.shape[1]
+        hist = np.zeros((n // gv) * nvv * RW, dtype=np.float32)
+        zsum = np.zeros((ngroups, RW), dtype=np.float32)
+        for t in range(t0, t1):
+            c = t - t0
+            p0, p1, p2, p3 = p[0, c], p[1, c], p[2, c], p[3, c]
+            if has_zero:
+                for k in range(ngroups):
+                    z = zero[t, k]
+                    zsum[k, 0] += p0 * z
+                    zsum[k, 1] += p1 * z
+                    zsum[k, 2] += p2 * z
+                    zsum[k, 3] += p3 * z
+            k_prev = -1
+            w0 = w1 = w2 = w3 = np.float32(0.0)
+            for ch in range(chunks):
+                k = (ch * 8) // gsize
+                if k != k_prev:
+                    s = scale[t, k]
+                    w0, w1, w2, w3 = p0 * s, p1 * s, p2 * s, p3 * s
+                    k_prev = k
+                w = np.uint64(0)
+                for j in range(vbits):
+                    w |= np.uint64(codes[t, ch * vbits + j]) << np.uint64(8 * j)
+                for f in range(perv):
+                    v = (w >> np.uint64(f * widthv)) & np.uint64(fmaskv)
+                    o = (np.uint64(ch * perv + f) * np.uint64(nvv) + v) * np.uint64(RW)
+                    hist[o] += w0
+                    hist[o + np.uint64(1)] += w1
+                    hist[o + np.uint64(2)] += w2
+                    hist[o + np.uint64(3)] += w3
+        for i in range(n // gv):
+            for v in range(nvv):
+                base = (i * nvv + v) * RW
+                for j in range(gv):
+                    cv = cent[(v >> (j * vbits)) & maskv]
+                    for r in range(RW):
+                        out[r, i * gv + j] += hist[base + r] * cv
+        if has_zero:
+            for c in range(n):
+                for r in range(RW):
+                    out[r, c] += zsum[c // gsize, r]
+
+    @njit(parallel=True, **kw)
+    def decode(c1, n1, cent1, norm1, q1, c2, n2, cent2, norm2, q2, has2,
+               vc, vn, vcent, vgs, vscale, vzero, has_zero, bias, has_bias, heads, block,
+               out_m, out_l, out_o):
+        """q1/q2: [BH, chunks, RW, n]; outputs [BH, chunks, splits, RW(, n_v)]; one item per (bh, chunk, split)."""
+        bh_count, n_tok = norm1.shape
+        rchunks = q1.shape[1]
+        splits = out_m.shape[2]
+        t1s = np.empty((bh_count * rchunks, (n1 // g1) * (1 << width1) * RW), dtype=np.float32)
+        t2s = np.empty((bh_count * rchunks if has2 else 1, (n2 // g2) * (1 << width2) * RW), dtype=np.float32)
+        for item in prange(bh_count * rchunks):  # tables once per (sequence x KV head, row chunk)
+            t1s[item] = table1(q1[item // rchunks, item % rchunks], n1, cent1)
+            if has2:
+                t2s[item] = table2(q2[item // rchunks, item % rchunks], n2, cent2)
+        for item in prange(bh_count * rchunks * splits):
+            bh = item // (rchunks * splits)
+            rc = (item // splits) % rchunks
+            s = item % splits
+            t0 = s * block
+            t1 = min(n_tok, t0 + block)
+            if t1 <= t0:
+                for r in range(RW):
+                    out_m[bh, rc, s, r] = -np.inf
+                continue
+            logits = np.zeros((RW, t1 - t0), dtype=np.float32)
+            score1(c1[bh], t1s[bh * rchunks + rc], norm1[bh], t0, t1, logits)
+            if has2:
+                score2(c2[bh], t2s[bh * rchunks + rc], norm2[bh], t0, t1, logits)
+            if has_bias:
+                brow = bias[bh // heads]
+                for r in range(RW):
+                    for t in range(t0, t1):
+                        logits[r, t - t0] += brow[t]
+            for r in range(RW):
+                m = -np.inf
+                for t in range(t1 - t0):
+                    m = max(m, logits[r, t])
+                out_m[bh, rc, s, r] = m
+                sm = np.float32(0.0) if m == -np.inf else np.float32(m)
+                tot = np.float32(0.0)
+                for t in range(t1 - t0):
+                    e = np.exp(logits[r, t] - sm)
+                    logits[r, t] = e
+                    tot += e
+                out_l[bh, rc, s, r] = tot
+            mix(vc[bh], vn, vcent, vgs, vscale[bh], vzero[bh], has_zero, logits, t0, t1, out_o[bh, rc, s])
+
+    return decode
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().numpy()
+
+
+def _rows(q: torch.Tensor) -> torch.Tensor:
+    """[BH, R, n] -> [BH, ceil(R / RW), RW, n] float32, rows zero-padded."""
+    bh, r, n = q.shape
+    chunks = -(-r // RW)
+    out = torch.zeros(bh, chunks * RW, n, dtype=torch.float32)
+    out[:, :r] = q
+    return out.reshape(bh, chunks, RW, n)
+
+
+def fits(parts: list[KeyPart], vp: ValuePart) -> bool:
+    """Layouts this kernel reads: 1-2 key parts; code lengths and value groups in whole bytes of 8 codes."""
+    ok = 1 <= len(parts) <= 2 and all(p.n % 8 == 0 and 8 % p.bits == 0 or p.n % 8 == 0 and p.bits <= 8
+                                       for p in parts)
+    return ok and vp.n % 8 == 0 and vp.group_size % 8 == 0
+
+
+def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | None = None, block: int | None = None):
+    """Partial softmax of the code part (see :mod:`qjl.kernels.plan`); CPU tensors only.
+
+    parts: 1 or 2 key parts; bias: [B, N] additive (broadcast over heads and rows) or None.
+    Returns m, l: [BH, R]; o: [BH, R, n_v] float32.
+    """
+    if numba is None:
+        raise RuntimeError("the CPU kernel needs numba (pip install numba)")
+    if not fits(parts, vp):
+        raise ValueError("the CPU kernel needs 1-2 key parts, code lengths and value groups that are multiples of 8")
+    p1 = parts[0]
+    p2 = parts[1] if len(parts) == 2 else parts[0]
+    bh, n_tok = p1.norm.shape
+    r_rows = p1.q.shape[1]
+    q1, q2 = _rows(p1.q), _rows(p2.q)
+    rchunks = q1.shape[1]
+    if block is None:  # split tokens only as far as needed to give every thread ~4 items
+        want = math.ceil(4 * numba.get_num_threads() / (bh * rchunks))
+        block = max(_MIN_BLOCK, math.ceil(n_tok / max(want, 1)))
+    splits = max(1, math.ceil(n_tok / block))
+    out_m = np.empty((bh, rchunks, splits, RW), dtype=np.float32)
+    out_l = np.zeros((bh, rchunks, splits, RW), dtype=np.float32)
+    out_o = np.zeros((bh, rchunks, splits, RW, vp.n), dtype=np.float32)
+    heads = bh // (bias.shape[0] if bias is not None else 1)
+    zero = vp.zero if vp.zero is not None else vp.scale
+    bias_np = _np(bias.float()) if bias is not None else np.zeros((1, 1), dtype=np.float32)
+    f32 = lambda t: _np(t.float())  # noqa: E731
+    kernel = _compile(p1.bits, p2.bits, vp.bits)
+    kernel(_np(p1.codes), p1.n, f32(p1.cent), f32(p1.norm), q1.numpy(),
+           _np(p2.codes), p2.n, f32(p2.cent), f32(p2.norm), q2.numpy(), len(parts) == 2,
+           _np(vp.codes), vp.n, f32(vp.cent), vp.group_size, f32(vp.scale), f32(zero),
+           vp.zero is not None, bias_np, bias is not None, heads, block, out_m, out_l, out_o)
+    m, l_, o = (torch.from_numpy(a).transpose(1, 2) for a in (out_m, out_l, out_o))  # [BH, splits, chunks, RW..]
+    m, l_ = m.reshape(bh, splits, -1)[..., :r_rows], l_.reshape(bh, splits, -1)[..., :r_rows]
+    o = o.reshape(bh, splits, -1, vp.n)[:, :, :r_rows]
+    if splits == 1:
+        return m[:, 0], l_[:, 0], o[:, 0]
+    return merge_partials([(m[:, s], l_[:, s], o[:, s]) for s in range(splits)])

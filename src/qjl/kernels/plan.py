@@ -1,0 +1,169 @@
+"""What the attention kernels read: the codes of one layer, laid out codec-independently.
+
+Every supported codec reduces to the same two operations over b-bit packed codes
+(:mod:`qjl.packing` layout, LSB first):
+
+* a **key part** scores ``s[r, t] = norm[t] * sum_c qp[r, c] * cent[code[t, c]]``, where
+  ``qp`` is the query already mapped into the code's basis (and scaled):
+  TurboQuant MSE keys: ``qp = Pi q``, ``cent`` = the Lloyd-Max codebook, ``norm = ||k||``;
+  QJL keys: ``qp = c * S q`` (c the estimator's constant), 1-bit codes, ``cent = (-1, +1)``,
+  ``norm = ||k||``; QJL outliers add a second part (``S_o q[idx]``, outlier signs and norm).
+* a **value part** mixes ``v[t, c] = zero[t, g(c)] + scale[t, g(c)] * cent[code[t, c]]``
+  (``g(c) = c // group_size``): token-wise values have ``cent = 0..2^b-1`` and per-group
+  scale/zero; TurboQuant MSE values have one group with ``scale = ||v||``, no zero, and
+  their output is rotated back with ``Pi^T`` after mixing (linear, so once per query).
+
+A kernel returns the *partial* softmax of the code part, ``(m, l, o)``: the row max of
+the logits, ``l = sum exp(s - m)`` and ``o = sum exp(s - m) v`` (in the value basis);
+:func:`merge_partials` combines partials (split-K blocks, or codes with the exact
+sinks and window) exactly.  :func:`reference_partial` is the plain PyTorch reference
+every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..outliers import OutlierQJL
+from ..sketch import QJLSketch
+from ..turboquant import TurboQuantMSE
+from ..values import TokenwiseQuantizer
+
+__all__ = ["KeyPart", "ValuePart", "supports", "key_parts", "value_part", "reference_partial", "merge_partials",
+           "partial_exact"]
+
+
+@dataclass
+class KeyPart:
+    """codes [BH, N, nbytes] uint8; q [BH, R, n] f32; cent [2^bits] f32; norm [BH, N] f32."""
+
+    codes: torch.Tensor
+    bits: int
+    n: int
+    cent: torch.Tensor
+    norm: torch.Tensor
+    q: torch.Tensor
+
+
+@dataclass
+class ValuePart:
+    """codes [BH, N, nbytes] uint8; cent [2^bits]; scale/zero [BH, N, G] f32 (zero may be None).
+
+    ``post`` maps the mixed [..., n] output back to [..., dim] (TurboQuant's inverse rotation) or is None.
+    """
+
+    codes: torch.Tensor
+    bits: int
+    n: int
+    cent: torch.Tensor
+    group_size: int
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    post: object = None
+
+
+def supports(key_codec, value_codec) -> bool:
+    """Whether the kernels cover this pair of codecs (others use the reference path)."""
+    keys_ok = isinstance(key_codec, (TurboQuantMSE, QJLSketch, OutlierQJL))
+    return keys_ok and isinstance(value_codec, (TurboQuantMSE, TokenwiseQuantizer))
+
+
+def _flat(t: torch.Tensor, keep: int) -> torch.Tensor:
+    """[B, H, *rest] -> [B*H, *rest] contiguous (rest has ``keep`` axes)."""
+    return t.reshape(-1, *t.shape[t.ndim - keep:]).contiguous()
+
+
+def _sign_part(sketch: QJLSketch, q: torch.Tensor, signs: torch.Tensor, norm: torch.Tensor) -> KeyPart:
+    qp = sketch.project(q) * sketch.scale
+    cent = torch.tensor([-1.0, 1.0], device=q.device)
+    return KeyPart(_flat(signs, 2), 1, sketch.sketch_dim, cent, _flat(norm.float(), 1), _flat(qp, 2))
+
+
+def key_parts(codec, codes, q: torch.Tensor) -> list[KeyPart]:
+    """q: [B, H, R, D] float32 (already multiplied by the softmax scaling) -> the key parts."""
+    f = codes.fields
+    if isinstance(codec, TurboQuantMSE):
+        cent = codec._centroids.to(q.device)
+        return [KeyPart(_flat(f["codes"], 2), codec.bits, codec.rotation.out_dim, cent,
+                        _flat(f["norm"].float(), 1), _flat(codec.rotation.apply(q), 2))]
+    if isinstance(codec, QJLSketch):
+        return [_sign_part(codec, q, f["signs"], f["norm"])]
+    if isinstance(codec, OutlierQJL):
+        if codec.outlier is None:
+            return [_sign_part(codec.inlier, q, f["signs"], f["norm"])]
+        idx = codes.shared["outlier_idx"].long()
+        q_in, q_out, _ = codec._split(q, idx)
+        return [_sign_part(codec.inlier, q_in, f["signs"], f["norm"]),
+                _sign_part(codec.outlier, q_out, f["outlier_signs"], f["outlier_norm"])]
+    raise TypeError(f"no kernel for key codec {type(codec).__name__}")
+
+
+def value_part(codec, codes) -> ValuePart:
+    f = codes.fields
+    dev = f["codes"].device
+    if isinstance(codec, TurboQuantMSE):
+        n = codec.rotation.out_dim
+        return ValuePart(_flat(f["codes"], 2), codec.bits, n, codec._centroids.to(dev), n,
+                         _flat(f["norm"].float().unsqueeze(-1), 2), None, codec.rotation.inverse)
+    if isinstance(codec, TokenwiseQuantizer):
+        cent = torch.arange(1 << codec.bits, dtype=torch.float32, device=dev)
+        return ValuePart(_flat(f["codes"], 2), codec.bits, codec.dim, cent, codec.group_size,
+                         _flat(f["scale"].float(), 2), _flat(f["zero"].float(), 2), None)
+    raise TypeError(f"no kernel for value codec {type(codec).__name__}")
+
+
+def _unpack(codes: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    from ..packing import unpack_bits
+
+    return unpack_bits(codes, bits, n)
+
+
+def reference_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | None = None):
+    """The torch reference of every decode kernel.
+
+    bias: [BH, N] additive (0 / -inf) or None.  Returns m, l: [BH, R]; o: [BH, R, n_v] float32.
+    """
+    s = None
+    for p in parts:
+        k = p.cent[_unpack(p.codes, p.bits, p.n)] * p.norm.unsqueeze(-1)  # [BH, N, n]
+        part = torch.matmul(p.q, k.transpose(-1, -2))
+        s = part if s is None else s + part
+    if bias is not None:
+        s = s + bias.unsqueeze(-2)
+    m = s.amax(dim=-1)
+    p_ = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)).unsqueeze(-1))
+    l = p_.sum(dim=-1)  # noqa: E741
+    group = torch.arange(vp.n, device=s.device) // vp.group_size
+    v = vp.cent[_unpack(vp.codes, vp.bits, vp.n)] * vp.scale[..., group]
+    if vp.zero is not None:
+        v = v + vp.zero[..., group]
+    return m, l, torch.matmul(p_, v)
+
+
+def partial_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None):
+    """The same partial over exact keys: q [.., R, D], k/v [.., N, D], bias [.., R|1, N] or None."""
+    s = torch.matmul(q, k.float().transpose(-1, -2))
+    if bias is not None:
+        s = s + bias
+    m = s.amax(dim=-1)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)).unsqueeze(-1))
+    return m, p.sum(dim=-1), torch.matmul(p, v.float())
+
+
+def merge_partials(partials, dim: int = 0):
+    """Combine partial softmaxes [(m, l, o), ...] of disjoint key sets -> (m, l, o).
+
+    All tensors share shapes (m, l: [...], o: [..., n]); a part whose logits were all -inf
+    (m = -inf, l = 0) contributes nothing.
+    """
+    m = torch.stack([p[0] for p in partials]).amax(dim=0)
+    safe_m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    l_tot = torch.zeros_like(m)
+    o_tot = torch.zeros_like(partials[0][2])
+    for pm, pl, po in partials:
+        w = torch.where(torch.isfinite(pm), torch.exp(pm - safe_m), torch.zeros_like(pm))
+        l_tot = l_tot + w * pl
+        o_tot = o_tot + w.unsqueeze(-1) * po
+    return m, l_tot, o_tot
