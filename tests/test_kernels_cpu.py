@@ -109,3 +109,42 @@ def test_cache_picks_cpu_kernel_and_matches_torch_path(monkeypatch):
     assert torch.equal(outs["auto"].sequences, outs["torch"].sequences)
     for x, y in zip(outs["auto"].logits, outs["torch"].logits):
         assert torch.allclose(x, y, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("correct", [False, True])
+def test_cpu_quantize_equals_reference(bits, correct):
+    from qjl.turboquant import TurboQuantMSE
+
+    codec = TurboQuantMSE(64, bits, seed=bits, correct_norm=correct)
+    x = torch.randn(2, 3, 50, 64, generator=torch.Generator().manual_seed(bits)) * 2
+    got, want = kernels.quantize_cpu(codec, x), codec.quantize(x)
+    assert torch.equal(got.fields["codes"], want.fields["codes"])
+    if correct:  # the cosine is summed in another order: at most one fp16 ulp apart
+        a, b = got.fields["norm"].float(), want.fields["norm"].float()
+        assert ((a - b).abs() <= b.abs() * 2**-10).all()
+    else:
+        assert torch.equal(got.fields["norm"], want.fields["norm"])
+
+
+def test_cpu_quantize_refuses_bad_input_like_the_reference():
+    from qjl.turboquant import TurboQuantMSE
+
+    codec = TurboQuantMSE(64, 3)
+    x = torch.randn(4, 64)
+    x[2, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        kernels.quantize_cpu(codec, x)
+    with pytest.raises(ValueError, match="last dimension 64"):
+        kernels.quantize_cpu(codec, torch.randn(4, 63))
+    with pytest.raises(TypeError, match="floating"):
+        kernels.quantize_cpu(codec, torch.ones(4, 64, dtype=torch.long))
+
+
+def test_supports_needs_whole_bytes_of_codes():
+    from qjl.turboquant import TurboQuantMSE
+    from qjl.values import TokenwiseQuantizer
+
+    assert kernels.supports(TurboQuantMSE(64, 3), TokenwiseQuantizer(64, 2))
+    assert not kernels.supports(TurboQuantMSE(100, 3), TurboQuantMSE(100, 2))  # 100 % 8 != 0: reference path
+    assert not kernels.supports(TurboQuantMSE(64, 3), TokenwiseQuantizer(64, 2, group_size=12))

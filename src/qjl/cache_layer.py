@@ -132,6 +132,8 @@ class QJLCacheLayer(CacheLayerMixin):
     def _quantize(self, codec, x: torch.Tensor, *idx) -> Codes:
         if self.backend == "triton" and kernels.can_quantize(codec):
             return kernels.quantize(codec, x, *idx)
+        if self.backend == "cpu" and kernels.can_quantize_cpu(codec):
+            return kernels.quantize_cpu(codec, x)
         return codec.quantize(x, *idx)
 
     def _quantize_keys(self, k: torch.Tensor) -> Codes:

@@ -1,4 +1,4 @@
-"""Command-line entry point: ``qjl eval``, ``qjl generate``, ``qjl stats``, ``qjl bits``."""
+"""Command-line entry point: ``qjl eval``, ``qjl generate``, ``qjl bench``, ``qjl stats``, ``qjl bits``."""
 
 from __future__ import annotations
 
@@ -203,6 +203,22 @@ def _generate(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    import torch
+
+    from .bench import main_bench
+
+    torch.set_grad_enabled(False)
+    out = Path(args.out) / time.strftime("bench-%Y%m%d-%H%M%S")
+    parts = tuple(args.parts.split(","))
+    bad = set(parts) - {"attention", "quantize", "e2e"}
+    if bad:
+        raise SystemExit(f"--parts: unknown part(s) {sorted(bad)}; choose from attention,quantize,e2e")
+    contexts = tuple(int(c) for c in args.contexts.split(","))
+    main_bench(out, contexts, args.repeats, args.warmup, args.e2e_context, args.e2e_tokens, parts, args.kernel)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="qjl", description="QJL KV-cache quantization tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -231,6 +247,17 @@ def main(argv=None) -> int:
     p.add_argument("--memory-tokens", type=int, default=4096, help="measure cache bytes at this length (0 to skip)")
     p.add_argument("--out", default="runs/eval", help="run directory")
     p.set_defaults(func=_eval)
+    p = sub.add_parser("bench", help="decode attention / quantization / end-to-end speed, side by side")
+    p.add_argument("--parts", default="attention,quantize,e2e", help="comma list of attention,quantize,e2e")
+    p.add_argument("--contexts", default="1024,4096,16384,65536", help="context lengths for decode attention")
+    p.add_argument("--repeats", type=int, default=7, help="timed calls per method (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    p.add_argument("--e2e-context", type=int, default=8192, help="prompt tokens for the end-to-end decode")
+    p.add_argument("--e2e-tokens", type=int, default=24, help="greedy tokens decoded end to end")
+    p.add_argument("--kernel", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="kernel for the compressed caches (auto: numba on CPU, Triton on CUDA)")
+    p.add_argument("--out", default="runs", help="parent directory of the run directory")
+    p.set_defaults(func=_bench)
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache and show its memory")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--prompt", help="prompt text")

@@ -151,3 +151,17 @@ def polar_codebook(level: int, bits: int) -> Codebook:
         c = tuple((i + 0.5) * step for i in range(k))
         return Codebook(c, tuple((i + 1) * step for i in range(k - 1)), step * step / 12, 4 * math.pi ** 2 / 3)
     return _cached(f"polar-l{level}-b{bits}", lambda: lloyd_max(*polar_pdf(level), bits))
+
+
+def bucket(y: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
+    """Index of the codebook cell of each entry: the number of (sorted) boundaries below it.
+
+    Equal to ``torch.bucketize(y, boundaries)``; for the few boundaries of a <= 4-bit codebook a
+    comparison per boundary is several times faster on the CPU.  Returns int64.
+    """
+    if boundaries.numel() > 15:
+        return torch.bucketize(y, boundaries)
+    idx = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for b in boundaries.tolist():
+        idx += y > b
+    return idx.long()

@@ -73,10 +73,21 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"pack_bits: values must lie in [0, {(1 << bits) - 1}]")
     if bits == 8:
         return values.to(torch.uint8)
-    v = values.to(torch.uint8)
-    weights = _BIT_WEIGHTS[:bits].to(v.device)
-    stream = (v.unsqueeze(-1) & weights) != 0  # [..., L, bits]
-    return _pack_bool(stream.reshape(*v.shape[:-1], -1))
+    return _pack_words(values, bits)
+
+
+def _pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Eight b-bit values make one b-byte little-endian word: the stream layout above, without a bool stream."""
+    length = values.shape[-1]
+    pad = (-length) % 8
+    v = values.to(torch.int64)
+    if pad:
+        v = torch.nn.functional.pad(v, (0, pad))
+    v = v.reshape(*v.shape[:-1], -1, 8)
+    shifts = torch.arange(0, 8 * bits, bits, device=v.device)
+    word = (v << shifts).sum(dim=-1, keepdim=True)  # [..., L/8, 1] < 2^(8 bits) <= 2^56
+    out = (word >> torch.arange(0, 8 * bits, 8, device=v.device)) & 0xFF  # [..., L/8, bits]
+    return out.to(torch.uint8).reshape(*v.shape[:-2], -1)[..., : packed_size(length, bits)]
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
@@ -92,6 +103,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
         )
     if bits == 8:
         return packed.to(torch.int64)
-    stream = _unpack_bool(packed, length * bits).reshape(*packed.shape[:-1], length, bits)
-    weights = _BIT_WEIGHTS[:bits].to(torch.int64).to(packed.device)
-    return (stream.to(torch.int64) * weights).sum(dim=-1)
+    nbytes = packed.shape[-1]
+    pad = (-nbytes) % bits
+    p = packed.to(torch.int64)
+    if pad:
+        p = torch.nn.functional.pad(p, (0, pad))
+    p = p.reshape(*p.shape[:-1], -1, bits)
+    word = (p << torch.arange(0, 8 * bits, 8, device=p.device)).sum(dim=-1, keepdim=True)
+    codes = (word >> torch.arange(0, 8 * bits, bits, device=p.device)) & ((1 << bits) - 1)
+    return codes.reshape(*p.shape[:-2], -1)[..., :length]

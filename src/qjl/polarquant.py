@@ -22,7 +22,7 @@ import torch
 
 from ._validation import check_fits, check_positive_int, check_vectors, storage_dtype
 from .codec import BitBudget, Codec, Codes
-from .lloyd_max import polar_codebook
+from .lloyd_max import bucket, polar_codebook
 from .packing import pack_bits, packed_size, unpack_bits
 from .rotation import Rotation
 
@@ -96,7 +96,7 @@ class PolarQuant(Codec):
         _, angles = polar_transform(self.rotation.apply(xf))
         fields = {}
         for level, (psi, (_, bounds)) in enumerate(zip(angles, self._tables)):
-            idx = torch.bucketize(psi.contiguous(), bounds.to(psi.device))
+            idx = bucket(psi.contiguous(), bounds.to(psi.device))
             fields[f"level{level}"] = pack_bits(idx, self.bits[level])
         fields["norm"] = norm.to(self.norm_dtype)
         return Codes(tuple(x.shape[:-1]), fields)

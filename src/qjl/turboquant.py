@@ -22,7 +22,7 @@ import torch
 
 from ._validation import check_bits, check_fits, check_positive_int, check_vectors, storage_dtype
 from .codec import BitBudget, Codec, Codes
-from .lloyd_max import sphere_codebook
+from .lloyd_max import bucket, sphere_codebook
 from .outliers import derive_seed
 from .packing import pack_bits, packed_size, unpack_bits
 from .rotation import Rotation
@@ -76,7 +76,7 @@ class TurboQuantMSE(Codec):
         check_fits("norm of x", norm, self.norm_dtype)
         unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
         y = self.rotation.apply(unit)
-        idx = torch.bucketize(y, self._boundaries.to(y.device))
+        idx = bucket(y, self._boundaries.to(y.device))
         if self.correct_norm:
             cos = (y * self._centroids.to(y.device)[idx]).sum(-1)  # <u, u_hat> > 0 for any b >= 1
             norm = norm / torch.where(cos > 0, cos, torch.ones_like(cos))

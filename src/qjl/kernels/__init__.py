@@ -20,7 +20,7 @@ import torch
 
 from .plan import KeyPart, ValuePart, key_parts, merge_partials, partial_exact, reference_partial, supports, value_part
 
-__all__ = ["BACKENDS", "pick_backend", "decode_partial", "quantize", "can_quantize", "key_parts", "value_part",
+__all__ = ["BACKENDS", "pick_backend", "decode_partial", "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu", "key_parts", "value_part",
            "reference_partial", "merge_partials", "partial_exact", "supports", "KeyPart", "ValuePart"]
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
@@ -132,6 +132,36 @@ def quantize(codec, x: torch.Tensor, outlier_idx: torch.Tensor | None = None):
     fields = {"signs": signs.reshape(*lead, -1), "norm": norm.reshape(lead).to(sketch.norm_dtype),
               "outlier_signs": osigns.reshape(*lead, -1), "outlier_norm": onorm.reshape(lead).to(codec.outlier.norm_dtype)}
     return Codes(lead, fields, {"outlier_idx": idx.to(codec._idx_dtype)})
+
+
+def quantize_cpu(codec, x: torch.Tensor):
+    """TurboQuant MSE on the CPU: the reference's norm and rotation (torch), then bucketing, packing
+    and the norm correction's cosine in one numba pass.  Codes equal ``codec.quantize(x)``; with
+    ``correct_norm`` the cosine is summed in another order (norms may differ by one ulp)."""
+    from .._validation import check_vectors
+    from ..codec import Codes
+    from . import cpu
+
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.ndim < 1 or x.shape[-1] != codec.dim:
+        check_vectors("x", x, codec.dim)  # raises the reference's error
+    xf = x.float()
+    norm = torch.linalg.vector_norm(xf, dim=-1)
+    if not bool(torch.isfinite(norm).all()):  # a NaN/Inf entry makes its norm NaN/Inf: one cheap check
+        check_vectors("x", x, codec.dim)
+    _check_norm(codec.norm_dtype, norm)
+    unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
+    y = codec.rotation.apply(unit)
+    codes, cos = cpu.bucket_pack(y, codec._boundaries, codec._centroids, codec.bits)
+    if codec.correct_norm:
+        norm = norm / torch.where(cos > 0, cos, torch.ones_like(cos))
+        _check_norm(codec.norm_dtype, norm)
+    return Codes(tuple(x.shape[:-1]), {"codes": codes, "norm": norm.to(codec.norm_dtype)})
+
+
+def can_quantize_cpu(codec) -> bool:
+    from ..turboquant import TurboQuantMSE
+
+    return isinstance(codec, TurboQuantMSE) and _has("numba")
 
 
 def _check_norm(dtype, norm):

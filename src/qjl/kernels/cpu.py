@@ -1,4 +1,4 @@
-"""CPU decode attention over packed codes (numba, multi-threaded, compiled once and cached).
+"""CPU decode attention over packed codes (numba, multi-threaded, compiled once per code widths).
 
 Reads the packed codes directly through lookup tables, never a ±1 or float key matrix:
 
@@ -11,8 +11,12 @@ Reads the packed codes directly through lookup tables, never a ±1 or float key 
   over the same indices, expanded once at the end (``sum_v H[i, v, r] * cent[code_j(v)]``),
   plus the zero points' sum -- again one read of the codes per token for all rows.
 
-Work is split over (sequence x KV head, token block) with ``numba.prange``; each block
-returns a partial softmax that :func:`qjl.kernels.plan.merge_partials` combines.
+Work is split over (sequence x KV head, row chunk, token block) with ``numba.prange``; the
+blocks' partial softmaxes are merged inside the kernel.  The kernel is compiled with the
+code widths as constants on first use (a few seconds, once per process and width triple),
+never inside the decode loop.  Measured speed and its limits: README ("Kernels").
+
+:func:`bucket_pack` is the CPU half of TurboQuant quantization (cell search + packing).
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ import math
 import numpy as np
 import torch
 
-from .plan import KeyPart, ValuePart, merge_partials
+from .plan import KeyPart, ValuePart
 
-__all__ = ["available", "decode_partial"]
+__all__ = ["available", "decode_partial", "fits", "bucket_pack", "RW"]
 
 try:
     import numba
@@ -33,7 +37,7 @@ try:
 except ImportError:  # pragma: no cover - numba is a dependency; kept optional for odd platforms
     numba = None
 
-# reassociation etc. for vectorized sums, but not "no infs/NaNs": masked logits are -inf
+# reassociation etc., but not "no infs/NaNs": masked logits are -inf
 _FASTMATH = {"nsz", "arcp", "contract", "reassoc", "afn"}
 _MIN_BLOCK = 512  # tokens per work item at least (table building amortizes over them)
 
@@ -57,7 +61,31 @@ def _layout(bits: int):
 
 @functools.lru_cache(maxsize=None)
 def _compile(kbits1: int, kbits2: int, vbits: int):
-    """The decode kernel with the code widths baked in as constants (compiled once per triple)."""
+    """The decode kernel with the code widths baked in as constants, compiled once per triple.
+
+    LLVM's loop vectorizer turns the table lookups into slow gathers, so it is switched off while
+    these functions compile (a dummy call compiles them eagerly); the per-row sums stay scalar.
+    """
+    saved = numba.config.LOOP_VECTORIZE
+    numba.config.LOOP_VECTORIZE = False
+    try:
+        decode = _build(kbits1, kbits2, vbits)
+        _warm_up(decode, kbits1, kbits2, vbits)
+    finally:
+        numba.config.LOOP_VECTORIZE = saved
+    return decode
+
+
+def _warm_up(decode, kbits1, kbits2, vbits):
+    f32 = np.float32
+    z = lambda *s: np.zeros(s, dtype=f32)  # noqa: E731
+    c = lambda bits: np.zeros((1, 1, bits), dtype=np.uint8)  # noqa: E731
+    decode(c(kbits1), 8, z(1 << kbits1), z(1, 1), z(1, 1, RW, 8), c(kbits2), 8, z(1 << kbits2), z(1, 1),
+           z(1, 1, RW, 8), True, c(vbits), 8, z(1 << vbits), 8, z(1, 1, 1), z(1, 1, 1), True, z(1, 1), True, 1, 1,
+           z(1, 1, 1, RW), z(1, 1, 1, RW), z(1, 1, 1, RW, 8))
+
+
+def _build(kbits1: int, kbits2: int, vbits: int):
     g1, width1, per1 = _layout(kbits1)
     g2, width2, per2 = _layout(kbits2)
     gv, widthv, perv = _layout(vbits)
@@ -207,8 +235,81 @@ def _compile(kbits1: int, kbits2: int, vbits: int):
                     tot += e
                 out_l[bh, rc, s, r] = tot
             mix(vc[bh], vn, vcent, vgs, vscale[bh], vzero[bh], has_zero, logits, t0, t1, out_o[bh, rc, s])
+        if splits > 1:  # merge the splits' partial softmaxes into split 0
+            for item in prange(bh_count * rchunks):
+                bh = item // rchunks
+                rc = item % rchunks
+                for r in range(RW):
+                    m = -np.inf
+                    for s in range(splits):
+                        m = max(m, out_m[bh, rc, s, r])
+                    if m == -np.inf:
+                        continue
+                    tot = np.float32(0.0)
+                    for s in range(splits):
+                        w = np.exp(out_m[bh, rc, s, r] - m)
+                        tot += w * out_l[bh, rc, s, r]
+                        if s == 0:
+                            for c in range(vn):
+                                out_o[bh, rc, 0, r, c] *= w
+                        else:
+                            for c in range(vn):
+                                out_o[bh, rc, 0, r, c] += w * out_o[bh, rc, s, r, c]
+                    out_m[bh, rc, 0, r] = m
+                    out_l[bh, rc, 0, r] = tot
 
     return decode
+
+
+if numba is not None:
+
+    @njit(cache=True, parallel=True)
+    def _bucket_pack(y, bnd, cent, bits, codes, cos):
+        """Lloyd-Max cell of every coordinate (number of boundaries below it, as torch.bucketize),
+        packed LSB-first 8 codes per ``bits`` bytes, and cos[i] = sum_c y[i, c] * cent[idx]."""
+        n_rows, n = y.shape
+        nbytes = codes.shape[1]
+        nb = bnd.shape[0]
+        for i in prange(n_rows):
+            acc = np.float32(0.0)
+            for ch in range((n + 7) // 8):
+                w = np.uint64(0)
+                for j in range(8):
+                    c = ch * 8 + j
+                    if c < n:
+                        v = y[i, c]
+                        if nb <= 15:
+                            k = 0
+                            for b in range(nb):
+                                k += v > bnd[b]
+                        else:  # binary search: first boundary >= v
+                            lo, hi = 0, nb
+                            while lo < hi:
+                                mid = (lo + hi) // 2
+                                if bnd[mid] < v:
+                                    lo = mid + 1
+                                else:
+                                    hi = mid
+                            k = lo
+                        w |= np.uint64(k) << np.uint64(bits * j)
+                        acc += v * cent[k]
+                for byte in range(bits):
+                    pos = ch * bits + byte
+                    if pos < nbytes:
+                        codes[i, pos] = np.uint8((w >> np.uint64(8 * byte)) & np.uint64(255))
+            cos[i] = acc
+
+
+def bucket_pack(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tensor, bits: int):
+    """y: [..., n] float32 -> (packed codes [..., ceil(n*bits/8)] uint8, cos [...] float32); see :func:`_bucket_pack`."""
+    if numba is None:
+        raise RuntimeError("the CPU kernel needs numba (pip install numba)")
+    lead, n = y.shape[:-1], y.shape[-1]
+    y2 = _np(y.reshape(-1, n).float())
+    codes = np.empty((y2.shape[0], (n * bits + 7) // 8), dtype=np.uint8)
+    cos = np.empty(y2.shape[0], dtype=np.float32)
+    _bucket_pack(y2, _np(boundaries.float()), _np(centroids.float()), bits, codes, cos)
+    return torch.from_numpy(codes).reshape(*lead, -1), torch.from_numpy(cos).reshape(lead)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -226,8 +327,7 @@ def _rows(q: torch.Tensor) -> torch.Tensor:
 
 def fits(parts: list[KeyPart], vp: ValuePart) -> bool:
     """Layouts this kernel reads: 1-2 key parts; code lengths and value groups in whole bytes of 8 codes."""
-    ok = 1 <= len(parts) <= 2 and all(p.n % 8 == 0 and 8 % p.bits == 0 or p.n % 8 == 0 and p.bits <= 8
-                                       for p in parts)
+    ok = 1 <= len(parts) <= 2 and all(p.n % 8 == 0 and p.bits <= 8 for p in parts)
     return ok and vp.n % 8 == 0 and vp.group_size % 8 == 0
 
 
@@ -263,9 +363,8 @@ def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | Non
            _np(p2.codes), p2.n, f32(p2.cent), f32(p2.norm), q2.numpy(), len(parts) == 2,
            _np(vp.codes), vp.n, f32(vp.cent), vp.group_size, f32(vp.scale), f32(zero),
            vp.zero is not None, bias_np, bias is not None, heads, block, out_m, out_l, out_o)
-    m, l_, o = (torch.from_numpy(a).transpose(1, 2) for a in (out_m, out_l, out_o))  # [BH, splits, chunks, RW..]
-    m, l_ = m.reshape(bh, splits, -1)[..., :r_rows], l_.reshape(bh, splits, -1)[..., :r_rows]
-    o = o.reshape(bh, splits, -1, vp.n)[:, :, :r_rows]
-    if splits == 1:
-        return m[:, 0], l_[:, 0], o[:, 0]
-    return merge_partials([(m[:, s], l_[:, s], o[:, s]) for s in range(splits)])
+    r_all = rchunks * RW  # split 0 holds the merged partial
+    m = torch.from_numpy(out_m[:, :, 0]).reshape(bh, r_all)[:, :r_rows]
+    l_ = torch.from_numpy(out_l[:, :, 0]).reshape(bh, r_all)[:, :r_rows]
+    o = torch.from_numpy(out_o[:, :, 0]).reshape(bh, r_all, vp.n)[:, :r_rows]
+    return m, l_, o

@@ -65,9 +65,21 @@ class ValuePart:
 
 
 def supports(key_codec, value_codec) -> bool:
-    """Whether the kernels cover this pair of codecs (others use the reference path)."""
-    keys_ok = isinstance(key_codec, (TurboQuantMSE, QJLSketch, OutlierQJL))
-    return keys_ok and isinstance(value_codec, (TurboQuantMSE, TokenwiseQuantizer))
+    """Whether the kernels cover this pair of codecs (others use the reference path).
+
+    Keys: TurboQuant MSE, QJL, QJL with outliers; values: TurboQuant MSE, token-wise; code
+    lengths (rotated dim, sketch dims) and value groups must be multiples of 8 (whole bytes
+    of 8 codes), true for every head_dim that is a multiple of 8.
+    """
+    if isinstance(key_codec, TurboQuantMSE):
+        keys_ok = key_codec.rotation.out_dim % 8 == 0
+    else:
+        keys_ok = isinstance(key_codec, (QJLSketch, OutlierQJL))  # sketch sizes are multiples of 8
+    if isinstance(value_codec, TurboQuantMSE):
+        return keys_ok and value_codec.rotation.out_dim % 8 == 0
+    if isinstance(value_codec, TokenwiseQuantizer):
+        return keys_ok and value_codec.dim % 8 == 0 and value_codec.group_size % 8 == 0
+    return False
 
 
 def _flat(t: torch.Tensor, keep: int) -> torch.Tensor:
