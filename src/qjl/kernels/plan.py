@@ -37,7 +37,7 @@ __all__ = ["KeyPart", "ValuePart", "supports", "key_parts", "value_part", "refer
 
 @dataclass
 class KeyPart:
-    """codes [BH, N, nbytes] uint8; q [BH, R, n] f32; cent [2^bits] f32; norm [BH, N] f32."""
+    """codes [BH, N, nbytes] uint8; q [BH, R, n] f32; cent [2^bits] f32; norm [BH, N] (stored dtype)."""
 
     codes: torch.Tensor
     bits: int
@@ -49,7 +49,7 @@ class KeyPart:
 
 @dataclass
 class ValuePart:
-    """codes [BH, N, nbytes] uint8; cent [2^bits]; scale/zero [BH, N, G] f32 (zero may be None).
+    """codes [BH, N, nbytes] uint8; cent [2^bits] f32; scale/zero [BH, N, G] in their stored dtype (zero may be None).
 
     ``post`` maps the mixed [..., n] output back to [..., dim] (TurboQuant's inverse rotation) or is None.
     """
@@ -90,7 +90,7 @@ def _flat(t: torch.Tensor, keep: int) -> torch.Tensor:
 def _sign_part(sketch: QJLSketch, q: torch.Tensor, signs: torch.Tensor, norm: torch.Tensor) -> KeyPart:
     qp = sketch.project(q) * sketch.scale
     cent = torch.tensor([-1.0, 1.0], device=q.device)
-    return KeyPart(_flat(signs, 2), 1, sketch.sketch_dim, cent, _flat(norm.float(), 1), _flat(qp, 2))
+    return KeyPart(_flat(signs, 2), 1, sketch.sketch_dim, cent, _flat(norm, 1), _flat(qp, 2))
 
 
 def key_parts(codec, codes, q: torch.Tensor) -> list[KeyPart]:
@@ -99,7 +99,7 @@ def key_parts(codec, codes, q: torch.Tensor) -> list[KeyPart]:
     if isinstance(codec, TurboQuantMSE):
         cent = codec._centroids.to(q.device)
         return [KeyPart(_flat(f["codes"], 2), codec.bits, codec.rotation.out_dim, cent,
-                        _flat(f["norm"].float(), 1), _flat(codec.rotation.apply(q), 2))]
+                        _flat(f["norm"], 1), _flat(codec.rotation.apply(q), 2))]
     if isinstance(codec, QJLSketch):
         return [_sign_part(codec, q, f["signs"], f["norm"])]
     if isinstance(codec, OutlierQJL):
@@ -118,11 +118,11 @@ def value_part(codec, codes) -> ValuePart:
     if isinstance(codec, TurboQuantMSE):
         n = codec.rotation.out_dim
         return ValuePart(_flat(f["codes"], 2), codec.bits, n, codec._centroids.to(dev), n,
-                         _flat(f["norm"].float().unsqueeze(-1), 2), None, codec.rotation.inverse)
+                         _flat(f["norm"].unsqueeze(-1), 2), None, codec.rotation.inverse)
     if isinstance(codec, TokenwiseQuantizer):
         cent = torch.arange(1 << codec.bits, dtype=torch.float32, device=dev)
         return ValuePart(_flat(f["codes"], 2), codec.bits, codec.dim, cent, codec.group_size,
-                         _flat(f["scale"].float(), 2), _flat(f["zero"].float(), 2), None)
+                         _flat(f["scale"], 2), _flat(f["zero"], 2), None)
     raise TypeError(f"no kernel for value codec {type(codec).__name__}")
 
 
@@ -139,7 +139,7 @@ def reference_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | 
     """
     s = None
     for p in parts:
-        k = p.cent[_unpack(p.codes, p.bits, p.n)] * p.norm.unsqueeze(-1)  # [BH, N, n]
+        k = p.cent[_unpack(p.codes, p.bits, p.n)] * p.norm.float().unsqueeze(-1)  # [BH, N, n]
         part = torch.matmul(p.q, k.transpose(-1, -2))
         s = part if s is None else s + part
     if bias is not None:
@@ -148,9 +148,9 @@ def reference_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | 
     p_ = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)).unsqueeze(-1))
     l = p_.sum(dim=-1)  # noqa: E741
     group = torch.arange(vp.n, device=s.device) // vp.group_size
-    v = vp.cent[_unpack(vp.codes, vp.bits, vp.n)] * vp.scale[..., group]
+    v = vp.cent[_unpack(vp.codes, vp.bits, vp.n)] * vp.scale.float()[..., group]
     if vp.zero is not None:
-        v = v + vp.zero[..., group]
+        v = v + vp.zero.float()[..., group]
     return m, l, torch.matmul(p_, v)
 
 

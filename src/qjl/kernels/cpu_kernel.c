@@ -1,0 +1,285 @@
+/* CPU decode attention over packed codes: the C twin of the numba kernel in cpu.py.
+ *
+ * Same algorithm and layouts (see cpu.py and plan.py): per (sequence x KV head, row chunk of
+ * RW = 4 query rows, token split) a table T[field][value][RW] scores all rows with one 16-byte
+ * vector load per field of packed codes; values are mixed through a histogram over the same
+ * fields; splits are merged at the end.  GCC/Clang vector extensions give the 4-row vector
+ * adds that numba leaves scalar.  Built once per machine by cpu_build.py (cffi), OpenMP threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RW 4
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline v4 load4(const float *p) { v4 x; memcpy(&x, p, 16); return x; }
+
+/* norms, scales and zero points are read in their storage dtype: 0 = fp32, 1 = fp16, 2 = bf16 */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { /* subnormal: normalize */
+            int e = -1;
+            uint32_t m = man;
+            do { e++; m <<= 1; } while ((m & 0x400) == 0);
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline float read_f(const void *p, int64_t i, int kind) {
+    if (kind == 0) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    if (kind == 1) return half_to_float(h);
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline void store4(float *p, v4 x) { memcpy(p, &x, 16); }
+
+static inline __attribute__((always_inline)) uint64_t load_word(const uint8_t *p, const int bits) {
+    uint64_t w = 0;
+    for (int j = 0; j < bits; j++) w |= (uint64_t)p[j] << (8 * j);
+    return w;
+}
+
+/* T[i][v][r] = sum_j q[r][i*g+j] * cent[code_j(v)], g = 8 / bits codes per field */
+static inline __attribute__((always_inline)) void build_table(const int bits, const float *q, int64_t n,
+                                                              const float *cent, float *tab) {
+    const int g = 8 / bits, width = g * bits, mask = (1 << bits) - 1;
+    const int64_t nv = (int64_t)1 << width;
+    for (int64_t i = 0; i < n / g; i++)
+        for (int64_t v = 0; v < nv; v++) {
+            v4 acc = {0, 0, 0, 0};
+            for (int j = 0; j < g; j++) {
+                const int64_t c = i * g + j;
+                const float cv = cent[(v >> (j * bits)) & mask];
+                v4 qc = {q[c], q[n + c], q[2 * n + c], q[3 * n + c]};
+                acc += qc * cv;
+            }
+            store4(tab + (i * nv + v) * RW, acc);
+        }
+}
+
+/* out[r][t - t0] += norm[t] * sum_fields T[field][value(t)][r] */
+static inline __attribute__((always_inline)) void score(const int bits, const uint8_t *codes, int64_t nb,
+                                                        const float *tab, const void *norm, int nkind, int64_t t0,
+                                                        int64_t t1, float *out, int64_t len) {
+    const int g = 8 / bits, width = g * bits, per = 8 / g;
+    const int64_t nv = (int64_t)1 << width;
+    const uint64_t fmask = (uint64_t)nv - 1;
+    const int64_t chunks = nb / bits;
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *row = codes + t * nb;
+        v4 acc[4] = {{0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}, {0, 0, 0, 0}};
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const uint64_t w = load_word(row + ch * bits, bits);
+            const float *base = tab + ch * per * nv * RW;
+            for (int f = 0; f < per; f++)
+                acc[(ch * per + f) & 3] += load4(base + (f * nv + ((w >> (f * width)) & fmask)) * RW);
+        }
+        const v4 a = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+        const float nt = read_f(norm, t, nkind);
+        for (int r = 0; r < RW; r++) out[r * len + (t - t0)] += a[r] * nt;
+    }
+}
+
+/* hist[field][value][r] += p[r][t - t0] * scale[t][group]; zsum[group][r] += p * zero (one pass over codes) */
+static inline __attribute__((always_inline)) void mix(const int bits, const uint8_t *codes, int64_t nb, int64_t gs,
+                                                      int64_t ngroups, const void *scale, const void *zero,
+                                                      int skind, int has_zero, const float *p, int64_t len,
+                                                      int64_t t0, int64_t t1, float *hist, float *zsum) {
+    const int g = 8 / bits, width = g * bits, per = 8 / g;
+    const int64_t nv = (int64_t)1 << width;
+    const uint64_t fmask = (uint64_t)nv - 1;
+    const int64_t chunks = nb / bits, n_fields = chunks * per;
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *row = codes + t * nb;
+        const int64_t c = t - t0;
+        const v4 pw = {p[c], p[len + c], p[2 * len + c], p[3 * len + c]};
+        if (has_zero)
+            for (int64_t k = 0; k < ngroups; k++)
+                store4(zsum + k * RW, load4(zsum + k * RW) + pw * read_f(zero, t * ngroups + k, skind));
+        int64_t k_prev = -1;
+        v4 ws = {0, 0, 0, 0};
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const int64_t k = (ch * 8) / gs;
+            if (k != k_prev) { ws = pw * read_f(scale, t * ngroups + k, skind); k_prev = k; }
+            const uint64_t w = load_word(row + ch * bits, bits);
+            /* odd tokens go to a second copy of the histogram: frequent codes then do not chain
+               read-modify-writes of one entry from token to token */
+            float *base = hist + ((t & 1) * (n_fields * nv) + ch * per * nv) * RW;
+            for (int f = 0; f < per; f++) {
+                float *h = base + (f * nv + ((w >> (f * width)) & fmask)) * RW;
+                store4(h, load4(h) + ws);
+            }
+        }
+    }
+}
+
+/* out[r][c] = sum_v hist[i][v][r] * cent[code_j(v)] + zsum[c / gs][r] */
+static void expand(int bits, int64_t n, const float *cent, int64_t gs, const float *hist, const float *zsum,
+                   int has_zero, float *out) {
+    const int g = 8 / bits, width = g * bits, mask = (1 << bits) - 1;
+    const int64_t nv = (int64_t)1 << width;
+    const int64_t half = (n / g) * nv * RW; /* the two copies of the histogram (see mix) */
+    for (int64_t i = 0; i < n / g; i++)
+        for (int64_t v = 0; v < nv; v++) {
+            const v4 h = load4(hist + (i * nv + v) * RW) + load4(hist + half + (i * nv + v) * RW);
+            for (int j = 0; j < g; j++) {
+                const float cv = cent[(v >> (j * bits)) & mask];
+                const int64_t cc = i * g + j;
+                for (int r = 0; r < RW; r++) out[r * n + cc] += h[r] * cv;
+            }
+        }
+    if (has_zero)
+        for (int64_t cc = 0; cc < n; cc++)
+            for (int r = 0; r < RW; r++) out[r * n + cc] += zsum[(cc / gs) * RW + r];
+}
+
+#define SPECIALIZE(B)                                                                                         \
+    static void table_##B(const float *q, int64_t n, const float *cent, float *tab) {                        \
+        build_table(B, q, n, cent, tab);                                                                      \
+    }                                                                                                         \
+    static void score_##B(const uint8_t *codes, int64_t nb, const float *tab, const void *norm, int nkind,    \
+                          int64_t t0, int64_t t1, float *out, int64_t len) {                                  \
+        score(B, codes, nb, tab, norm, nkind, t0, t1, out, len);                                              \
+    }                                                                                                         \
+    static void mix_##B(const uint8_t *codes, int64_t nb, int64_t gs, int64_t ngroups, const void *scale,    \
+                        const void *zero, int skind, int has_zero, const float *p, int64_t len, int64_t t0,   \
+                        int64_t t1, float *hist, float *zsum) {                                               \
+        mix(B, codes, nb, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, hist, zsum);            \
+    }
+SPECIALIZE(1)
+SPECIALIZE(2)
+SPECIALIZE(3)
+SPECIALIZE(4)
+SPECIALIZE(5)
+SPECIALIZE(6)
+SPECIALIZE(7)
+SPECIALIZE(8)
+
+typedef void (*table_fn)(const float *, int64_t, const float *, float *);
+typedef void (*score_fn)(const uint8_t *, int64_t, const float *, const void *, int, int64_t, int64_t, float *,
+                         int64_t);
+typedef void (*mix_fn)(const uint8_t *, int64_t, int64_t, int64_t, const void *, const void *, int, int,
+                       const float *, int64_t, int64_t, int64_t, float *, float *);
+static const table_fn TABLES[9] = {0, table_1, table_2, table_3, table_4, table_5, table_6, table_7, table_8};
+static const score_fn SCORES[9] = {0, score_1, score_2, score_3, score_4, score_5, score_6, score_7, score_8};
+static const mix_fn MIXES[9] = {0, mix_1, mix_2, mix_3, mix_4, mix_5, mix_6, mix_7, mix_8};
+
+static int64_t table_size(int bits, int64_t n) {
+    const int g = 8 / bits;
+    return (n / g) * ((int64_t)1 << (g * bits)) * RW;
+}
+
+#define SUB 1024 /* tokens scored per pass: the logits stay in L1/L2, the histogram is rescaled online */
+
+/* Shapes: c [BH, N, nb]; norm [BH, N]; q [BH, rchunks, RW, n]; vc [BH, N, nbv]; vscale/vzero [BH, N, G];
+ * bias [B, N]; out_m/out_l [BH, rchunks, splits, RW]; out_o [BH, rchunks, splits, RW, nvn].
+ * nkind1/nkind2/skind: storage of norm1/norm2/(vscale, vzero): 0 fp32, 1 fp16, 2 bf16.
+ * Returns 0, or -1 for unsupported bit widths. */
+int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const float *cent1, const void *norm1,
+               int nkind1, const float *q1, int has2, int kbits2, const uint8_t *c2, int64_t nb2, int64_t n2,
+               const float *cent2, const void *norm2, int nkind2, const float *q2, int vbits, const uint8_t *vc,
+               int64_t nbv, int64_t nvn, const float *vcent, int64_t gs, int64_t ngroups, const void *vscale,
+               const void *vzero, int skind, int has_zero, const float *bias, int has_bias, int64_t heads,
+               int64_t bh_count, int64_t rchunks, int64_t n_tok, int64_t block, int64_t splits, float *out_m,
+               float *out_l, float *out_o, int threads) {
+    if (kbits1 < 1 || kbits1 > 8 || kbits2 < 1 || kbits2 > 8 || vbits < 1 || vbits > 8) return -1;
+    const int64_t items = bh_count * rchunks * splits;
+    const int gv = 8 / vbits;
+    const int64_t hist_size = 2 * (nvn / gv) * ((int64_t)1 << (gv * vbits)) * RW;
+    const int64_t sbytes = skind == 0 ? 4 : 2;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t bh = item / (rchunks * splits), rc = (item / splits) % rchunks, s = item % splits;
+        const int64_t t0 = s * block, t1 = t0 + block < n_tok ? t0 + block : n_tok;
+        const int64_t slot = (bh * rchunks + rc) * splits + s;
+        float m_run[RW], l_run[RW];
+        for (int r = 0; r < RW; r++) { m_run[r] = -INFINITY; l_run[r] = 0.0f; }
+        if (t1 > t0) {
+            float *tab1 = malloc(sizeof(float) * (size_t)table_size(kbits1, n1));
+            float *tab2 = has2 ? malloc(sizeof(float) * (size_t)table_size(kbits2, n2)) : NULL;
+            float *hist = calloc((size_t)hist_size, sizeof(float));
+            float *zsum = calloc((size_t)(ngroups * RW), sizeof(float));
+            float *logits = malloc(sizeof(float) * RW * SUB);
+            TABLES[kbits1](q1 + (bh * rchunks + rc) * RW * n1, n1, cent1, tab1);
+            if (has2) TABLES[kbits2](q2 + (bh * rchunks + rc) * RW * n2, n2, cent2, tab2);
+            const uint8_t *k1 = c1 + bh * n_tok * nb1, *k2 = has2 ? c2 + bh * n_tok * nb2 : NULL;
+            const char *n1p = (const char *)norm1 + bh * n_tok * (nkind1 == 0 ? 4 : 2);
+            const char *n2p = has2 ? (const char *)norm2 + bh * n_tok * (nkind2 == 0 ? 4 : 2) : NULL;
+            for (int64_t a = t0; a < t1; a += SUB) {
+                const int64_t b = a + SUB < t1 ? a + SUB : t1, len = b - a;
+                memset(logits, 0, sizeof(float) * RW * (size_t)len);
+                SCORES[kbits1](k1, nb1, tab1, n1p, nkind1, a, b, logits, len);
+                if (has2) SCORES[kbits2](k2, nb2, tab2, n2p, nkind2, a, b, logits, len);
+                if (has_bias) {
+                    const float *brow = bias + (bh / heads) * n_tok;
+                    for (int r = 0; r < RW; r++)
+                        for (int64_t t = a; t < b; t++) logits[r * len + t - a] += brow[t];
+                }
+                for (int r = 0; r < RW; r++) {
+                    float m = m_run[r];
+                    for (int64_t t = 0; t < len; t++) m = logits[r * len + t] > m ? logits[r * len + t] : m;
+                    if (m > m_run[r] && m_run[r] != -INFINITY) { /* rescale what was accumulated so far */
+                        const float w = expf(m_run[r] - m);
+                        l_run[r] *= w;
+                        for (int64_t i = r; i < hist_size; i += RW) hist[i] *= w;
+                        for (int64_t i = r; i < ngroups * RW; i += RW) zsum[i] *= w;
+                    }
+                    m_run[r] = m;
+                    const float sm = m == -INFINITY ? 0.0f : m;
+                    float tot = 0.0f;
+                    for (int64_t t = 0; t < len; t++) {
+                        const float e = expf(logits[r * len + t] - sm);
+                        logits[r * len + t] = e;
+                        tot += e;
+                    }
+                    l_run[r] += tot;
+                }
+                MIXES[vbits](vc + bh * n_tok * nbv, nbv, gs, ngroups,
+                             (const char *)vscale + bh * n_tok * ngroups * sbytes,
+                             (const char *)vzero + bh * n_tok * ngroups * sbytes, skind, has_zero, logits, len, a, b,
+                             hist, zsum);
+            }
+            expand(vbits, nvn, vcent, gs, hist, zsum, has_zero, out_o + slot * RW * nvn);
+            free(tab1);
+            free(tab2);
+            free(hist);
+            free(zsum);
+            free(logits);
+        }
+        for (int r = 0; r < RW; r++) { out_m[slot * RW + r] = m_run[r]; out_l[slot * RW + r] = l_run[r]; }
+    }
+    if (splits > 1) {
+#pragma omp parallel for num_threads(threads)
+        for (int64_t item = 0; item < bh_count * rchunks; item++) {
+            const int64_t first = item * splits;
+            for (int r = 0; r < RW; r++) {
+                float m = -INFINITY;
+                for (int64_t s = 0; s < splits; s++) m = out_m[(first + s) * RW + r] > m ? out_m[(first + s) * RW + r] : m;
+                if (m == -INFINITY) continue;
+                float tot = 0.0f;
+                for (int64_t s = 0; s < splits; s++) {
+                    const float w = out_m[(first + s) * RW + r] == -INFINITY ? 0.0f : expf(out_m[(first + s) * RW + r] - m);
+                    tot += w * out_l[(first + s) * RW + r];
+                    float *dst = out_o + (first * RW + r) * nvn;
+                    const float *src = out_o + ((first + s) * RW + r) * nvn;
+                    for (int64_t c = 0; c < nvn; c++) dst[c] = s == 0 ? dst[c] * w : dst[c] + w * src[c];
+                }
+                out_m[first * RW + r] = m;
+                out_l[first * RW + r] = tot;
+            }
+        }
+    }
+    return 0;
+}
