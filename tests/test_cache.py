@@ -218,3 +218,24 @@ def test_late_layers_get_their_codec():
     model(_prompt(30), past_key_values=cache)
     model(_prompt(1), past_key_values=cache)
     assert [layer.key_codec.bits for layer in cache.layers] == [4, 6, 6]
+
+
+def test_long_prefill_is_scored_in_query_chunks(monkeypatch):
+    """Prompts longer than QUERY_CHUNK are scored chunk by chunk (bounded memory): same logits."""
+    import qjl.cache_layer as cl
+
+    monkeypatch.setattr(cl, "QUERY_CHUNK", 16)
+    model = _patched("llama")
+    ids = _prompt(70)
+    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    got = model(ids, past_key_values=QJLCache(model, QJLConfig(residual_length=128))).logits
+    assert torch.allclose(got, ref, atol=1e-5)
+    # and with compressed history, chunked equals unchunked
+    cfgs = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4, kernel="torch")
+    cache = QJLCache(model, cfgs)
+    model(ids[:, :30], past_key_values=cache)
+    chunked = model(ids[:, 30:], past_key_values=cache).logits
+    monkeypatch.setattr(cl, "QUERY_CHUNK", 4096)
+    cache = QJLCache(model, cfgs)
+    model(ids[:, :30], past_key_values=cache)
+    assert torch.allclose(model(ids[:, 30:], past_key_values=cache).logits, chunked, atol=1e-5)

@@ -141,11 +141,32 @@ def run_quantize(tokens: int = 8192, layer: str = "llama3-8b", preset: str = "tq
             "quantize_over_copy": quant / copy, "quantize_mb_per_s": mb / quant * 1e3}
 
 
+E2E_TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GPL-2",
+             "/usr/share/common-licenses/Apache-2.0", "/usr/share/common-licenses/MPL-2.0")
+
+
+def long_text_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    """n_tokens of real English: the license texts every Debian machine has, one after another."""
+    ids = []
+    for path in E2E_TEXTS:
+        if Path(path).exists():
+            ids.append(tokenizer(Path(path).read_text(encoding="utf-8"), return_tensors="pt").input_ids[0])
+        if sum(i.numel() for i in ids) >= n_tokens:
+            return torch.cat(ids)[:n_tokens]
+    raise ValueError(f"the texts {E2E_TEXTS} hold fewer than {n_tokens} tokens")
+
+
 def _e2e_child(method: str, context: int, new_tokens: int, chunk: int, queue) -> None:
+    try:
+        queue.put(_e2e_run(method, context, new_tokens, chunk))
+    except Exception as exc:  # noqa: BLE001 - reported by the parent
+        queue.put({"method": method, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def _e2e_run(method: str, context: int, new_tokens: int, chunk: int) -> dict:
     import resource
 
     from .cache import QJLCache
-    from .evaluate import DEFAULT_TEXT, load_text_ids
     from .models import load_model
 
     torch.set_grad_enabled(False)
@@ -153,7 +174,7 @@ def _e2e_child(method: str, context: int, new_tokens: int, chunk: int, queue) ->
     import qjl
 
     qjl.patch_attention(model)
-    ids = load_text_ids(tok, DEFAULT_TEXT, context + 1)[None, :context]
+    ids = long_text_ids(tok, context)[None]
     if method == "dynamic":
         from transformers import DynamicCache
 
@@ -179,10 +200,10 @@ def _e2e_child(method: str, context: int, new_tokens: int, chunk: int, queue) ->
         held = sum(t.numel() * t.element_size() for lay in cache.layers for t in (lay.keys, lay.values))
     else:
         held = cache.nbytes()
-    queue.put({"method": method, "context": context, "prefill_s": prefill, "decode_tok_s": 1 / statistics.median(warm),
-               "decode_ms_median": statistics.median(warm) * 1e3, "new_tokens": new_tokens,
-               "cache_bytes": held, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-               "tokens": generated})
+    return {"method": method, "context": context, "prefill_s": prefill, "decode_tok_s": 1 / statistics.median(warm),
+            "decode_ms_median": statistics.median(warm) * 1e3, "new_tokens": new_tokens,
+            "cache_bytes": held, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "tokens": generated}
 
 
 def run_e2e(context: int = 8192, new_tokens: int = 24, chunk: int = 512, methods=("dynamic", "qjl")) -> list:
@@ -195,8 +216,16 @@ def run_e2e(context: int = 8192, new_tokens: int = 24, chunk: int = 512, methods
         queue = ctx.Queue()
         proc = ctx.Process(target=_e2e_child, args=(method, context, new_tokens, chunk, queue))
         proc.start()
-        row = queue.get()
+        row = None
+        while row is None:
+            try:
+                row = queue.get(timeout=5)
+            except Exception:  # noqa: BLE001 - queue.Empty: is the child still alive?
+                if not proc.is_alive():
+                    raise RuntimeError(f"end-to-end run of {method} died (exit code {proc.exitcode})") from None
         proc.join()
+        if "error" in row:
+            raise RuntimeError(f"end-to-end run of {method} failed: {row['error']}")
         rows.append(row)
     return rows
 

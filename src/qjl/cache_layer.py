@@ -31,6 +31,7 @@ from .outliers import OutlierQJL
 __all__ = ["QJLCacheLayer", "MAX_KERNEL_ROWS"]
 
 MAX_KERNEL_ROWS = 32  # query rows (GQA group x new tokens) per KV head up to which the kernels are used
+QUERY_CHUNK = 128  # the reference path scores at most this many new tokens at a time (bounded memory)
 
 
 def _cat(a, b, dim=-2):
@@ -158,38 +159,37 @@ class QJLCacheLayer(CacheLayerMixin):
             out = self._attend_kernel(qg, attention_mask, scaling, hq, t)
             if out is not None:
                 return out.to(query.dtype)
-        parts = []
-        if self.sink_k is not None:
-            parts.append(torch.matmul(qg, self.sink_k.float().transpose(-1, -2)))
-        if self.key_codes is not None:
-            if self.config.score_path == "inner_product":
-                parts.append(self.key_codec.inner_product(qg, self.key_codes))
-            else:
-                parts.append(torch.matmul(qg, self.key_codec.dequantize(self.key_codes).transpose(-1, -2)))
-        parts.append(torch.matmul(qg, self.keys.float().transpose(-1, -2)))
-        sizes = [p.shape[-1] for p in parts]
-        logits = torch.cat(parts, dim=-1).reshape(b, hq, t, -1) * scaling
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        if attention_mask is not None:
-            mask = attention_mask
-            if mask.shape[-1] != logits.shape[-1]:
-                raise RuntimeError(f"attention mask covers {mask.shape[-1]} keys but layer {self.layer_idx} holds "
-                                   f"{logits.shape[-1]}; was this cache used by another model?")
-            if mask.dtype == torch.bool:
-                logits = logits.masked_fill(~mask, float("-inf"))
-            else:
-                logits = logits + mask.float()
-        probs = torch.softmax(logits, dim=-1).reshape(b, hkv, g * t, -1)
-        chunks = probs.split(sizes, dim=-1)
-        values = []
-        if self.sink_v is not None:
-            values.append(self.sink_v.float())
+        total = self.get_seq_length()
+        if attention_mask is not None and attention_mask.shape[-1] != total:
+            raise RuntimeError(f"attention mask covers {attention_mask.shape[-1]} keys but layer {self.layer_idx} holds "
+                               f"{total}; was this cache used by another model?")
+        exact_k = [k.float() for k in (self.sink_k, None, self.keys) if k is not None]
+        deq = None
+        if self.key_codes is not None and self.config.score_path == "dequantize":
+            deq = self.key_codec.dequantize(self.key_codes)
+        values = [v for v in (self.sink_v, None, self.values) if v is not None]
         if self.value_codes is not None:
-            values.append(self.value_codec.dequantize(self.value_codes))
-        values.append(self.values.float())
-        out = sum(torch.matmul(p, v) for p, v in zip(chunks, values))
-        return out.reshape(b, hq, t, -1).transpose(1, 2).to(query.dtype)
+            values.insert(1 if self.sink_v is not None else 0, self.value_codec.dequantize(self.value_codes))
+        values = torch.cat([v.float() for v in values], dim=-2)
+        outs = []
+        for s0 in range(0, t, QUERY_CHUNK):  # bounded logits: [B, H_q, <= QUERY_CHUNK, L] at a time
+            s1 = min(t, s0 + QUERY_CHUNK)
+            qc = query[:, :, s0:s1].float().reshape(b, hkv, g * (s1 - s0), d)
+            parts = [torch.matmul(qc, exact_k[0].transpose(-1, -2))] if self.sink_k is not None else []
+            if self.key_codes is not None:
+                parts.append(self.key_codec.inner_product(qc, self.key_codes) if deq is None
+                             else torch.matmul(qc, deq.transpose(-1, -2)))
+            parts.append(torch.matmul(qc, exact_k[-1].transpose(-1, -2)))
+            logits = torch.cat(parts, dim=-1).reshape(b, hq, s1 - s0, -1) * scaling
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            if attention_mask is not None:
+                mask = attention_mask if attention_mask.shape[2] == 1 else attention_mask[:, :, s0:s1]
+                logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
+            probs = torch.softmax(logits, dim=-1).reshape(b, hkv, g * (s1 - s0), -1)
+            outs.append(torch.matmul(probs, values).reshape(b, hq, s1 - s0, -1))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+        return out.transpose(1, 2).to(query.dtype)
 
     def _code_bias(self, attention_mask, n_sink: int, n_codes: int):
         """The mask over the codes as one [B, N] additive row, None when it masks nothing, or False
