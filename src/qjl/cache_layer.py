@@ -235,9 +235,11 @@ class QJLCacheLayer(CacheLayerMixin):
             mx = mx.float()
             bias_x = (mx.expand(b, hq, t, -1).reshape(b, hkv, rows, -1) if mx.shape[1] != 1
                       else mx.expand(b, 1, t, -1).repeat(1, 1, hq // hkv, 1).reshape(b, 1, rows, -1))
-        exact = kernels.partial_exact(qs, keys, values, bias_x)
-        _, l_tot, o_tot = kernels.merge_partials([code, exact])
-        out = o_tot / l_tot.unsqueeze(-1)
+        m_e, l_e, o_e = kernels.partial_exact(qs, keys, values, bias_x)
+        m = torch.maximum(code[0], m_e)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        w_c, w_e = torch.exp(code[0] - m).unsqueeze(-1), torch.exp(m_e - m).unsqueeze(-1)  # exp(-inf) = 0
+        out = (w_c * code[2] + w_e * o_e) / (w_c * code[1].unsqueeze(-1) + w_e * l_e.unsqueeze(-1))
         return out.reshape(b, hq, t, d).transpose(1, 2)
 
     # -- bookkeeping ------------------------------------------------------------------------------

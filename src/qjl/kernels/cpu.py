@@ -358,7 +358,8 @@ def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | Non
     p2 = parts[1] if len(parts) == 2 else parts[0]
     bh, n_tok = p1.norm.shape
     r_rows = p1.q.shape[1]
-    q1, q2 = _rows(p1.q), _rows(p2.q)
+    q1 = _rows(p1.q)
+    q2 = _rows(p2.q) if len(parts) == 2 else q1
     rchunks = q1.shape[1]
     threads = torch.get_num_threads()
     if block is None:  # split tokens only as far as needed to give every thread ~4 items

@@ -100,7 +100,7 @@ static inline __attribute__((always_inline)) void mix(const int bits, const uint
     const int g = 8 / bits, width = g * bits, per = 8 / g;
     const int64_t nv = (int64_t)1 << width;
     const uint64_t fmask = (uint64_t)nv - 1;
-    const int64_t chunks = nb / bits, n_fields = chunks * per;
+    const int64_t chunks = nb / bits;
     for (int64_t t = t0; t < t1; t++) {
         const uint8_t *row = codes + t * nb;
         const int64_t c = t - t0;
@@ -114,9 +114,7 @@ static inline __attribute__((always_inline)) void mix(const int bits, const uint
             const int64_t k = (ch * 8) / gs;
             if (k != k_prev) { ws = pw * read_f(scale, t * ngroups + k, skind); k_prev = k; }
             const uint64_t w = load_word(row + ch * bits, bits);
-            /* odd tokens go to a second copy of the histogram: frequent codes then do not chain
-               read-modify-writes of one entry from token to token */
-            float *base = hist + ((t & 1) * (n_fields * nv) + ch * per * nv) * RW;
+            float *base = hist + ch * per * nv * RW;
             for (int f = 0; f < per; f++) {
                 float *h = base + (f * nv + ((w >> (f * width)) & fmask)) * RW;
                 store4(h, load4(h) + ws);
@@ -130,10 +128,9 @@ static void expand(int bits, int64_t n, const float *cent, int64_t gs, const flo
                    int has_zero, float *out) {
     const int g = 8 / bits, width = g * bits, mask = (1 << bits) - 1;
     const int64_t nv = (int64_t)1 << width;
-    const int64_t half = (n / g) * nv * RW; /* the two copies of the histogram (see mix) */
     for (int64_t i = 0; i < n / g; i++)
         for (int64_t v = 0; v < nv; v++) {
-            const v4 h = load4(hist + (i * nv + v) * RW) + load4(hist + half + (i * nv + v) * RW);
+            const v4 h = load4(hist + (i * nv + v) * RW);
             for (int j = 0; j < g; j++) {
                 const float cv = cent[(v >> (j * bits)) & mask];
                 const int64_t cc = i * g + j;
@@ -197,7 +194,7 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
     if (kbits1 < 1 || kbits1 > 8 || kbits2 < 1 || kbits2 > 8 || vbits < 1 || vbits > 8) return -1;
     const int64_t items = bh_count * rchunks * splits;
     const int gv = 8 / vbits;
-    const int64_t hist_size = 2 * (nvn / gv) * ((int64_t)1 << (gv * vbits)) * RW;
+    const int64_t hist_size = (nvn / gv) * ((int64_t)1 << (gv * vbits)) * RW;
     const int64_t sbytes = skind == 0 ? 4 : 2;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < items; item++) {
