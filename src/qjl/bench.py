@@ -163,9 +163,20 @@ def _e2e_child(method: str, context: int, new_tokens: int, chunk: int, queue) ->
         queue.put({"method": method, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def _e2e_run(method: str, context: int, new_tokens: int, chunk: int) -> dict:
+def _peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM: unlike ru_maxrss, not inherited from the parent across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     import resource
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _e2e_run(method: str, context: int, new_tokens: int, chunk: int) -> dict:
     from .cache import QJLCache
     from .models import load_model
 
@@ -202,7 +213,7 @@ def _e2e_run(method: str, context: int, new_tokens: int, chunk: int) -> dict:
         held = cache.nbytes()
     return {"method": method, "context": context, "prefill_s": prefill, "decode_tok_s": 1 / statistics.median(warm),
             "decode_ms_median": statistics.median(warm) * 1e3, "new_tokens": new_tokens,
-            "cache_bytes": held, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "cache_bytes": held, "peak_rss_mb": _peak_rss_mb(),
             "tokens": generated}
 
 

@@ -61,7 +61,7 @@ class KIVIKeys(Codec):
         """Codes with lead [..., n/G] -> [..., n, dim] float32."""
         if not isinstance(codes, Codes) or "codes" not in codes.fields or "scale" not in codes.fields:
             raise ValueError("codes were not produced by KIVIKeys")
-        q = unpack_bits(codes.fields["codes"], self.bits, self.dim).float()  # [..., n/G, G, d]
+        q = unpack_bits(codes.fields["codes"], self.bits, self.dim, torch.uint8).float()  # [..., n/G, G, d]
         x = codes.fields["zero"].float().unsqueeze(-2) + q * codes.fields["scale"].float().unsqueeze(-2)
         return x.flatten(-3, -2)
 

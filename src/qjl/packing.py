@@ -90,8 +90,9 @@ def _pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
     return out.to(torch.uint8).reshape(*v.shape[:-2], -1)[..., : packed_size(length, bits)]
 
 
-def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: [..., nbytes] uint8 -> [..., length] int64."""
+def unpack_bits(packed: torch.Tensor, bits: int, length: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: [..., nbytes] uint8 -> [..., length] ``dtype`` (int64 for indexing;
+    uint8 is faster where the codes are only converted to float)."""
     if not 1 <= bits <= 8:
         raise ValueError(f"unpack_bits: bits must be in 1..8, got {bits}")
     if packed.dtype != torch.uint8:
@@ -102,7 +103,11 @@ def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
             f"got {packed.shape[-1]}"
         )
     if bits == 8:
-        return packed.to(torch.int64)
+        return packed.to(dtype)
+    if 8 % bits == 0:  # whole codes per byte: shift and mask in uint8
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*packed.shape[:-1], -1)[..., :length].to(dtype)
     nbytes = packed.shape[-1]
     pad = (-nbytes) % bits
     p = packed.to(torch.int64)
@@ -111,4 +116,4 @@ def unpack_bits(packed: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     p = p.reshape(*p.shape[:-1], -1, bits)
     word = (p << torch.arange(0, 8 * bits, 8, device=p.device)).sum(dim=-1, keepdim=True)
     codes = (word >> torch.arange(0, 8 * bits, bits, device=p.device)) & ((1 << bits) - 1)
-    return codes.reshape(*p.shape[:-2], -1)[..., :length]
+    return codes.reshape(*p.shape[:-2], -1)[..., :length].to(dtype)

@@ -92,7 +92,7 @@ class TokenwiseQuantizer(Codec):
         """Codes lead [...] -> [..., dim] float32."""
         if not isinstance(codes, Codes) or "codes" not in codes.fields or "scale" not in codes.fields:
             raise ValueError("codes were not produced by a TokenwiseQuantizer")
-        q = unpack_bits(codes.fields["codes"], self.bits, self.dim).float()
+        q = unpack_bits(codes.fields["codes"], self.bits, self.dim, torch.uint8).float()
         qg = self._grouped(q)
         x = codes.fields["zero"].float().unsqueeze(-1) + qg * codes.fields["scale"].float().unsqueeze(-1)
         return x.reshape(*x.shape[:-2], -1)[..., : self.dim]
