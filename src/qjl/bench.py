@@ -274,6 +274,9 @@ def main_bench(out_dir: Path, contexts, repeats: int, warmup: int, e2e_context: 
     env["transformers"] = transformers.__version__
     env["torch_threads"] = torch.get_num_threads()
     env["device"] = "cpu"
+    from .kernels import cpu as cpu_kernels
+
+    env["cpu_kernel"] = cpu_kernels.implementation()
     log("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     result = {"environment": env}
     if "attention" in parts:
