@@ -16,7 +16,7 @@ def test_attention_and_quantize_rows(tmp_path):
     assert len(ours) == 1 and ours[0]["method"].endswith("[cpu]")  # the CPU kernel was picked
     fp32 = next(r for r in rows if r["method"] == "sdpa-fp32 (rows)")
     assert fp32["bytes"] == 2 * 3 * 300 * 64 * 4
-    assert 0 < ours[0]["bytes"] < fp32["bytes"] / 4  # bytes held by the compressed layer, really smaller
+    assert 0 < ours[0]["bytes"] < fp32["bytes"] / 2  # bytes held (128-token fp16 window included): smaller
     for r in rows:
         assert r["ms"] > 0 and abs(r["x_vs_sdpa_fp32_rows"] - fp32["ms"] / r["ms"]) < 1e-9
     q = bench.run_quantize(tokens=256, layer="smollm2-135m", repeats=1, warmup=0)
