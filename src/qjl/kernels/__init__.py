@@ -7,7 +7,7 @@ Backends:
                 quantization); it also runs on CPU tensors under ``TRITON_INTERPRET=1``
                 (how the tests check it).
 ``pick_backend(device, "auto")`` gives "triton" on CUDA when Triton imports, "cpu" on the
-CPU when numba imports, else "torch".  The codecs the kernels read are listed by
+CPU when its C build compiles or numba imports, else "torch".  The codecs the kernels read are listed by
 :func:`qjl.kernels.plan.supports`; the cache falls back to "torch" for the rest.
 """
 
@@ -35,6 +35,13 @@ def _has(module: str) -> bool:
         return False
 
 
+def cpu_available() -> bool:
+    """The CPU kernel runs: its C build compiles here (once per machine), or numba imports."""
+    from . import cpu_build
+
+    return cpu_build.load() is not None or _has("numba")
+
+
 def triton_usable(device: torch.device) -> bool:
     """Triton runs on CUDA tensors, or anywhere under its interpreter."""
     if not _has("triton"):
@@ -50,14 +57,14 @@ def pick_backend(device: torch.device | str, requested: str = "auto") -> str:
     if requested == "auto":
         if device.type == "cuda" and triton_usable(device):
             return "triton"
-        if device.type == "cpu" and _has("numba"):
+        if device.type == "cpu" and cpu_available():
             return "cpu"
         return "torch"
     if requested == "cpu":
         if device.type != "cpu":
             raise ValueError(f"kernel='cpu' needs CPU tensors, got {device}")
-        if not _has("numba"):
-            raise ValueError("kernel='cpu' needs numba (pip install numba)")
+        if not cpu_available():
+            raise ValueError("kernel='cpu' needs a C compiler with cffi, or numba (pip install numba)")
     if requested == "triton" and not triton_usable(device):
         raise ValueError(f"kernel='triton' needs Triton and CUDA tensors (or TRITON_INTERPRET=1), got {device}")
     return requested
