@@ -40,6 +40,8 @@ def test_invalid_configurations():
         QJLConfig(value=CodecSpec("kivi"))
     with pytest.raises(ValueError, match="score_path"):
         QJLConfig(score_path="fast")
+    with pytest.raises(ValueError, match="kernel must be"):
+        QJLConfig(kernel="cuda")
     with pytest.raises(ValueError, match="layer_overrides"):
         QJLConfig(layer_overrides={0: {"keys": CodecSpec("uniform")}})
     with pytest.raises(ValueError, match="preset"):

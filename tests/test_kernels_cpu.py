@@ -206,3 +206,18 @@ def test_supports_needs_whole_bytes_of_codes():
     assert kernels.supports(TurboQuantMSE(64, 3), TokenwiseQuantizer(64, 2))
     assert not kernels.supports(TurboQuantMSE(100, 3), TurboQuantMSE(100, 2))  # 100 % 8 != 0: reference path
     assert not kernels.supports(TurboQuantMSE(64, 3), TokenwiseQuantizer(64, 2, group_size=12))
+
+
+def test_unavailable_kernel_is_refused_before_anything_is_stored(monkeypatch):
+    """kernel='triton' on CPU tensors without the interpreter: a clear error, and the layer stays empty."""
+    import qjl
+    from qjl import QJLCache, QJLConfig
+    from tiny_models import tiny_model
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = tiny_model("llama")
+    qjl.patch_attention(model)
+    cache = QJLCache(model, QJLConfig(kernel="triton"))
+    with pytest.raises(ValueError, match="kernel='triton' needs"):
+        model(torch.randint(3, 96, (1, 8)), past_key_values=cache)
+    assert cache.get_seq_length() == 0 and not cache.layers[0].is_initialized

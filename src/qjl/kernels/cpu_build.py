@@ -23,15 +23,16 @@ __all__ = ["load", "DECL"]
 
 _SRC = Path(__file__).with_name("cpu_kernel.c")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c99", "-fno-math-errno", "-fno-trapping-math"]
-DECL = """
-int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const float *cent1, const void *norm1,
-               int nkind1, const float *q1, int has2, int kbits2, const uint8_t *c2, int64_t nb2, int64_t n2,
-               const float *cent2, const void *norm2, int nkind2, const float *q2, int vbits, const uint8_t *vc,
-               int64_t nbv, int64_t nvn, const float *vcent, int64_t gs, int64_t ngroups, const void *vscale,
-               const void *vzero, int skind, int has_zero, const float *bias, int has_bias, int64_t heads,
-               int64_t bh_count, int64_t rchunks, int64_t n_tok, int64_t block, int64_t splits, float *out_m,
-               float *out_l, float *out_o, int threads);
-"""
+
+
+def _declaration() -> str:
+    """The exported prototype, read from the C source (so the two cannot drift apart)."""
+    text = _SRC.read_text()
+    start = text.index("int qjl_decode(")
+    return text[start:text.index(")", start) + 1] + ";"
+
+
+DECL = _declaration()
 
 
 def _cache_dir() -> Path:
