@@ -15,7 +15,7 @@ TOL = 2e-5  # float32 sums in another order, relative to the output scale
 
 from qjl.kernels import cpu_build  # noqa: E402
 
-IMPLS = ["numba"] + (["c"] if cpu_build.load() is not None else [])
+IMPLS = ["numba"] + (["c", "c-portable"] if cpu_build.load() is not None else [])
 
 
 def _close(got, want, vp):

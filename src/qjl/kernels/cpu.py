@@ -332,7 +332,7 @@ def fits(parts: list[KeyPart], vp: ValuePart) -> bool:
 
 
 def implementation() -> str:
-    """"c" (the compiled C twin, ``cpu_kernel.c``, 2-3x faster) where it builds, else "numba"."""
+    """"c" (the compiled C twin, ``cpu_kernel.c``, faster) where it builds, else "numba"."""
     from . import cpu_build
 
     return "c" if cpu_build.load() is not None else "numba"
@@ -343,13 +343,14 @@ def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | Non
     """Partial softmax of the code part (see :mod:`qjl.kernels.plan`); CPU tensors only.
 
     parts: 1 or 2 key parts; bias: [B, N] additive (broadcast over heads and rows) or None;
-    impl: "auto" (:func:`implementation`), "c" or "numba".
+    impl: "auto" (:func:`implementation`), "c" (with its AVX-512 value path where the CPU has it),
+    "c-portable" (the C build without it) or "numba".
     Returns m, l: [BH, R]; o: [BH, R, n_v] float32.
     """
     if impl == "auto":
         impl = implementation()
-    if impl not in ("c", "numba"):
-        raise ValueError(f"impl must be 'auto', 'c' or 'numba', got {impl!r}")
+    if impl not in ("c", "c-portable", "numba"):
+        raise ValueError(f"impl must be 'auto', 'c', 'c-portable' or 'numba', got {impl!r}")
     if impl == "numba" and numba is None:
         raise RuntimeError("the numba CPU kernel needs numba (pip install numba)")
     if not fits(parts, vp):
@@ -373,9 +374,9 @@ def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | Non
     zero = vp.zero if vp.zero is not None else vp.scale
     bias_np = _np(bias.float()) if bias is not None else np.zeros((1, 1), dtype=np.float32)
     f32 = lambda t: _np(t.float())  # noqa: E731
-    if impl == "c":
+    if impl in ("c", "c-portable"):
         _run_c(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_np, bias is not None, heads, bh, rchunks,
-               n_tok, block, splits, out_m, out_l, out_o, threads)
+               n_tok, block, splits, out_m, out_l, out_o, threads, impl == "c")
     else:
         kernel = _compile(p1.bits, p2.bits, vp.bits)
         kernel(_np(p1.codes), p1.n, f32(p1.cent), f32(p1.norm), q1.numpy(), _np(p2.codes), p2.n, f32(p2.cent),
@@ -402,7 +403,7 @@ def _raw(t: torch.Tensor):
 
 
 def _run_c(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, bh, rchunks, n_tok, block, splits, out_m, out_l,
-           out_o, threads):
+           out_o, threads, simd):
     from . import cpu_build
 
     mod = cpu_build.load()
@@ -430,6 +431,6 @@ def _run_c(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, bh, rchunks, n_to
                         ptr(q2), vp.bits, ptr(vc, u8), vc.shape[-1], vp.n, ptr(f32(vp.cent)), vp.group_size,
                         vp.scale.shape[-1], ptr(sc, vd), ptr(zr, vd), ks, int(vp.zero is not None), ptr(bias_np),
                         int(has_bias), heads, bh, rchunks, n_tok, block, splits, ptr(out_m), ptr(out_l), ptr(out_o),
-                        threads)
+                        threads, int(simd))
     if rc != 0:
         raise ValueError(f"the C kernel refused bit widths {p1.bits}/{p2.bits}/{vp.bits}")

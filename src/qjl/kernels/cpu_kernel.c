@@ -182,6 +182,104 @@ static const mix_fn MIXES[9][4] = {{0, 0, 0, 0}, ROW(mix, 1), ROW(mix, 2), ROW(m
 
 static int n_slot(int64_t n) { return n == 64 ? 1 : n == 128 ? 2 : n == 256 ? 3 : 0; }
 
+/* ---- AVX-512 value path (bits <= 4, lengths multiple of 16): codes unpacked in registers -------------
+ * 16 codes of b bits are 2b bytes: one 64-bit word, spread to 16 bytes by vpmultishiftqb (VBMI), masked,
+ * widened to 16 lanes and looked up in the <= 16 centroids held in one register (vpermps); the values
+ * are then mixed by FMAs into per-row accumulators [RW][n] (no histogram).  Chosen at run time where the
+ * CPU has AVX-512 F/BW/VL/VBMI.  (Scoring keys this way measured slower than the tables: the per-token
+ * horizontal sums cost more than the lookups they save.) */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define QJL_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi")))
+#define QJL_HAVE_AVX512_PATH 1
+
+static int cpu_has_avx512(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
+    }
+    return cached;
+}
+
+QJL_AVX512 static inline __m512 dq16(const uint8_t *p, const int bits, __m128i ctrl, __m128i mask, __m512 centv) {
+    uint64_t w = 0;
+    memcpy(&w, p, (size_t)(2 * bits));
+    const __m128i x = _mm_set1_epi64x((long long)w);
+    const __m128i sel = _mm_and_si128(_mm_multishift_epi64_epi8(ctrl, x), mask);
+    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(sel), centv);
+}
+
+QJL_AVX512 static inline __attribute__((always_inline)) void setup16(const int bits, const float *cent, __m128i *ctrl, __m128i *mask, __m512 *centv) {
+    uint8_t cb[16];
+    float c16[16] = {0};
+    for (int j = 0; j < 16; j++) cb[j] = (uint8_t)(j * bits);
+    for (int k = 0; k < (1 << bits); k++) c16[k] = cent[k];
+    *ctrl = _mm_loadu_si128((const __m128i *)cb);
+    *mask = _mm_set1_epi8((char)((1 << bits) - 1));
+    *centv = _mm512_loadu_ps(c16);
+}
+
+/* acc[r][c] += p[r][t - t0] * scale[t][c / gs] * cent[code(t, c)]; zsum[g][r] += p * zero[t][g] */
+QJL_AVX512 static inline __attribute__((always_inline)) void mix512_(const int bits, const uint8_t *codes, int64_t nb, int64_t n, const float *cent, int64_t gs,
+                              int64_t ngroups, const void *scale, const void *zero, int skind, int has_zero,
+                              const float *p, int64_t len, int64_t t0, int64_t t1, float *acc, float *zsum) {
+    __m128i ctrl, mask;
+    __m512 centv;
+    setup16(bits, cent, &ctrl, &mask, &centv);
+    const int64_t groups = n / 16, step = 2 * bits;
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *row = codes + t * nb;
+        const int64_t c = t - t0;
+        const float p0 = p[c], p1 = p[len + c], p2 = p[2 * len + c], p3 = p[3 * len + c];
+        if (has_zero)
+            for (int64_t k = 0; k < ngroups; k++) {
+                const float z = read_f(zero, t * ngroups + k, skind);
+                zsum[k * RW] += p0 * z;
+                zsum[k * RW + 1] += p1 * z;
+                zsum[k * RW + 2] += p2 * z;
+                zsum[k * RW + 3] += p3 * z;
+            }
+        int64_t k_prev = -1;
+        __m512 w0 = _mm512_setzero_ps(), w1 = w0, w2 = w0, w3 = w0;
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t k = (16 * g) / gs;
+            if (k != k_prev) {
+                const float s = read_f(scale, t * ngroups + k, skind);
+                w0 = _mm512_set1_ps(p0 * s);
+                w1 = _mm512_set1_ps(p1 * s);
+                w2 = _mm512_set1_ps(p2 * s);
+                w3 = _mm512_set1_ps(p3 * s);
+                k_prev = k;
+            }
+            const __m512 v = dq16(row + g * step, bits, ctrl, mask, centv);
+            float *a = acc + 16 * g;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(w0, v, _mm512_loadu_ps(a)));
+            _mm512_storeu_ps(a + n, _mm512_fmadd_ps(w1, v, _mm512_loadu_ps(a + n)));
+            _mm512_storeu_ps(a + 2 * n, _mm512_fmadd_ps(w2, v, _mm512_loadu_ps(a + 2 * n)));
+            _mm512_storeu_ps(a + 3 * n, _mm512_fmadd_ps(w3, v, _mm512_loadu_ps(a + 3 * n)));
+        }
+    }
+}
+/* bit width as a compile-time constant (one 2b-byte load per 16 codes, no memcpy call) */
+QJL_AVX512 static void mix512(int bits, const uint8_t *codes, int64_t nb, int64_t n, const float *cent, int64_t gs,
+                              int64_t ngroups, const void *scale, const void *zero, int skind, int has_zero,
+                              const float *p, int64_t len, int64_t t0, int64_t t1, float *acc, float *zsum) {
+    switch (bits) {
+    case 1: mix512_(1, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum); break;
+    case 2: mix512_(2, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum); break;
+    case 3: mix512_(3, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum); break;
+    default: mix512_(4, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum); break;
+    }
+}
+#else
+#define QJL_HAVE_AVX512_PATH 0
+static int cpu_has_avx512(void) { return 0; }
+#endif
+
+static int use512(int bits, int64_t n) { return QJL_HAVE_AVX512_PATH && bits <= 4 && n % 16 == 0 && cpu_has_avx512(); }
+
 static int64_t table_size(int bits, int64_t n) {
     const int g = 8 / bits;
     return (n / g) * ((int64_t)1 << (g * bits)) * RW;
@@ -192,6 +290,7 @@ static int64_t table_size(int bits, int64_t n) {
 /* Shapes: c [BH, N, nb]; norm [BH, N]; q [BH, rchunks, RW, n]; vc [BH, N, nbv]; vscale/vzero [BH, N, G];
  * bias [B, N]; out_m/out_l [BH, rchunks, splits, RW]; out_o [BH, rchunks, splits, RW, nvn].
  * nkind1/nkind2/skind: storage of norm1/norm2/(vscale, vzero): 0 fp32, 1 fp16, 2 bf16.
+ * simd: 0 keeps to the portable table/histogram code (tests compare both).
  * Returns 0, or -1 for unsupported bit widths. */
 int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const float *cent1, const void *norm1,
                int nkind1, const float *q1, int has2, int kbits2, const uint8_t *c2, int64_t nb2, int64_t n2,
@@ -199,11 +298,14 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                int64_t nbv, int64_t nvn, const float *vcent, int64_t gs, int64_t ngroups, const void *vscale,
                const void *vzero, int skind, int has_zero, const float *bias, int has_bias, int64_t heads,
                int64_t bh_count, int64_t rchunks, int64_t n_tok, int64_t block, int64_t splits, float *out_m,
-               float *out_l, float *out_o, int threads) {
+               float *out_l, float *out_o, int threads, int simd) {
     if (kbits1 < 1 || kbits1 > 8 || kbits2 < 1 || kbits2 > 8 || vbits < 1 || vbits > 8) return -1;
     const int64_t items = bh_count * rchunks * splits;
     const int gv = 8 / vbits;
-    const int64_t hist_size = (nvn / gv) * ((int64_t)1 << (gv * vbits)) * RW;
+    /* values: AVX-512 where it applies (mix512), the histogram over fields otherwise; keys: tables */
+    const int v512 = simd && use512(vbits, nvn) && gs % 16 == 0;
+    /* values accumulate in a histogram over fields [field][value][RW], or directly in [RW][nvn] */
+    const int64_t hist_size = v512 ? RW * nvn : (nvn / gv) * ((int64_t)1 << (gv * vbits)) * RW;
     const int64_t sbytes = skind == 0 ? 4 : 2;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < items; item++) {
@@ -215,11 +317,13 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
         if (t1 > t0) {
             float *tab1 = malloc(sizeof(float) * (size_t)table_size(kbits1, n1));
             float *tab2 = has2 ? malloc(sizeof(float) * (size_t)table_size(kbits2, n2)) : NULL;
+            const float *qr1 = q1 + (bh * rchunks + rc) * RW * n1;
+            const float *qr2 = has2 ? q2 + (bh * rchunks + rc) * RW * n2 : NULL;
             float *hist = calloc((size_t)hist_size, sizeof(float));
             float *zsum = calloc((size_t)(ngroups * RW), sizeof(float));
             float *logits = malloc(sizeof(float) * RW * SUB);
-            TABLES[kbits1](q1 + (bh * rchunks + rc) * RW * n1, n1, cent1, tab1);
-            if (has2) TABLES[kbits2](q2 + (bh * rchunks + rc) * RW * n2, n2, cent2, tab2);
+            TABLES[kbits1](qr1, n1, cent1, tab1);
+            if (has2) TABLES[kbits2](qr2, n2, cent2, tab2);
             const uint8_t *k1 = c1 + bh * n_tok * nb1, *k2 = has2 ? c2 + bh * n_tok * nb2 : NULL;
             const char *n1p = (const char *)norm1 + bh * n_tok * (nkind1 == 0 ? 4 : 2);
             const char *n2p = has2 ? (const char *)norm2 + bh * n_tok * (nkind2 == 0 ? 4 : 2) : NULL;
@@ -239,7 +343,10 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                     if (m > m_run[r] && m_run[r] != -INFINITY) { /* rescale what was accumulated so far */
                         const float w = expf(m_run[r] - m);
                         l_run[r] *= w;
-                        for (int64_t i = r; i < hist_size; i += RW) hist[i] *= w;
+                        if (v512)
+                            for (int64_t i = r * nvn; i < (r + 1) * nvn; i++) hist[i] *= w;
+                        else
+                            for (int64_t i = r; i < hist_size; i += RW) hist[i] *= w;
                         for (int64_t i = r; i < ngroups * RW; i += RW) zsum[i] *= w;
                     }
                     m_run[r] = m;
@@ -252,12 +359,25 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                     }
                     l_run[r] += tot;
                 }
-                MIXES[vbits][n_slot(nvn)](vc + bh * n_tok * nbv, nbv, gs, ngroups,
-                             (const char *)vscale + bh * n_tok * ngroups * sbytes,
-                             (const char *)vzero + bh * n_tok * ngroups * sbytes, skind, has_zero, logits, len, a, b,
-                             hist, zsum);
+                const uint8_t *vrow = vc + bh * n_tok * nbv;
+                const char *vs = (const char *)vscale + bh * n_tok * ngroups * sbytes;
+                const char *vz = (const char *)vzero + bh * n_tok * ngroups * sbytes;
+#if QJL_HAVE_AVX512_PATH
+                if (v512) mix512(vbits, vrow, nbv, nvn, vcent, gs, ngroups, vs, vz, skind, has_zero, logits, len, a, b,
+                                 hist, zsum);
+#endif
+                if (!v512) MIXES[vbits][n_slot(nvn)](vrow, nbv, gs, ngroups, vs, vz, skind, has_zero, logits, len, a, b,
+                                                     hist, zsum);
             }
-            expand(vbits, nvn, vcent, gs, hist, zsum, has_zero, out_o + slot * RW * nvn);
+            float *dst = out_o + slot * RW * nvn;
+            if (v512) {
+                for (int64_t i = 0; i < RW * nvn; i++) dst[i] += hist[i];
+                if (has_zero)
+                    for (int64_t cc = 0; cc < nvn; cc++)
+                        for (int r = 0; r < RW; r++) dst[r * nvn + cc] += zsum[(cc / gs) * RW + r];
+            } else {
+                expand(vbits, nvn, vcent, gs, hist, zsum, has_zero, dst);
+            }
             free(tab1);
             free(tab2);
             free(hist);
