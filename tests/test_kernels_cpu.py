@@ -11,7 +11,7 @@ cpu = pytest.importorskip("qjl.kernels.cpu")
 if not cpu.available():  # pragma: no cover
     pytest.skip("numba is not installed", allow_module_level=True)
 
-TOL = 2e-5  # float32 sums in another order, relative to the output scale
+TOL = 1e-4  # float32 sums over hundreds of tokens in another order (fastmath), relative to the output scale
 
 from qjl.kernels import cpu_build  # noqa: E402
 
