@@ -24,3 +24,16 @@ def test_attention_and_quantize_rows(tmp_path):
     bench.plot_bench(rows, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 0
     json.dumps(rows)
+
+
+def test_bad_arguments_are_named():
+    import pytest
+
+    with pytest.raises(ValueError, match="layer"):
+        bench.run_attention(contexts=(64,), layers=("gpt-5",))
+    with pytest.raises(ValueError, match="contexts"):
+        bench.run_attention(contexts=(0,))
+    with pytest.raises(ValueError, match="layer"):
+        bench.run_quantize(tokens=64, layer="nope")
+    with pytest.raises(ValueError, match="methods"):
+        bench.run_e2e(context=64, methods=("static",))

@@ -221,3 +221,15 @@ def test_unavailable_kernel_is_refused_before_anything_is_stored(monkeypatch):
     with pytest.raises(ValueError, match="kernel='triton' needs"):
         model(torch.randint(3, 96, (1, 8)), past_key_values=cache)
     assert cache.get_seq_length() == 0 and not cache.layers[0].is_initialized
+
+
+def test_kernel_entry_points_name_bad_arguments():
+    from qjl.polarquant import PolarQuant
+
+    parts, vp, _ = case("tq3-tq2", b=1, h=1, rows=2, d=64, n=20)
+    with pytest.raises(ValueError, match="backend"):
+        kernels.decode_partial("gpu", parts, vp)
+    with pytest.raises(ValueError, match="impl"):
+        cpu.decode_partial(parts, vp, impl="fast")
+    with pytest.raises(TypeError, match="codec"):
+        kernels.quantize_cpu(PolarQuant(64), torch.randn(2, 64))

@@ -130,3 +130,10 @@ def test_cache_with_triton_kernel_matches_torch_path():
 def test_codec_pair_names_are_known():
     with pytest.raises(ValueError):
         codec_pair("nope", 64)
+
+
+def test_quantize_refuses_codecs_it_does_not_cover():
+    from qjl.kivi import KIVIKeys
+
+    with pytest.raises(TypeError, match="codec"):
+        kernels.quantize(KIVIKeys(64, 2), torch.randn(1, 32, 64))

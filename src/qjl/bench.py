@@ -35,6 +35,12 @@ LAYERS = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 PRESETS = ("tq-k3v2", "qjl-paper", "tq-k45v3")
 
 
+def _check_layers(layers) -> None:
+    unknown = [name for name in layers if name not in LAYERS]
+    if unknown:
+        raise ValueError(f"layer(s) {unknown} unknown; choose from {list(LAYERS)}")
+
+
 def _median_ms(fn, repeats: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
@@ -70,6 +76,9 @@ def _kivi(k: torch.Tensor, v: torch.Tensor):
 def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smollm2-135m"), presets=PRESETS,
                   repeats: int = 7, warmup: int = 2, kernel: str = "auto", progress=None) -> list:
     """Rows {layer, context, method, ms, bytes, gbps, x_vs_sdpa_fp32, ...} (see the module doc)."""
+    _check_layers(layers)
+    if not contexts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in contexts):
+        raise ValueError(f"contexts must be positive ints, got {contexts!r}")
     rows = []
     for name in layers:
         hq, hkv, d = LAYERS[name]
@@ -122,6 +131,7 @@ def run_quantize(tokens: int = 8192, layer: str = "llama3-8b", preset: str = "tq
     from .cache_layer import QJLCacheLayer
     from .config import QJLConfig
 
+    _check_layers((layer,))
     hq, hkv, d = LAYERS[layer]
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, hkv, tokens, d, generator=gen), torch.randn(1, hkv, tokens, d, generator=gen)
@@ -221,6 +231,9 @@ def run_e2e(context: int = 8192, new_tokens: int = 24, chunk: int = 512, methods
     """End-to-end decode on the embedded model, each method in a fresh process (its own peak RSS)."""
     import multiprocessing as mp
 
+    unknown = set(methods) - {"dynamic", "qjl"}
+    if unknown:
+        raise ValueError(f"methods must be 'dynamic' and/or 'qjl', got {sorted(unknown)}")
     ctx = mp.get_context("spawn")
     rows = []
     for method in methods:

@@ -34,6 +34,13 @@ MAX_KERNEL_ROWS = 32  # query rows (GQA group x new tokens) per KV head up to wh
 QUERY_CHUNK = 128  # the reference path scores at most this many new tokens at a time (bounded memory)
 
 
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    """An attention mask as additive float32: bool (True = attend) -> 0 / -inf; float masks as they are."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float()
+
+
 def _cat(a, b, dim=-2):
     return b if a is None else torch.cat([a, b], dim=dim)
 
@@ -199,10 +206,7 @@ class QJLCacheLayer(CacheLayerMixin):
         sl = attention_mask[..., n_sink:n_sink + n_codes]
         if sl.shape[1] != 1 or (sl.shape[2] > 1 and not bool((sl == sl[:, :, :1]).all())):
             return False
-        row = sl[:, 0, 0]
-        if row.dtype == torch.bool:
-            return None if bool(row.all()) else torch.zeros(row.shape).masked_fill(~row.cpu(), float("-inf")).to(row.device)
-        row = row.float()
+        row = _additive(sl[:, 0, 0])
         return None if not bool(row.any()) else row.contiguous()
 
     def _attend_kernel(self, qg: torch.Tensor, attention_mask, scaling: float, hq: int, t: int):
@@ -228,18 +232,12 @@ class QJLCacheLayer(CacheLayerMixin):
         values = self.values if self.sink_v is None else torch.cat([self.sink_v, self.values], dim=-2)
         bias_x = None
         if attention_mask is not None:
-            mx = torch.cat([attention_mask[..., :n_sink], attention_mask[..., n_sink + n_codes:]], dim=-1)
-            if mx.dtype == torch.bool:
-                mx = torch.zeros(mx.shape, device=mx.device).masked_fill(~mx, float("-inf"))
+            mx = _additive(torch.cat([attention_mask[..., :n_sink], attention_mask[..., n_sink + n_codes:]], dim=-1))
             # [B, 1|H_q, t, n] -> rows of KV head groups [B, H_kv | 1, g*t, n]
-            mx = mx.float()
             bias_x = (mx.expand(b, hq, t, -1).reshape(b, hkv, rows, -1) if mx.shape[1] != 1
                       else mx.expand(b, 1, t, -1).repeat(1, 1, hq // hkv, 1).reshape(b, 1, rows, -1))
-        m_e, l_e, o_e = kernels.partial_exact(qs, keys, values, bias_x)
-        m = torch.maximum(code[0], m_e)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        w_c, w_e = torch.exp(code[0] - m).unsqueeze(-1), torch.exp(m_e - m).unsqueeze(-1)  # exp(-inf) = 0
-        out = (w_c * code[2] + w_e * o_e) / (w_c * code[1].unsqueeze(-1) + w_e * l_e.unsqueeze(-1))
+        _, l_tot, o_tot = kernels.merge_partials([code, kernels.partial_exact(qs, keys, values, bias_x)])
+        out = o_tot / l_tot.unsqueeze(-1)
         return out.reshape(b, hq, t, d).transpose(1, 2)
 
     # -- bookkeeping ------------------------------------------------------------------------------

@@ -214,7 +214,10 @@ def _bench(args) -> int:
     bad = set(parts) - {"attention", "quantize", "e2e"}
     if bad:
         raise SystemExit(f"--parts: unknown part(s) {sorted(bad)}; choose from attention,quantize,e2e")
-    contexts = tuple(int(c) for c in args.contexts.split(","))
+    try:
+        contexts = tuple(int(c) for c in args.contexts.split(","))
+    except ValueError:
+        raise SystemExit(f"--contexts: comma-separated token counts, got {args.contexts!r}") from None
     main_bench(out, contexts, args.repeats, args.warmup, args.e2e_context, args.e2e_tokens, parts, args.kernel)
     return 0
 

@@ -72,6 +72,8 @@ def pick_backend(device: torch.device | str, requested: str = "auto") -> str:
 
 def decode_partial(backend: str, parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | None = None):
     """Partial softmax (m, l, o) of the code part; bias [B, N] or None (see :mod:`qjl.kernels.plan`)."""
+    if backend not in ("torch", "cpu", "triton"):
+        raise ValueError(f"backend must be 'torch', 'cpu' or 'triton' (see pick_backend), got {backend!r}")
     if backend == "cpu":
         from . import cpu
 
@@ -109,6 +111,9 @@ def quantize(codec, x: torch.Tensor, outlier_idx: torch.Tensor | None = None):
     from .._validation import check_vectors
     from . import triton_kernels as tk
 
+    if not can_quantize(codec):
+        raise TypeError(f"codec: the Triton quantize kernel covers QJLSketch, OutlierQJL and TurboQuantMSE, "
+                        f"got {type(codec).__name__}")
     check_vectors("x", x, codec.dim, min_ndim=2 if isinstance(codec, OutlierQJL) else 1)
     lead = tuple(x.shape[:-1])
     xs = _seq(x)
@@ -147,8 +152,11 @@ def quantize_cpu(codec, x: torch.Tensor):
     ``correct_norm`` the cosine is summed in another order (norms may differ by one ulp)."""
     from .._validation import check_vectors
     from ..codec import Codes
+    from ..turboquant import TurboQuantMSE
     from . import cpu
 
+    if not isinstance(codec, TurboQuantMSE):
+        raise TypeError(f"codec: the CPU quantize kernel covers TurboQuantMSE, got {type(codec).__name__}")
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.ndim < 1 or x.shape[-1] != codec.dim:
         check_vectors("x", x, codec.dim)  # raises the reference's error
     xf = x.float()

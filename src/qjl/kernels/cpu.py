@@ -371,18 +371,13 @@ def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | Non
     out_l = np.zeros((bh, rchunks, splits, RW), dtype=np.float32)
     out_o = np.zeros((bh, rchunks, splits, RW, vp.n), dtype=np.float32)
     heads = bh // (bias.shape[0] if bias is not None else 1)
-    zero = vp.zero if vp.zero is not None else vp.scale
     bias_np = _np(bias.float()) if bias is not None else np.zeros((1, 1), dtype=np.float32)
-    f32 = lambda t: _np(t.float())  # noqa: E731
-    if impl in ("c", "c-portable"):
-        _run_c(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_np, bias is not None, heads, bh, rchunks,
-               n_tok, block, splits, out_m, out_l, out_o, threads, impl == "c")
+    outs = (out_m, out_l, out_o)
+    if impl == "numba":
+        _run_numba(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_np, bias is not None, heads, block, outs)
     else:
-        kernel = _compile(p1.bits, p2.bits, vp.bits)
-        kernel(_np(p1.codes), p1.n, f32(p1.cent), f32(p1.norm), q1.numpy(), _np(p2.codes), p2.n, f32(p2.cent),
-               f32(p2.norm), q2.numpy(), len(parts) == 2, _np(vp.codes), vp.n, f32(vp.cent), vp.group_size,
-               f32(vp.scale), f32(zero), vp.zero is not None, bias_np, bias is not None, heads, block,
-               out_m, out_l, out_o)
+        _run_c(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_np, bias is not None, heads, bh, rchunks,
+               n_tok, block, splits, outs, threads, impl == "c")
     r_all = rchunks * RW  # split 0 holds the merged partial
     m = torch.from_numpy(out_m[:, :, 0]).reshape(bh, r_all)[:, :r_rows]
     l_ = torch.from_numpy(out_l[:, :, 0]).reshape(bh, r_all)[:, :r_rows]
@@ -402,8 +397,17 @@ def _raw(t: torch.Tensor):
     return view.numpy(), _KINDS[t.dtype]
 
 
-def _run_c(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, bh, rchunks, n_tok, block, splits, out_m, out_l,
-           out_o, threads, simd):
+def _run_numba(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, block, outs):
+    f32 = lambda t: _np(t.float())  # noqa: E731  (the numba build reads float32 norms and scales)
+    zero = vp.zero if vp.zero is not None else vp.scale
+    kernel = _compile(p1.bits, p2.bits, vp.bits)
+    kernel(_np(p1.codes), p1.n, f32(p1.cent), f32(p1.norm), q1, _np(p2.codes), p2.n, f32(p2.cent), f32(p2.norm), q2,
+           has2, _np(vp.codes), vp.n, f32(vp.cent), vp.group_size, f32(vp.scale), f32(zero), vp.zero is not None,
+           bias_np, has_bias, heads, block, *outs)
+
+
+def _run_c(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, bh, rchunks, n_tok, block, splits, outs, threads,
+           simd):
     from . import cpu_build
 
     mod = cpu_build.load()
@@ -430,7 +434,7 @@ def _run_c(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, bh, rchunks, n_to
                         int(has2), p2.bits, ptr(c2, u8), c2.shape[-1], p2.n, ptr(f32(p2.cent)), ptr(n2, vd), k2,
                         ptr(q2), vp.bits, ptr(vc, u8), vc.shape[-1], vp.n, ptr(f32(vp.cent)), vp.group_size,
                         vp.scale.shape[-1], ptr(sc, vd), ptr(zr, vd), ks, int(vp.zero is not None), ptr(bias_np),
-                        int(has_bias), heads, bh, rchunks, n_tok, block, splits, ptr(out_m), ptr(out_l), ptr(out_o),
+                        int(has_bias), heads, bh, rchunks, n_tok, block, splits, *(ptr(o) for o in outs),
                         threads, int(simd))
     if rc != 0:
         raise ValueError(f"the C kernel refused bit widths {p1.bits}/{p2.bits}/{vp.bits}")

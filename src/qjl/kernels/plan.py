@@ -22,11 +22,13 @@ every kernel is tested against.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..outliers import OutlierQJL
+from ..packing import unpack_bits
 from ..sketch import QJLSketch
 from ..turboquant import TurboQuantMSE
 from ..values import TokenwiseQuantizer
@@ -126,12 +128,6 @@ def value_part(codec, codes) -> ValuePart:
     raise TypeError(f"no kernel for value codec {type(codec).__name__}")
 
 
-def _unpack(codes: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    from ..packing import unpack_bits
-
-    return unpack_bits(codes, bits, n)
-
-
 def reference_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | None = None):
     """The torch reference of every decode kernel.
 
@@ -139,7 +135,7 @@ def reference_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | 
     """
     s = None
     for p in parts:
-        k = p.cent[_unpack(p.codes, p.bits, p.n)] * p.norm.float().unsqueeze(-1)  # [BH, N, n]
+        k = p.cent[unpack_bits(p.codes, p.bits, p.n)] * p.norm.float().unsqueeze(-1)  # [BH, N, n]
         part = torch.matmul(p.q, k.transpose(-1, -2))
         s = part if s is None else s + part
     if bias is not None:
@@ -148,7 +144,7 @@ def reference_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | 
     p_ = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)).unsqueeze(-1))
     l = p_.sum(dim=-1)  # noqa: E741
     group = torch.arange(vp.n, device=s.device) // vp.group_size
-    v = vp.cent[_unpack(vp.codes, vp.bits, vp.n)] * vp.scale.float()[..., group]
+    v = vp.cent[unpack_bits(vp.codes, vp.bits, vp.n)] * vp.scale.float()[..., group]
     if vp.zero is not None:
         v = v + vp.zero.float()[..., group]
     return m, l, torch.matmul(p_, v)
@@ -164,18 +160,17 @@ def partial_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     return m, p.sum(dim=-1), torch.matmul(p, v.float())
 
 
-def merge_partials(partials, dim: int = 0):
+def merge_partials(partials):
     """Combine partial softmaxes [(m, l, o), ...] of disjoint key sets -> (m, l, o).
 
     All tensors share shapes (m, l: [...], o: [..., n]); a part whose logits were all -inf
-    (m = -inf, l = 0) contributes nothing.
+    (m = -inf, l = 0) contributes nothing (its weight exp(-inf - m) is 0).
     """
-    m = torch.stack([p[0] for p in partials]).amax(dim=0)
+    m = functools.reduce(torch.maximum, [p[0] for p in partials])
     safe_m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    l_tot = torch.zeros_like(m)
-    o_tot = torch.zeros_like(partials[0][2])
+    l_tot, o_tot = 0, 0
     for pm, pl, po in partials:
-        w = torch.where(torch.isfinite(pm), torch.exp(pm - safe_m), torch.zeros_like(pm))
+        w = torch.exp(pm - safe_m)
         l_tot = l_tot + w * pl
         o_tot = o_tot + w.unsqueeze(-1) * po
     return m, l_tot, o_tot
