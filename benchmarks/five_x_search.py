@@ -16,24 +16,26 @@ from qjl.evaluate import DEFAULT_TEXT, EvalSetup, evaluate_method, load_text_ids
 from qjl.models import load_model
 
 
-def _tq(bits):
-    return CodecSpec("turboquant_mse", {"bits": bits, "correct_norm": True})
+def _tq(bits, norm_dtype="fp16"):
+    return CodecSpec("turboquant_mse", {"bits": bits, "correct_norm": True, "norm_dtype": norm_dtype})
 
 
-def _base(**kw):
-    return QJLConfig(key=_tq(3), value=_tq(2), exact_dtype="fp16", **kw)
+def _late(n_late, window, flush=4, value_norms="fp16", key_norms="fp16"):
+    """3-bit keys (4-bit in the last n_late of 30 layers), 2-bit values, an fp16 window."""
+    return QJLConfig(key=_tq(3, key_norms), value=_tq(2, value_norms), late_key=_tq(4, key_norms),
+                     late_fraction=n_late / 30, residual_length=window, flush_block=flush, exact_dtype="fp16")
 
 
 CANDIDATES = {
-    # 4-bit keys in the last layers, window shrunk to pay for them
-    "late25-w64": _base(late_key=_tq(4), late_fraction=0.25, residual_length=64, flush_block=16),
-    "late20-w80": _base(late_key=_tq(4), late_fraction=0.2, residual_length=80, flush_block=16),
-    # 3-bit values in the last 7 layers instead
-    "v3late-w64": _base(residual_length=64, flush_block=16, layer_overrides={l: {"value": _tq(3)} for l in range(23, 30)}),
-    # keep the 128-token window, 4-bit keys or 3-bit values in the last 2 layers only
-    "late2-w128": _base(late_key=_tq(4), late_fraction=2 / 30, residual_length=128, flush_block=4),
-    "v3last2-w128": _base(residual_length=128, flush_block=4, layer_overrides={l: {"value": _tq(3)} for l in (28, 29)}),
-    "late2-w124": _base(late_key=_tq(4), late_fraction=2 / 30, residual_length=124, flush_block=4),
+    # fp16 norms: the window that holds perplexity costs the last few tenths of the 5x
+    "late2-w128": _late(2, 128),
+    "late2-w124": _late(2, 124),
+    # 8-bit (float8 e4m3) norms: on the values, on keys and values
+    "late2-w128-v8": _late(2, 128, value_norms="fp8"),
+    "late2-w128-kv8": _late(2, 128, value_norms="fp8", key_norms="fp8"),
+    # what the values' 8 bits buy: a longer window (the preset "tq-k3v2") or 4-bit keys in one more layer
+    "late2-w136-v8": _late(2, 136, flush=8, value_norms="fp8"),
+    "late3-w128-v8": _late(3, 128, value_norms="fp8"),
 }
 
 

@@ -34,7 +34,7 @@ def test_cpu_kernel_matches_reference_every_codec(name, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])  # 16, 32: code rows under 8 bytes, read exactly
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 9])
 def test_cpu_kernel_head_dims_and_gqa_groups(d, rows, impl):
     parts, vp, bias = case("tq3-tq2", b=2, h=1, rows=rows, d=d, n=133, seed=d + rows)
@@ -59,26 +59,30 @@ def test_cpu_kernel_split_that_is_fully_masked(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
 def test_cpu_kernel_reads_norms_and_scales_in_their_dtype(impl, dtype):
     from qjl.turboquant import TurboQuantMSE
     from qjl.values import TokenwiseQuantizer
 
     g = torch.Generator().manual_seed(3)
     k, v, q = (torch.randn(1, 2, n, 64, generator=g) for n in (90, 90, 3))
-    for kc, vc in ((TurboQuantMSE(64, 3, norm_dtype=dtype), TokenwiseQuantizer(64, 2, scale_dtype=dtype)),
+    sdtype = "fp32" if dtype == "fp8" else dtype  # fp8 is for norms only
+    for kc, vc in ((TurboQuantMSE(64, 3, norm_dtype=dtype), TokenwiseQuantizer(64, 2, scale_dtype=sdtype)),
                    (TurboQuantMSE(64, 4), TurboQuantMSE(64, 2, norm_dtype=dtype))):
         parts, vp = kernels.key_parts(kc, kc.quantize(k), q), kernels.value_part(vc, vc.quantize(v))
         _close(cpu.decode_partial(parts, vp, None, impl=impl), reference(parts, vp, None), vp)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
 def test_c_kernel_reads_every_half_precision_norm_exactly(dtype):
-    """The C kernel converts fp16/bf16 norms itself: every finite bit pattern (normal, subnormal, zero,
+    """The C kernel converts fp16/bf16/fp8 norms itself: every finite bit pattern (normal, subnormal, zero,
     negative) must read as torch reads it.  One sequence per pattern, one token each, score = norm."""
     if "c" not in IMPLS:
         pytest.skip("the C kernel is not built here")
-    pattern = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    if dtype == torch.float8_e4m3fn:
+        pattern = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    else:
+        pattern = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
     norms = pattern[torch.isfinite(pattern.float())].reshape(-1, 1)  # [BH, 1]
     bh = norms.shape[0]
     q = torch.zeros(bh, 1, 8)

@@ -119,7 +119,8 @@ def test_input_dtypes(dtype):
     assert sk.inner_product(torch.randn(2, 64).to(dtype), codes).dtype == torch.float32
 
 
-@pytest.mark.parametrize("norm_dtype,torch_dtype,bits", [("fp16", torch.float16, 16), ("bf16", torch.bfloat16, 16), ("fp32", torch.float32, 32)])
+@pytest.mark.parametrize("norm_dtype,torch_dtype,bits", [("fp16", torch.float16, 16), ("bf16", torch.bfloat16, 16), ("fp32", torch.float32, 32),
+                                                         ("fp8", torch.float8_e4m3fn, 8)])
 def test_norm_dtype(norm_dtype, torch_dtype, bits):
     sk = QJLSketch(64, 64, norm_dtype=norm_dtype)
     codes = sk.quantize(torch.randn(3, 64))
@@ -143,6 +144,8 @@ def test_norm_overflow_is_refused():
     sk = QJLSketch(64, 64, norm_dtype="fp16")
     with pytest.raises(ValueError, match="overflows"):
         sk.quantize(torch.full((1, 64), 1e4))
+    with pytest.raises(ValueError, match="overflows"):  # float8 e4m3 would saturate to 448 silently
+        QJLSketch(64, 64, norm_dtype="fp8").quantize(torch.full((1, 64), 60.0))  # norm 480
     assert QJLSketch(64, 64, norm_dtype="fp32").quantize(torch.full((1, 64), 1e4)).fields["norm"].isfinite().all()
 
 

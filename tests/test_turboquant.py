@@ -179,3 +179,23 @@ def test_norm_correction_removes_the_shrink():
     mse_plain = (plain.dequantize(plain.quantize(x)) - x).pow(2).sum(-1).mean()
     mse_fixed = (fixed.dequantize(fixed.quantize(x)) - x).pow(2).sum(-1).mean()
     assert mse_plain < mse_fixed < mse_plain * 1.2
+
+
+def test_fp8_norms_cost_8_bits_and_stay_within_their_rounding():
+    """norm_dtype="fp8" (float8 e4m3): 8 bits per vector, the norm within 2^-4 relative, the codes unchanged."""
+    x = torch.randn(500, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-1, 1.5, 500).unsqueeze(-1)
+    c16, c8 = TurboQuantMSE(64, 3, seed=1, norm_dtype="fp16"), TurboQuantMSE(64, 3, seed=1, norm_dtype="fp8")
+    a, b = c16.quantize(x), c8.quantize(x)
+    assert c8.bit_budget().per_vector == {"codes": 192, "norm": 8}
+    assert b.fields["norm"].dtype == torch.float8_e4m3fn and torch.equal(a.fields["codes"], b.fields["codes"])
+    rel = (b.fields["norm"].float() / a.fields["norm"].float() - 1).abs()
+    assert rel.max() <= 2 ** -4 + 1e-3 and rel.mean() > 1e-3  # really rounded to 3 mantissa bits
+    with pytest.raises(ValueError, match="overflows"):
+        c8.quantize(torch.full((1, 64), 100.0))  # norm 800 > 448
+
+
+def test_fp8_is_for_norms_only():
+    from qjl.values import TokenwiseQuantizer
+
+    with pytest.raises(ValueError, match="scale_dtype"):
+        TokenwiseQuantizer(64, 2, scale_dtype="fp8")

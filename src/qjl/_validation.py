@@ -10,6 +10,10 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 STORAGE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# norms may also be stored in 8 bits: float8 e4m3 (relative error <= 2^-4 in [2^-6, 448], absolute
+# error <= 2^-10 below; larger norms are refused by check_fits).  Not offered for scales and zero points,
+# where a relative error of a few percent is larger than a quantization step.
+NORM_DTYPES = {**STORAGE_DTYPES, "fp8": torch.float8_e4m3fn}
 
 
 def check_positive_int(name: str, value, minimum: int = 1) -> int:
@@ -33,13 +37,13 @@ def check_choice(name: str, value, allowed) -> None:
         raise ValueError(f"{name} must be one of {sorted(allowed)!r}, got {value!r}")
 
 
-def storage_dtype(name: str, value) -> torch.dtype:
-    """Accept 'fp16'/'bf16'/'fp32' or the torch dtype itself."""
-    if isinstance(value, torch.dtype) and value in STORAGE_DTYPES.values():
+def storage_dtype(name: str, value, choices=STORAGE_DTYPES) -> torch.dtype:
+    """Accept a key of ``choices`` ('fp16'/'bf16'/'fp32', plus 'fp8' for NORM_DTYPES) or the torch dtype itself."""
+    if isinstance(value, torch.dtype) and value in choices.values():
         return value
-    if isinstance(value, str) and value in STORAGE_DTYPES:
-        return STORAGE_DTYPES[value]
-    raise ValueError(f"{name} must be one of {sorted(STORAGE_DTYPES)} (or the torch dtype), got {value!r}")
+    if isinstance(value, str) and value in choices:
+        return choices[value]
+    raise ValueError(f"{name} must be one of {sorted(choices)} (or the torch dtype), got {value!r}")
 
 
 def check_vectors(name: str, x, dim: int, min_ndim: int = 1) -> torch.Tensor:
@@ -58,8 +62,9 @@ def check_vectors(name: str, x, dim: int, min_ndim: int = 1) -> torch.Tensor:
 
 
 def check_fits(name: str, values: torch.Tensor, dtype: torch.dtype) -> None:
-    """Values that become Inf when stored in ``dtype`` are refused, not silently stored."""
-    if values.numel() and not bool(torch.isfinite(values.to(dtype)).all()):
+    """Values beyond ``dtype``'s range are refused, not silently stored as Inf (fp16/bf16) or
+    clipped (fp8 saturates)."""
+    if values.numel() and bool((values.float().abs() > torch.finfo(dtype).max).any()):
         raise ValueError(
             f"{name} overflows its storage dtype {dtype} (max {torch.finfo(dtype).max:g}); "
             "choose a wider dtype"

@@ -179,8 +179,9 @@ def _uniform(bits, group=64):
     return CodecSpec("uniform", {"bits": bits, "group_size": group})
 
 
-def _tq(bits, correct_norm=True):
-    return CodecSpec("turboquant_mse", {"bits": bits, "correct_norm": correct_norm})
+def _tq(bits, correct_norm=True, norm_dtype="fp16"):
+    params = {"bits": bits, "correct_norm": correct_norm}
+    return CodecSpec("turboquant_mse", params if norm_dtype == "fp16" else {**params, "norm_dtype": norm_dtype})
 
 
 _QJL_PAPER_KEYS = CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 2.0, "outlier_sketch_dim": 0.5})
@@ -198,8 +199,10 @@ PRESETS = {
     # 5-bit keys in the deeper half of the layers: 4.0 bits per value
     "tq-k45v3": QJLConfig(key=_tq(4), value=_tq(3), late_key=_tq(5)),
     "tq-k3v3": QJLConfig(key=_tq(3), value=_tq(3)),
-    # the 5x point: fp16 exact window of 112 (+< 16) tokens
-    "tq-k3v2": QJLConfig(key=_tq(3), value=_tq(2), residual_length=112, flush_block=16, exact_dtype="fp16"),
+    # the 5x point (benchmarks/five_x_search.py): 3-bit keys (4-bit in the last 7% of the layers), 2-bit values
+    # with 8-bit (float8 e4m3) norms, an fp16 exact window of 136 (+< 8) tokens
+    "tq-k3v2": QJLConfig(key=_tq(3), value=_tq(2, norm_dtype="fp8"), late_key=_tq(4), late_fraction=0.07,
+                         residual_length=136, flush_block=8, exact_dtype="fp16"),
     "tq-k2v2": QJLConfig(key=_tq(2), value=_tq(2)),
     # the paper's TurboQuant_mse (no norm correction) with uniform values and no sinks
     "tq-paper-k4v3": QJLConfig(key=_tq(4, False), value=_uniform(3), sink_tokens=0),

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ._validation import check_fits, check_positive_int, check_vectors, storage_dtype
+from ._validation import check_fits, check_positive_int, check_vectors, NORM_DTYPES, storage_dtype
 from .codec import BitBudget, Codec, Codes
 from .lloyd_max import bucket, polar_codebook
 from .packing import pack_bits, packed_size, unpack_bits
@@ -79,7 +79,7 @@ class PolarQuant(Codec):
         self.bits = tuple(spec[min(i, len(spec) - 1)] for i in range(self.levels))
         self.books = [polar_codebook(level + 1, b) for level, b in enumerate(self.bits)]
         self._tables = [book.tensors() for book in self.books]
-        self.norm_dtype = storage_dtype("norm_dtype", norm_dtype)
+        self.norm_dtype = storage_dtype("norm_dtype", norm_dtype, NORM_DTYPES)
 
     def __repr__(self):
         return f"PolarQuant(dim={self.dim}, bits_per_level={self.bits}, rotation={self.rotation.kind!r})"

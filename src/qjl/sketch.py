@@ -48,7 +48,7 @@ import math
 
 import torch
 
-from ._validation import check_choice, check_positive_int, check_vectors, check_fits, storage_dtype
+from ._validation import check_choice, check_positive_int, check_vectors, check_fits, NORM_DTYPES, storage_dtype
 from .codec import BitBudget, Codec, Codes
 from .hadamard import hadamard_rotate, hadamard_rotate_t, next_pow2, random_signs
 from .packing import pack_signs, unpack_signs
@@ -93,7 +93,8 @@ class QJLSketch(Codec):
         sketch_dim: m, the number of sign bits per vector; a multiple of 8.
         kind: "gaussian", "orthogonal" (default) or "hadamard" (module doc).
         seed: seed of the matrix; the same seed gives the same matrix everywhere.
-        norm_dtype: storage of the norm: "fp16" (default), "bf16" or "fp32".
+        norm_dtype: storage of the norm: "fp16" (default), "bf16", "fp32" or "fp8" (float8 e4m3: 8 bits,
+            relative error <= 2^-4).
         hadamard_rounds: sign+Hadamard rounds of the "hadamard" family.
     """
 
@@ -109,7 +110,7 @@ class QJLSketch(Codec):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         self.kind, self.seed = kind, seed
-        self.norm_dtype = storage_dtype("norm_dtype", norm_dtype)
+        self.norm_dtype = storage_dtype("norm_dtype", norm_dtype, NORM_DTYPES)
         self.hadamard_rounds = check_positive_int("hadamard_rounds", hadamard_rounds)
         if kind == "hadamard" and next_pow2(dim) < _HADAMARD_MIN_N:
             raise ValueError(f"kind='hadamard' needs dim > {_HADAMARD_MIN_N // 2} (small Hadamard transforms are "

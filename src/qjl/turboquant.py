@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_bits, check_fits, check_positive_int, check_vectors, storage_dtype
+from ._validation import check_bits, check_fits, check_positive_int, check_vectors, NORM_DTYPES, storage_dtype
 from .codec import BitBudget, Codec, Codes
 from .lloyd_max import bucket, sphere_codebook
 from .outliers import derive_seed
@@ -39,7 +39,7 @@ class TurboQuantMSE(Codec):
         bits: bits per rotated coordinate, 1..8.
         rotation: "haar" (dense, exact) or "hadamard" (O(d log d), padded to a power of two).
         seed: rotation seed.
-        norm_dtype: "fp16" (default), "bf16" or "fp32".
+        norm_dtype: "fp16" (default), "bf16", "fp32" or "fp8" (float8 e4m3: 8 bits, relative error <= 2^-4).
         correct_norm: store ``||x|| / <u, u_hat>`` instead of ``||x||`` (u = x/||x||, u_hat its
             codebook reconstruction), so that ``<x, x_hat> = ||x||^2`` exactly.  The paper's
             reconstruction shrinks every inner product by about ``1 - D_mse`` on average (the
@@ -60,7 +60,7 @@ class TurboQuantMSE(Codec):
             raise ValueError(f"dim must be >= 3 for a rotation codebook, got {dim}")
         self.codebook = sphere_codebook(n, bits)
         self._centroids, self._boundaries = self.codebook.tensors()
-        self.norm_dtype = storage_dtype("norm_dtype", norm_dtype)
+        self.norm_dtype = storage_dtype("norm_dtype", norm_dtype, NORM_DTYPES)
         if not isinstance(correct_norm, bool):
             raise TypeError(f"correct_norm must be a bool, got {type(correct_norm).__name__}")
         self.correct_norm = correct_norm

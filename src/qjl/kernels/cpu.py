@@ -377,7 +377,7 @@ def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | Non
         _run_numba(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_np, bias is not None, heads, block, outs)
     else:
         _run_c(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_np, bias is not None, heads, bh, rchunks,
-               n_tok, block, splits, outs, threads, impl == "c")
+               n_tok, block, splits, outs, threads, _SIMD if impl == "c" else 0)
     r_all = rchunks * RW  # split 0 holds the merged partial
     m = torch.from_numpy(out_m[:, :, 0]).reshape(bh, r_all)[:, :r_rows]
     l_ = torch.from_numpy(out_l[:, :, 0]).reshape(bh, r_all)[:, :r_rows]
@@ -385,7 +385,10 @@ def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | Non
     return m, l_, o
 
 
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_SIMD = 7  # the C build's AVX-512 paths: 1 values, 2 keys, 4 softmax (where the CPU has AVX-512 VBMI)
+_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
+_VIEWS = {torch.float32: torch.float32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+          torch.float8_e4m3fn: torch.uint8}
 
 
 def _raw(t: torch.Tensor):
@@ -393,8 +396,7 @@ def _raw(t: torch.Tensor):
     if t.dtype not in _KINDS:
         t = t.float()
     t = t.contiguous()
-    view = t if t.dtype == torch.float32 else t.view(torch.int16)
-    return view.numpy(), _KINDS[t.dtype]
+    return t.view(_VIEWS[t.dtype]).numpy(), _KINDS[t.dtype]
 
 
 def _run_numba(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, block, outs):
@@ -436,5 +438,7 @@ def _run_c(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, bh, rchunks, n_to
                         vp.scale.shape[-1], ptr(sc, vd), ptr(zr, vd), ks, int(vp.zero is not None), ptr(bias_np),
                         int(has_bias), heads, bh, rchunks, n_tok, block, splits, *(ptr(o) for o in outs),
                         threads, int(simd))
+    if rc == -2:
+        raise ValueError(f"the C kernel refused storage dtype codes {k1}/{k2}/{ks}")
     if rc != 0:
         raise ValueError(f"the C kernel refused bit widths {p1.bits}/{p2.bits}/{vp.bits}")

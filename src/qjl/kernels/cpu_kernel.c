@@ -16,7 +16,18 @@ typedef float v4 __attribute__((vector_size(16)));
 
 static inline v4 load4(const float *p) { v4 x; memcpy(&x, p, 16); return x; }
 
-/* norms, scales and zero points are read in their storage dtype: 0 = fp32, 1 = fp16, 2 = bf16 */
+/* norms, scales and zero points are read in their storage dtype: 0 = fp32, 1 = fp16, 2 = bf16, 3 = float8 e4m3 */
+static inline int64_t kind_bytes(int kind) { return kind == 0 ? 4 : kind == 3 ? 1 : 2; }
+static inline float e4m3_to_float(uint8_t b) {
+    const uint32_t e = (b >> 3) & 0xf, m = b & 7;
+    float f;
+    if (e == 0) f = (float)m * 0.001953125f; /* subnormal: m * 2^-9 */
+    else {
+        const uint32_t bits = ((e + 127 - 7) << 23) | (m << 20);
+        memcpy(&f, &bits, 4);
+    }
+    return (b & 0x80) ? -f : f;
+}
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     uint32_t bits;
@@ -36,6 +47,7 @@ static inline float half_to_float(uint16_t h) {
 }
 static inline float read_f(const void *p, int64_t i, int kind) {
     if (kind == 0) return ((const float *)p)[i];
+    if (kind == 3) return e4m3_to_float(((const uint8_t *)p)[i]);
     uint16_t h = ((const uint16_t *)p)[i];
     if (kind == 1) return half_to_float(h);
     uint32_t bits = (uint32_t)h << 16;
@@ -203,75 +215,218 @@ static int cpu_has_avx512(void) {
     return cached;
 }
 
-QJL_AVX512 static inline __m512 dq16(const uint8_t *p, const int bits, __m128i ctrl, __m128i mask, __m512 centv) {
+/* Unpacking 16 codes of b <= 4 bits (2b bytes, LSB first) to their 16 centroids in 3 instructions: an 8-byte
+ * broadcast load, vpmultishiftqb moving code i's bits to the low byte of dword i, and vpermps, which reads
+ * only the low 4 bits of each index -- the bits above a code are those of the next one, so the centroid
+ * table repeats every 2^b entries.  Loads are 8 bytes: the last 16 codes of a row load the 8 bytes that
+ * end the row instead (offsets shifted by `ctrl_tail`), so nothing past a row is read (rows under 8 bytes are
+ * read exactly). */
+typedef struct {
+    __m512i ctrl, ctrl_tail;
+    __m512 centv;
+} unpack16;
+
+QJL_AVX512 static inline __attribute__((always_inline)) unpack16 setup16(const int bits, const float *cent) {
+    uint8_t cb[64] = {0}, ct[64] = {0};
+    float c16[16];
+    const int shift = 8 * (8 - 2 * bits);
+    for (int i = 0; i < 16; i++) {
+        cb[4 * i] = (uint8_t)(i * bits);
+        ct[4 * i] = (uint8_t)(i * bits + shift);
+        c16[i] = cent[i & ((1 << bits) - 1)];
+    }
+    unpack16 u;
+    u.ctrl = _mm512_loadu_si512(cb);
+    u.ctrl_tail = _mm512_loadu_si512(ct);
+    u.centv = _mm512_loadu_ps(c16);
+    return u;
+}
+
+/* the 16 centroids of the codes at p (tail: p is a row's last 2b bytes; short_row: rows under 8 bytes,
+   read exactly) */
+QJL_AVX512 static inline __attribute__((always_inline)) __m512 dq16(const uint8_t *p, const int bits, const int tail,
+                                                                    const int short_row, const unpack16 *u) {
     uint64_t w = 0;
-    memcpy(&w, p, (size_t)(2 * bits));
-    const __m128i x = _mm_set1_epi64x((long long)w);
-    const __m128i sel = _mm_and_si128(_mm_multishift_epi64_epi8(ctrl, x), mask);
-    return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(sel), centv);
+    if (short_row) {
+        memcpy(&w, p, (size_t)(2 * bits));
+        return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(u->ctrl, _mm512_set1_epi64((long long)w)), u->centv);
+    }
+    memcpy(&w, tail ? p + 2 * bits - 8 : p, 8);
+    const __m512i x = _mm512_multishift_epi64_epi8(tail ? u->ctrl_tail : u->ctrl, _mm512_set1_epi64((long long)w));
+    return _mm512_permutexvar_ps(x, u->centv);
 }
 
-QJL_AVX512 static inline __attribute__((always_inline)) void setup16(const int bits, const float *cent, __m128i *ctrl, __m128i *mask, __m512 *centv) {
-    uint8_t cb[16];
-    float c16[16] = {0};
-    for (int j = 0; j < 16; j++) cb[j] = (uint8_t)(j * bits);
-    for (int k = 0; k < (1 << bits); k++) c16[k] = cent[k];
-    *ctrl = _mm_loadu_si128((const __m128i *)cb);
-    *mask = _mm_set1_epi8((char)((1 << bits) - 1));
-    *centv = _mm512_loadu_ps(c16);
-}
-
-/* acc[r][c] += p[r][t - t0] * scale[t][c / gs] * cent[code(t, c)]; zsum[g][r] += p * zero[t][g] */
+/* acc[r][c] += p[r][t - t0] * scale[t][c / gs] * cent[code(t, c)]; zsum[g][r] += p * zero[t][g].
+ * Blocks of TB tokens: the weights p * scale first (pw [TB][ngroups][RW]), then per 16 channels the RW
+ * accumulators stay in registers over the block (one unpack and RW broadcast FMAs per token). */
+#define TB 256
 QJL_AVX512 static inline __attribute__((always_inline)) void mix512_(const int bits, const uint8_t *codes, int64_t nb, int64_t n, const float *cent, int64_t gs,
                               int64_t ngroups, const void *scale, const void *zero, int skind, int has_zero,
-                              const float *p, int64_t len, int64_t t0, int64_t t1, float *acc, float *zsum) {
-    __m128i ctrl, mask;
-    __m512 centv;
-    setup16(bits, cent, &ctrl, &mask, &centv);
+                              const float *p, int64_t len, int64_t t0, int64_t t1, float *acc, float *zsum,
+                              float *pw) {
+    const unpack16 u = setup16(bits, cent);
     const int64_t groups = n / 16, step = 2 * bits;
-    for (int64_t t = t0; t < t1; t++) {
-        const uint8_t *row = codes + t * nb;
-        const int64_t c = t - t0;
-        const float p0 = p[c], p1 = p[len + c], p2 = p[2 * len + c], p3 = p[3 * len + c];
-        if (has_zero)
+    const int short_row = nb < 8;
+    for (int64_t tb = t0; tb < t1; tb += TB) {
+        const int64_t te = tb + TB < t1 ? tb + TB : t1;
+        for (int64_t t = tb; t < te; t++) {
+            const int64_t c = t - t0;
+            const float p0 = p[c], p1 = p[len + c], p2 = p[2 * len + c], p3 = p[3 * len + c];
+            float *w = pw + (t - tb) * ngroups * RW;
             for (int64_t k = 0; k < ngroups; k++) {
-                const float z = read_f(zero, t * ngroups + k, skind);
-                zsum[k * RW] += p0 * z;
-                zsum[k * RW + 1] += p1 * z;
-                zsum[k * RW + 2] += p2 * z;
-                zsum[k * RW + 3] += p3 * z;
+                const float sc = read_f(scale, t * ngroups + k, skind);
+                w[k * RW] = p0 * sc;
+                w[k * RW + 1] = p1 * sc;
+                w[k * RW + 2] = p2 * sc;
+                w[k * RW + 3] = p3 * sc;
+                if (has_zero) {
+                    const float z = read_f(zero, t * ngroups + k, skind);
+                    zsum[k * RW] += p0 * z;
+                    zsum[k * RW + 1] += p1 * z;
+                    zsum[k * RW + 2] += p2 * z;
+                    zsum[k * RW + 3] += p3 * z;
+                }
             }
-        int64_t k_prev = -1;
-        __m512 w0 = _mm512_setzero_ps(), w1 = w0, w2 = w0, w3 = w0;
+        }
         for (int64_t g = 0; g < groups; g++) {
             const int64_t k = (16 * g) / gs;
-            if (k != k_prev) {
-                const float s = read_f(scale, t * ngroups + k, skind);
-                w0 = _mm512_set1_ps(p0 * s);
-                w1 = _mm512_set1_ps(p1 * s);
-                w2 = _mm512_set1_ps(p2 * s);
-                w3 = _mm512_set1_ps(p3 * s);
-                k_prev = k;
-            }
-            const __m512 v = dq16(row + g * step, bits, ctrl, mask, centv);
+            const int tail = g == groups - 1;
             float *a = acc + 16 * g;
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(w0, v, _mm512_loadu_ps(a)));
-            _mm512_storeu_ps(a + n, _mm512_fmadd_ps(w1, v, _mm512_loadu_ps(a + n)));
-            _mm512_storeu_ps(a + 2 * n, _mm512_fmadd_ps(w2, v, _mm512_loadu_ps(a + 2 * n)));
-            _mm512_storeu_ps(a + 3 * n, _mm512_fmadd_ps(w3, v, _mm512_loadu_ps(a + 3 * n)));
+            __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + n), a2 = _mm512_loadu_ps(a + 2 * n),
+                   a3 = _mm512_loadu_ps(a + 3 * n);
+            const uint8_t *src = codes + tb * nb + g * step;
+            const float *w = pw + k * RW;
+            for (int64_t t = tb; t < te; t++, src += nb, w += ngroups * RW) {
+                const __m512 v = dq16(src, bits, tail, short_row, &u);
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(w[0]), v, a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(w[1]), v, a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(w[2]), v, a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(w[3]), v, a3);
+            }
+            _mm512_storeu_ps(a, a0);
+            _mm512_storeu_ps(a + n, a1);
+            _mm512_storeu_ps(a + 2 * n, a2);
+            _mm512_storeu_ps(a + 3 * n, a3);
         }
     }
 }
 /* bit width as a compile-time constant (one 2b-byte load per 16 codes, no memcpy call) */
 QJL_AVX512 static void mix512(int bits, const uint8_t *codes, int64_t nb, int64_t n, const float *cent, int64_t gs,
                               int64_t ngroups, const void *scale, const void *zero, int skind, int has_zero,
-                              const float *p, int64_t len, int64_t t0, int64_t t1, float *acc, float *zsum) {
+                              const float *p, int64_t len, int64_t t0, int64_t t1, float *acc, float *zsum,
+                              float *pw) {
     switch (bits) {
-    case 1: mix512_(1, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum); break;
-    case 2: mix512_(2, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum); break;
-    case 3: mix512_(3, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum); break;
-    default: mix512_(4, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum); break;
+    case 1: mix512_(1, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum, pw); break;
+    case 2: mix512_(2, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum, pw); break;
+    case 3: mix512_(3, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum, pw); break;
+    default: mix512_(4, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum, pw); break;
     }
+}
+
+/* 16 horizontal sums at once: out[k] = sum of the 16 lanes of a[k] (a transpose-and-add tree, 45 ops) */
+QJL_AVX512 static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *a) {
+    __m512 c[8], e[4];
+    for (int i = 0; i < 8; i++)
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(c[2 * i]), y = _mm512_castps_pd(c[2 * i + 1]);
+        e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88), _mm512_shuffle_f32x4(e[0], e[1], 0xdd));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(e[2], e[3], 0x88), _mm512_shuffle_f32x4(e[2], e[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
+}
+
+/* out[r][t - t0] += norm[t] * sum_c q[r][c] * cent[code(t, c)]: 4 tokens x RW rows per pass, codes unpacked
+ * in registers (as for values), 16 FMA accumulators reduced together by hsum16 */
+QJL_AVX512 static inline __attribute__((always_inline)) void score512_(const int bits, const uint8_t *codes, int64_t nb,
+                                                                      int64_t n, const float *cent, const float *q,
+                                                                      const void *norm, int nkind, int64_t t0,
+                                                                      int64_t t1, float *out, int64_t len) {
+    const unpack16 u = setup16(bits, cent);
+    const int64_t groups = n / 16, step = 2 * bits;
+    const int short_row = nb < 8;
+    float s[16];
+    for (int64_t t = t0; t < t1; t += 4) {
+        const uint8_t *rows[4];
+        for (int j = 0; j < 4; j++) rows[j] = codes + (t + j < t1 ? t + j : t1 - 1) * nb; /* tail: repeat the last */
+        __m512 acc[16];
+        for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 q0 = _mm512_loadu_ps(q + 16 * g), q1 = _mm512_loadu_ps(q + n + 16 * g);
+            const __m512 q2 = _mm512_loadu_ps(q + 2 * n + 16 * g), q3 = _mm512_loadu_ps(q + 3 * n + 16 * g);
+            const int tail = g == groups - 1;
+            for (int j = 0; j < 4; j++) {
+                const __m512 v = dq16(rows[j] + g * step, bits, tail, short_row, &u);
+                acc[4 * j] = _mm512_fmadd_ps(v, q0, acc[4 * j]);
+                acc[4 * j + 1] = _mm512_fmadd_ps(v, q1, acc[4 * j + 1]);
+                acc[4 * j + 2] = _mm512_fmadd_ps(v, q2, acc[4 * j + 2]);
+                acc[4 * j + 3] = _mm512_fmadd_ps(v, q3, acc[4 * j + 3]);
+            }
+        }
+        _mm512_storeu_ps(s, hsum16(acc));
+        for (int j = 0; j < 4 && t + j < t1; j++) {
+            const float nt = read_f(norm, t + j, nkind);
+            for (int r = 0; r < RW; r++) out[r * len + (t + j - t0)] += s[4 * j + r] * nt;
+        }
+    }
+}
+QJL_AVX512 static void score512(int bits, const uint8_t *codes, int64_t nb, int64_t n, const float *cent,
+                                const float *q, const void *norm, int nkind, int64_t t0, int64_t t1, float *out,
+                                int64_t len) {
+    switch (bits) {
+    case 1: score512_(1, codes, nb, n, cent, q, norm, nkind, t0, t1, out, len); break;
+    case 2: score512_(2, codes, nb, n, cent, q, norm, nkind, t0, t1, out, len); break;
+    case 3: score512_(3, codes, nb, n, cent, q, norm, nkind, t0, t1, out, len); break;
+    default: score512_(4, codes, nb, n, cent, q, norm, nkind, t0, t1, out, len); break;
+    }
+}
+
+/* exp(x) for 16 lanes, x <= 0 (-inf allowed): Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, degree-6
+ * Taylor polynomial (relative error < 2e-7), 2^k by vscalefps; x < -87 gives exactly 0 */
+QJL_AVX512 static inline __m512 exp512(__m512 x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
+}
+
+/* max of x[0:len] */
+QJL_AVX512 static float max512(const float *x, int64_t len) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + t));
+    if (t < len) m = _mm512_mask_max_ps(m, (__mmask16)((1u << (len - t)) - 1), m, _mm512_maskz_loadu_ps((__mmask16)((1u << (len - t)) - 1), x + t));
+    return _mm512_reduce_max_ps(m);
+}
+
+/* x[t] = exp(x[t] - m) for t < len; returns the sum */
+QJL_AVX512 static float exp_sum512(float *x, int64_t len, float m) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 tot = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + t), mv));
+        _mm512_storeu_ps(x + t, e);
+        tot = _mm512_add_ps(tot, e);
+    }
+    if (t < len) {
+        const __mmask16 k = (__mmask16)((1u << (len - t)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + t), mv)));
+        _mm512_mask_storeu_ps(x + t, k, e);
+        tot = _mm512_add_ps(tot, e);
+    }
+    return _mm512_reduce_add_ps(tot);
 }
 #else
 #define QJL_HAVE_AVX512_PATH 0
@@ -280,7 +435,12 @@ static int cpu_has_avx512(void) { return 0; }
 
 /* 1-, 2- and 4-bit codes only: with 3 bits (6-byte words) this path measured 1.7x slower than the histogram */
 static int use512(int bits, int64_t n) {
-    return QJL_HAVE_AVX512_PATH && (bits == 1 || bits == 2 || bits == 4) && n % 16 == 0 && cpu_has_avx512();
+    return QJL_HAVE_AVX512_PATH && bits <= 4 && n % 16 == 0 && cpu_has_avx512();
+}
+
+/* keys of 1-4 bits: codes unpacked in registers (score512) instead of the tables */
+static int use512k(int bits, int64_t n) {
+    return QJL_HAVE_AVX512_PATH && bits <= 4 && n % 16 == 0 && cpu_has_avx512();
 }
 
 static int64_t table_size(int bits, int64_t n) {
@@ -292,9 +452,9 @@ static int64_t table_size(int bits, int64_t n) {
 
 /* Shapes: c [BH, N, nb]; norm [BH, N]; q [BH, rchunks, RW, n]; vc [BH, N, nbv]; vscale/vzero [BH, N, G];
  * bias [B, N]; out_m/out_l [BH, rchunks, splits, RW]; out_o [BH, rchunks, splits, RW, nvn].
- * nkind1/nkind2/skind: storage of norm1/norm2/(vscale, vzero): 0 fp32, 1 fp16, 2 bf16.
+ * nkind1/nkind2/skind: storage of norm1/norm2/(vscale, vzero): 0 fp32, 1 fp16, 2 bf16, 3 float8 e4m3.
  * simd: 0 keeps to the portable table/histogram code (tests compare both).
- * Returns 0, or -1 for unsupported bit widths. */
+ * Returns 0, -1 for unsupported bit widths, -2 for an unknown storage dtype code. */
 int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const float *cent1, const void *norm1,
                int nkind1, const float *q1, int has2, int kbits2, const uint8_t *c2, int64_t nb2, int64_t n2,
                const float *cent2, const void *norm2, int nkind2, const float *q2, int vbits, const uint8_t *vc,
@@ -303,13 +463,16 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                int64_t bh_count, int64_t rchunks, int64_t n_tok, int64_t block, int64_t splits, float *out_m,
                float *out_l, float *out_o, int threads, int simd) {
     if (kbits1 < 1 || kbits1 > 8 || kbits2 < 1 || kbits2 > 8 || vbits < 1 || vbits > 8) return -1;
+    if (nkind1 < 0 || nkind1 > 3 || nkind2 < 0 || nkind2 > 3 || skind < 0 || skind > 3) return -2;
     const int64_t items = bh_count * rchunks * splits;
     const int gv = 8 / vbits;
     /* values: AVX-512 where it applies (mix512), the histogram over fields otherwise; keys: tables */
-    const int v512 = simd && use512(vbits, nvn) && gs % 16 == 0;
+    const int v512 = (simd & 1) && use512(vbits, nvn) && gs % 16 == 0;
+    const int x512 = (simd & 4) && QJL_HAVE_AVX512_PATH && cpu_has_avx512();
+    const int k512a = (simd & 2) && use512k(kbits1, n1), k512b = (simd & 2) && has2 && use512k(kbits2, n2);
     /* values accumulate in a histogram over fields [field][value][RW], or directly in [RW][nvn] */
     const int64_t hist_size = v512 ? RW * nvn : (nvn / gv) * ((int64_t)1 << (gv * vbits)) * RW;
-    const int64_t sbytes = skind == 0 ? 4 : 2;
+    const int64_t sbytes = kind_bytes(skind);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t item = 0; item < items; item++) {
         const int64_t bh = item / (rchunks * splits), rc = (item / splits) % rchunks, s = item % splits;
@@ -325,16 +488,21 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
             float *hist = calloc((size_t)hist_size, sizeof(float));
             float *zsum = calloc((size_t)(ngroups * RW), sizeof(float));
             float *logits = malloc(sizeof(float) * RW * SUB);
-            TABLES[kbits1](qr1, n1, cent1, tab1);
-            if (has2) TABLES[kbits2](qr2, n2, cent2, tab2);
+            float *pw = v512 ? malloc(sizeof(float) * TB * ngroups * RW) : NULL;
+            if (!k512a) TABLES[kbits1](qr1, n1, cent1, tab1);
+            if (has2 && !k512b) TABLES[kbits2](qr2, n2, cent2, tab2);
             const uint8_t *k1 = c1 + bh * n_tok * nb1, *k2 = has2 ? c2 + bh * n_tok * nb2 : NULL;
-            const char *n1p = (const char *)norm1 + bh * n_tok * (nkind1 == 0 ? 4 : 2);
-            const char *n2p = has2 ? (const char *)norm2 + bh * n_tok * (nkind2 == 0 ? 4 : 2) : NULL;
+            const char *n1p = (const char *)norm1 + bh * n_tok * kind_bytes(nkind1);
+            const char *n2p = has2 ? (const char *)norm2 + bh * n_tok * kind_bytes(nkind2) : NULL;
             for (int64_t a = t0; a < t1; a += SUB) {
                 const int64_t b = a + SUB < t1 ? a + SUB : t1, len = b - a;
                 memset(logits, 0, sizeof(float) * RW * (size_t)len);
-                SCORES[kbits1][n_slot(n1)](k1, nb1, tab1, n1p, nkind1, a, b, logits, len);
-                if (has2) SCORES[kbits2][n_slot(n2)](k2, nb2, tab2, n2p, nkind2, a, b, logits, len);
+#if QJL_HAVE_AVX512_PATH
+                if (k512a) score512(kbits1, k1, nb1, n1, cent1, qr1, n1p, nkind1, a, b, logits, len);
+                if (k512b) score512(kbits2, k2, nb2, n2, cent2, qr2, n2p, nkind2, a, b, logits, len);
+#endif
+                if (!k512a) SCORES[kbits1][n_slot(n1)](k1, nb1, tab1, n1p, nkind1, a, b, logits, len);
+                if (has2 && !k512b) SCORES[kbits2][n_slot(n2)](k2, nb2, tab2, n2p, nkind2, a, b, logits, len);
                 if (has_bias) {
                     const float *brow = bias + (bh / heads) * n_tok;
                     for (int r = 0; r < RW; r++)
@@ -342,7 +510,13 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                 }
                 for (int r = 0; r < RW; r++) {
                     float m = m_run[r];
-                    for (int64_t t = 0; t < len; t++) m = logits[r * len + t] > m ? logits[r * len + t] : m;
+#if QJL_HAVE_AVX512_PATH
+                    if (x512) {
+                        const float mm = max512(logits + r * len, len);
+                        m = mm > m ? mm : m;
+                    } else
+#endif
+                        for (int64_t t = 0; t < len; t++) m = logits[r * len + t] > m ? logits[r * len + t] : m;
                     if (m > m_run[r] && m_run[r] != -INFINITY) { /* rescale what was accumulated so far */
                         const float w = expf(m_run[r] - m);
                         l_run[r] *= w;
@@ -355,11 +529,15 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                     m_run[r] = m;
                     const float sm = m == -INFINITY ? 0.0f : m;
                     float tot = 0.0f;
-                    for (int64_t t = 0; t < len; t++) {
-                        const float e = expf(logits[r * len + t] - sm);
-                        logits[r * len + t] = e;
-                        tot += e;
-                    }
+#if QJL_HAVE_AVX512_PATH
+                    if (x512) tot = exp_sum512(logits + r * len, len, sm);
+                    else
+#endif
+                        for (int64_t t = 0; t < len; t++) {
+                            const float e = expf(logits[r * len + t] - sm);
+                            logits[r * len + t] = e;
+                            tot += e;
+                        }
                     l_run[r] += tot;
                 }
                 const uint8_t *vrow = vc + bh * n_tok * nbv;
@@ -367,7 +545,7 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                 const char *vz = (const char *)vzero + bh * n_tok * ngroups * sbytes;
 #if QJL_HAVE_AVX512_PATH
                 if (v512) mix512(vbits, vrow, nbv, nvn, vcent, gs, ngroups, vs, vz, skind, has_zero, logits, len, a, b,
-                                 hist, zsum);
+                                 hist, zsum, pw);
 #endif
                 if (!v512) MIXES[vbits][n_slot(nvn)](vrow, nbv, gs, ngroups, vs, vz, skind, has_zero, logits, len, a, b,
                                                      hist, zsum);
@@ -386,6 +564,7 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
             free(hist);
             free(zsum);
             free(logits);
+            free(pw);
         }
         for (int r = 0; r < RW; r++) { out_m[slot * RW + r] = m_run[r]; out_l[slot * RW + r] = l_run[r]; }
     }
