@@ -239,3 +239,31 @@ def test_long_prefill_is_scored_in_query_chunks(monkeypatch):
     cache = QJLCache(model, cfgs)
     model(ids[:, :30], past_key_values=cache)
     assert torch.allclose(model(ids[:, 30:], past_key_values=cache).logits, chunked, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", CODEC_SPECS, ids=lambda s: s.name)
+def test_sdpa_path_for_chunks_equals_reference(spec, monkeypatch):
+    """Multi-token forwards outside the decode kernels (kernel != "torch") run torch SDPA over sinks +
+    dequantized codes + window: the same logits as the reference path (the codec's inner product),
+    here with GQA and a left-padded batch."""
+    model = _patched("llama")
+    a, b = _prompt(40, seed=5)[0], _prompt(40, seed=6)[0]
+    batch = torch.stack([a, torch.cat([torch.zeros(7, dtype=torch.long), b[7:]])])
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :7] = 0
+    calls = []
+    real = qjl.cache_layer.QJLCacheLayer._attend_sdpa
+    monkeypatch.setattr(qjl.cache_layer.QJLCacheLayer, "_attend_sdpa", lambda self, *a: calls.append(1) or real(self, *a))
+    outs = {}
+    for kernel in ("auto", "torch"):
+        cfg = QJLConfig(key=spec, value=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4,
+                        kernel=kernel)
+        cache = QJLCache(model, cfg)
+        first = model(batch[:, :24], attention_mask=mask[:, :24], past_key_values=cache).logits
+        outs[kernel] = torch.cat([first, model(batch[:, 24:], attention_mask=mask, past_key_values=cache).logits], 1)
+        assert cache.layers[0].key_codes is not None
+        if kernel == "auto":
+            assert calls  # the SDPA path really ran
+            calls.clear()
+    assert not calls  # and never for kernel="torch"
+    assert torch.allclose(outs["auto"], outs["torch"], atol=1e-4), (outs["auto"] - outs["torch"]).abs().max()

@@ -21,6 +21,7 @@ read of that head's codes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from . import kernels
@@ -170,6 +171,8 @@ class QJLCacheLayer(CacheLayerMixin):
         if attention_mask is not None and attention_mask.shape[-1] != total:
             raise RuntimeError(f"attention mask covers {attention_mask.shape[-1]} keys but layer {self.layer_idx} holds "
                                f"{total}; was this cache used by another model?")
+        if self.backend != "torch" and softcap is None:
+            return self._attend_sdpa(query, attention_mask, scaling).to(query.dtype)
         exact_k = [k.float() for k in (self.sink_k, None, self.keys) if k is not None]
         deq = None
         if self.key_codes is not None and self.config.score_path == "dequantize":
@@ -197,6 +200,23 @@ class QJLCacheLayer(CacheLayerMixin):
             outs.append(torch.matmul(probs, values).reshape(b, hq, s1 - s0, -1))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
         return out.transpose(1, 2).to(query.dtype)
+
+    def _attend_sdpa(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+        """Prefill and chunks outside the kernels: torch SDPA over sinks + dequantized codes + window
+        (the same scores as the codecs' inner products up to float error) -> [B, t, H_q, D] float32."""
+        keys = [self.sink_k, None, self.keys]
+        values = [self.sink_v, None, self.values]
+        if self.key_codes is not None:
+            keys[1] = self.key_codec.dequantize(self.key_codes)
+            values[1] = self.value_codec.dequantize(self.value_codes)
+        k = torch.cat([x.float() for x in keys if x is not None], dim=-2)
+        v = torch.cat([x.float() for x in values if x is not None], dim=-2)
+        mask = attention_mask
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.float()
+        out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling,
+                                             enable_gqa=query.shape[1] != k.shape[1])
+        return out.transpose(1, 2)
 
     def _code_bias(self, attention_mask, n_sink: int, n_codes: int):
         """The mask over the codes as one [B, N] additive row, None when it masks nothing, or False
