@@ -160,7 +160,7 @@ def test_cache_picks_cpu_kernel_and_matches_torch_path(monkeypatch):
     qjl.patch_attention(model)
     calls = []
     real = kernels.decode_partial
-    monkeypatch.setattr(kernels, "decode_partial", lambda backend, *a: calls.append(backend) or real(backend, *a))
+    monkeypatch.setattr(kernels, "decode_partial", lambda backend, *a, **k: calls.append(backend) or real(backend, *a, **k))
     a, b = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(4))
     batch = torch.stack([a, torch.cat([torch.zeros(9, dtype=torch.long), b[9:]])])
     mask = torch.ones(2, 40, dtype=torch.long)
@@ -247,3 +247,39 @@ def test_kernel_entry_points_name_bad_arguments():
         cpu.decode_partial(parts, vp, impl="fast")
     with pytest.raises(TypeError, match="codec"):
         kernels.quantize_cpu(PolarQuant(64), torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["tq3-tq2", "qjl-outliers-uni2", "tq4-uni3"])
+def test_cpu_kernel_merges_the_exact_tokens(name, impl):
+    """exact=(qx, xk, xv, xbias): the sinks + window merged in (by the C kernel itself) equal the torch
+    merge of the two partials; per-row masks, a row whose exact tokens are all masked, a sequence whose
+    codes are all masked, 3 rows (padded to 4), several token splits."""
+    b, h, rows, d, n, ne = 2, 2, 3, 64, 150, 37
+    parts, vp, _ = case(name, b=b, h=h, rows=rows, d=d, n=n, masked=False)
+    g = torch.Generator().manual_seed(11)
+    bias = torch.zeros(b, n)
+    bias[1] = float("-inf")  # sequence 1 sees none of its codes
+    qx = torch.randn(b * h, rows, d, generator=g) * 0.3
+    xk, xv = torch.randn(b * h, ne, d, generator=g), torch.randn(b * h, ne, d, generator=g)
+    xbias = torch.zeros(b * h, rows, ne)
+    xbias[:, 1, 30:] = float("-inf")  # a causal-like per-row mask
+    xbias[0, 2, :] = float("-inf")  # a row that sees no exact token (only codes)
+    exact = (qx, xk, xv, xbias)
+    m, l_, o, ox = cpu.decode_partial(parts, vp, bias, block=64, impl=impl, exact=exact)
+    want = plan.merge_apart(reference(parts, vp, bias), plan.partial_exact(*exact))
+    post = vp.post if vp.post is not None else (lambda x: x)
+    got_out = (post(o) + ox) / l_.unsqueeze(-1)
+    want_out = (post(want[2]) + want[3]) / want[1].unsqueeze(-1)
+    assert torch.isfinite(got_out).all()
+    assert torch.allclose(got_out, want_out, atol=TOL * want_out.abs().max().item(), rtol=0)
+    assert torch.allclose(m, want[0], atol=1e-4, rtol=1e-5) and torch.allclose(l_, want[1], rtol=1e-4)
+
+
+def test_cpu_kernel_exact_arguments_are_checked():
+    parts, vp, _ = case("tq3-tq2", b=1, h=2, rows=3, d=64, n=40, masked=False)
+    qx, xk = torch.zeros(2, 3, 64), torch.zeros(2, 5, 64)
+    with pytest.raises(ValueError, match="exact"):
+        cpu.decode_partial(parts, vp, exact=(qx, xk, torch.zeros(2, 6, 64), None), impl="c")
+    with pytest.raises(ValueError, match="xbias"):
+        cpu.decode_partial(parts, vp, exact=(qx, xk, xk, torch.zeros(2, 3, 4)), impl="c")

@@ -244,20 +244,20 @@ class QJLCacheLayer(CacheLayerMixin):
         qs = qg * scaling
         parts = kernels.key_parts(self.key_codec, self.key_codes, qs)
         vp = kernels.value_part(self.value_codec, self.value_codes)
-        m_c, l_c, o_c = kernels.decode_partial(self.backend, parts, vp, bias)
-        if vp.post is not None:
-            o_c = vp.post(o_c)
-        code = (m_c.reshape(b, hkv, rows), l_c.reshape(b, hkv, rows), o_c.reshape(b, hkv, rows, -1))
         keys = self.keys if self.sink_k is None else torch.cat([self.sink_k, self.keys], dim=-2)
         values = self.values if self.sink_v is None else torch.cat([self.sink_v, self.values], dim=-2)
+        ne = keys.shape[-2]
         bias_x = None
         if attention_mask is not None:
             mx = _additive(torch.cat([attention_mask[..., :n_sink], attention_mask[..., n_sink + n_codes:]], dim=-1))
-            # [B, 1|H_q, t, n] -> rows of KV head groups [B, H_kv | 1, g*t, n]
-            bias_x = (mx.expand(b, hq, t, -1).reshape(b, hkv, rows, -1) if mx.shape[1] != 1
-                      else mx.expand(b, 1, t, -1).repeat(1, 1, hq // hkv, 1).reshape(b, 1, rows, -1))
-        _, l_tot, o_tot = kernels.merge_partials([code, kernels.partial_exact(qs, keys, values, bias_x)])
-        out = o_tot / l_tot.unsqueeze(-1)
+            # [B, 1|H_q, t, n] -> rows of KV head groups [B * H_kv, g*t, n]
+            bias_x = (mx.expand(b, hq, t, -1).reshape(b * hkv, rows, ne) if mx.shape[1] != 1
+                      else mx.expand(b, 1, t, -1).repeat(1, hkv, hq // hkv, 1).reshape(b * hkv, rows, ne))
+        exact = (qs.reshape(b * hkv, rows, d), keys.reshape(b * hkv, ne, d), values.reshape(b * hkv, ne, d), bias_x)
+        _, l_tot, o_c, o_x = kernels.decode_partial(self.backend, parts, vp, bias, exact=exact)
+        if vp.post is not None:
+            o_c = vp.post(o_c)
+        out = (o_c + o_x) / l_tot.unsqueeze(-1)
         return out.reshape(b, hq, t, d).transpose(1, 2)
 
     # -- bookkeeping ------------------------------------------------------------------------------

@@ -18,10 +18,11 @@ import os
 
 import torch
 
-from .plan import KeyPart, ValuePart, key_parts, merge_partials, partial_exact, reference_partial, supports, value_part
+from .plan import (KeyPart, ValuePart, key_parts, merge_apart, merge_partials, partial_exact, reference_partial, supports,
+                   value_part)
 
 __all__ = ["BACKENDS", "pick_backend", "decode_partial", "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu", "key_parts", "value_part",
-           "reference_partial", "merge_partials", "partial_exact", "supports", "KeyPart", "ValuePart"]
+           "reference_partial", "merge_partials", "merge_apart", "partial_exact", "supports", "KeyPart", "ValuePart"]
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -70,20 +71,28 @@ def pick_backend(device: torch.device | str, requested: str = "auto") -> str:
     return requested
 
 
-def decode_partial(backend: str, parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | None = None):
-    """Partial softmax (m, l, o) of the code part; bias [B, N] or None (see :mod:`qjl.kernels.plan`)."""
+def decode_partial(backend: str, parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | None = None,
+                   exact=None):
+    """Partial softmax (m, l, o) of the code part; bias [B, N] or None (see :mod:`qjl.kernels.plan`).
+
+    exact: None, or the exact tokens (qx [BH, R, D] query (not rotated), xk/xv [BH, n, D], xbias
+    [BH, R, n] additive or None) to merge in: then returns (m, l, o, o_x) as :func:`plan.merge_apart`
+    (the CPU kernel does this merge itself).
+    """
     if backend not in ("torch", "cpu", "triton"):
         raise ValueError(f"backend must be 'torch', 'cpu' or 'triton' (see pick_backend), got {backend!r}")
     if backend == "cpu":
         from . import cpu
 
-        return cpu.decode_partial(parts, vp, bias)
+        return cpu.decode_partial(parts, vp, bias, exact=exact)
     if backend == "triton":
         from . import triton_kernels
 
-        return triton_kernels.decode_partial(parts, vp, bias)
-    heads = parts[0].norm.shape[0] // (bias.shape[0] if bias is not None else 1)
-    return reference_partial(parts, vp, bias.repeat_interleave(heads, 0) if bias is not None else None)
+        code = triton_kernels.decode_partial(parts, vp, bias)
+    else:
+        heads = parts[0].norm.shape[0] // (bias.shape[0] if bias is not None else 1)
+        code = reference_partial(parts, vp, bias.repeat_interleave(heads, 0) if bias is not None else None)
+    return code if exact is None else merge_apart(code, partial_exact(*exact))
 
 
 def can_quantize(codec) -> bool:

@@ -27,7 +27,7 @@ import math
 import numpy as np
 import torch
 
-from .plan import KeyPart, ValuePart
+from .plan import KeyPart, ValuePart, merge_apart, partial_exact
 
 __all__ = ["available", "decode_partial", "fits", "bucket_pack", "RW"]
 
@@ -339,13 +339,16 @@ def implementation() -> str:
 
 
 def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | None = None, block: int | None = None,
-                   impl: str = "auto"):
+                   impl: str = "auto", exact=None):
     """Partial softmax of the code part (see :mod:`qjl.kernels.plan`); CPU tensors only.
 
     parts: 1 or 2 key parts; bias: [B, N] additive (broadcast over heads and rows) or None;
-    impl: "auto" (:func:`implementation`), "c" (with its AVX-512 value path where the CPU has it),
-    "c-portable" (the C build without it) or "numba".
-    Returns m, l: [BH, R]; o: [BH, R, n_v] float32.
+    impl: "auto" (:func:`implementation`), "c" (with its AVX-512 paths where the CPU has them),
+    "c-portable" (the C build without them) or "numba".
+    exact: None or (qx [BH, R, D], xk/xv [BH, n, D], xbias [BH, R, n] or None), the exact tokens
+    merged in (by the C kernel itself; after the numba kernel, in torch).
+    Returns m, l: [BH, R]; o: [BH, R, n_v] float32; with ``exact`` also o_x [BH, R, D]
+    (see :func:`qjl.kernels.plan.merge_apart`).
     """
     if impl == "auto":
         impl = implementation()
@@ -367,22 +370,50 @@ def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | Non
         want = math.ceil(4 * threads / (bh * rchunks))
         block = max(_MIN_BLOCK, math.ceil(n_tok / max(want, 1)))
     splits = max(1, math.ceil(n_tok / block))
-    out_m = np.empty((bh, rchunks, splits, RW), dtype=np.float32)
-    out_l = np.zeros((bh, rchunks, splits, RW), dtype=np.float32)
-    out_o = np.zeros((bh, rchunks, splits, RW, vp.n), dtype=np.float32)
     heads = bh // (bias.shape[0] if bias is not None else 1)
-    bias_np = _np(bias.float()) if bias is not None else np.zeros((1, 1), dtype=np.float32)
-    outs = (out_m, out_l, out_o)
-    if impl == "numba":
-        _run_numba(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_np, bias is not None, heads, block, outs)
-    else:
-        _run_c(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_np, bias is not None, heads, bh, rchunks,
-               n_tok, block, splits, outs, threads, _SIMD if impl == "c" else 0)
+    bias_f = bias.float().contiguous() if bias is not None else torch.zeros(1, 1)
     r_all = rchunks * RW  # split 0 holds the merged partial
-    m = torch.from_numpy(out_m[:, :, 0]).reshape(bh, r_all)[:, :r_rows]
-    l_ = torch.from_numpy(out_l[:, :, 0]).reshape(bh, r_all)[:, :r_rows]
-    o = torch.from_numpy(out_o[:, :, 0]).reshape(bh, r_all, vp.n)[:, :r_rows]
-    return m, l_, o
+    if impl == "numba":
+        out_m = np.empty((bh, rchunks, splits, RW), dtype=np.float32)
+        out_l = np.zeros((bh, rchunks, splits, RW), dtype=np.float32)
+        out_o = np.zeros((bh, rchunks, splits, RW, vp.n), dtype=np.float32)
+        _run_numba(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_f.numpy(), bias is not None, heads,
+                   block, (out_m, out_l, out_o))
+        out_m, out_l, out_o = (torch.from_numpy(a) for a in (out_m, out_l, out_o))
+        code = (out_m[:, :, 0].reshape(bh, r_all)[:, :r_rows], out_l[:, :, 0].reshape(bh, r_all)[:, :r_rows],
+                out_o[:, :, 0].reshape(bh, r_all, vp.n)[:, :r_rows])
+        return code if exact is None else merge_apart(code, partial_exact(*exact))
+    out_m = torch.empty(bh, rchunks, splits, RW)
+    out_l = torch.zeros(bh, rchunks, splits, RW)
+    out_o = torch.zeros(bh, rchunks, splits, RW, vp.n)
+    x = _exact_args(exact, bh, r_rows, rchunks)
+    _run_c(p1, p2, vp, q1, q2, len(parts) == 2, bias_f, bias is not None, heads, bh, rchunks, n_tok, block, splits,
+           (out_m, out_l, out_o), x, threads, _SIMD if impl == "c" else 0)
+    m = out_m[:, :, 0].reshape(bh, r_all)[:, :r_rows]
+    l_ = out_l[:, :, 0].reshape(bh, r_all)[:, :r_rows]
+    o = out_o[:, :, 0].reshape(bh, r_all, vp.n)[:, :r_rows]
+    if exact is None:
+        return m, l_, o
+    return m, l_, o, x["ox"].reshape(bh, r_all, -1)[:, :r_rows]
+
+
+def _exact_args(exact, bh: int, r_rows: int, rchunks: int) -> dict:
+    """The exact tokens as the C kernel reads them (rows padded to whole chunks of RW)."""
+    if exact is None:
+        return {"has": 0, "ne": 0, "dx": 0}
+    qx, xk, xv, xbias = exact
+    ne, dx = xk.shape[-2], xk.shape[-1]
+    if qx.shape != (bh, r_rows, dx) or xk.shape != (bh, ne, dx) or xv.shape != (bh, ne, dx):
+        raise ValueError(f"exact: qx must be [{bh}, {r_rows}, D] and xk/xv [{bh}, n, D], got "
+                         f"{tuple(qx.shape)}, {tuple(xk.shape)}, {tuple(xv.shape)}")
+    xb = None
+    if xbias is not None:
+        if xbias.shape != (bh, r_rows, ne):
+            raise ValueError(f"exact: xbias must be [{bh}, {r_rows}, {ne}], got {tuple(xbias.shape)}")
+        xb = torch.zeros(bh, rchunks * RW, ne)
+        xb[:, :r_rows] = xbias
+    return {"has": 1, "ne": ne, "dx": dx, "qx": _rows(qx), "xk": xk.float().contiguous(),
+            "xv": xv.float().contiguous(), "xbias": xb, "ox": torch.zeros(bh, rchunks, RW, dx)}
 
 
 _SIMD = 7  # the C build's AVX-512 paths: 1 values, 2 keys, 4 softmax (where the CPU has AVX-512 VBMI)
@@ -392,11 +423,10 @@ _VIEWS = {torch.float32: torch.float32, torch.float16: torch.int16, torch.bfloat
 
 
 def _raw(t: torch.Tensor):
-    """(numpy view of the bytes, dtype code) of a norm / scale tensor in its stored dtype."""
+    """(tensor viewing the bytes, dtype code) of a norm / scale tensor in its stored dtype."""
     if t.dtype not in _KINDS:
         t = t.float()
-    t = t.contiguous()
-    return t.view(_VIEWS[t.dtype]).numpy(), _KINDS[t.dtype]
+    return t.contiguous().view(_VIEWS[t.dtype]), _KINDS[t.dtype]
 
 
 def _run_numba(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, block, outs):
@@ -408,7 +438,7 @@ def _run_numba(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, block, outs):
            bias_np, has_bias, heads, block, *outs)
 
 
-def _run_c(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, bh, rchunks, n_tok, block, splits, outs, threads,
+def _run_c(p1, p2, vp, q1, q2, has2, bias, has_bias, heads, bh, rchunks, n_tok, block, splits, outs, x, threads,
            simd):
     from . import cpu_build
 
@@ -416,28 +446,31 @@ def _run_c(p1, p2, vp, q1, q2, has2, bias_np, has_bias, heads, bh, rchunks, n_to
     if mod is None:
         raise RuntimeError("the C CPU kernel could not be built (cffi and a C compiler with OpenMP are needed)")
     ffi, lib = mod.ffi, mod.lib
-    keep = []  # every array whose pointer is passed stays referenced until the call returns
+    keep = []  # every tensor whose pointer is passed stays referenced until the call returns
 
-    def ptr(a, kind="float *"):
-        a = np.ascontiguousarray(a)
-        keep.append(a)
-        return ffi.cast(kind, a.ctypes.data)
+    def ptr(t, kind="float *"):
+        if t is None:
+            return ffi.NULL
+        t = t.contiguous()
+        keep.append(t)
+        return ffi.cast(kind, t.data_ptr())
 
-    c1, c2, vc = _np(p1.codes), _np(p2.codes), _np(vp.codes)
+    c1, c2, vc = p1.codes.contiguous(), p2.codes.contiguous(), vp.codes.contiguous()
     n1, k1 = _raw(p1.norm)
     n2, k2 = _raw(p2.norm)
     sc, ks = _raw(vp.scale)
     zr, kz = _raw(vp.zero if vp.zero is not None else vp.scale)
     if kz != ks:
         zr, kz = _raw(vp.zero.to(vp.scale.dtype))
-    f32 = lambda t: _np(t.float())  # noqa: E731
+    f32 = lambda t: t.float()  # noqa: E731
     u8, vd = "uint8_t *", "void *"
     rc = lib.qjl_decode(p1.bits, ptr(c1, u8), c1.shape[-1], p1.n, ptr(f32(p1.cent)), ptr(n1, vd), k1, ptr(q1),
                         int(has2), p2.bits, ptr(c2, u8), c2.shape[-1], p2.n, ptr(f32(p2.cent)), ptr(n2, vd), k2,
                         ptr(q2), vp.bits, ptr(vc, u8), vc.shape[-1], vp.n, ptr(f32(vp.cent)), vp.group_size,
-                        vp.scale.shape[-1], ptr(sc, vd), ptr(zr, vd), ks, int(vp.zero is not None), ptr(bias_np),
+                        vp.scale.shape[-1], ptr(sc, vd), ptr(zr, vd), ks, int(vp.zero is not None), ptr(bias),
                         int(has_bias), heads, bh, rchunks, n_tok, block, splits, *(ptr(o) for o in outs),
-                        threads, int(simd))
+                        x["has"], x["ne"], x["dx"], ptr(x.get("qx")), ptr(x.get("xk")), ptr(x.get("xv")),
+                        ptr(x.get("xbias")), int(x.get("xbias") is not None), ptr(x.get("ox")), threads, int(simd))
     if rc == -2:
         raise ValueError(f"the C kernel refused storage dtype codes {k1}/{k2}/{ks}")
     if rc != 0:

@@ -47,6 +47,7 @@ static inline float half_to_float(uint16_t h) {
 }
 static inline float read_f(const void *p, int64_t i, int kind) {
     if (kind == 0) return ((const float *)p)[i];
+    if (kind == 4) return 1.0f; /* internal: no array (the exact tokens' unit norms and scales) */
     if (kind == 3) return e4m3_to_float(((const uint8_t *)p)[i]);
     uint16_t h = ((const uint16_t *)p)[i];
     if (kind == 1) return half_to_float(h);
@@ -227,6 +228,12 @@ typedef struct {
 } unpack16;
 
 QJL_AVX512 static inline __attribute__((always_inline)) unpack16 setup16(const int bits, const float *cent) {
+    unpack16 u;
+    if (bits == 32) { /* float rows: nothing to unpack */
+        u.ctrl = u.ctrl_tail = _mm512_setzero_si512();
+        u.centv = _mm512_setzero_ps();
+        return u;
+    }
     uint8_t cb[64] = {0}, ct[64] = {0};
     float c16[16];
     const int shift = 8 * (8 - 2 * bits);
@@ -235,7 +242,6 @@ QJL_AVX512 static inline __attribute__((always_inline)) unpack16 setup16(const i
         ct[4 * i] = (uint8_t)(i * bits + shift);
         c16[i] = cent[i & ((1 << bits) - 1)];
     }
-    unpack16 u;
     u.ctrl = _mm512_loadu_si512(cb);
     u.ctrl_tail = _mm512_loadu_si512(ct);
     u.centv = _mm512_loadu_ps(c16);
@@ -246,6 +252,7 @@ QJL_AVX512 static inline __attribute__((always_inline)) unpack16 setup16(const i
    read exactly) */
 QJL_AVX512 static inline __attribute__((always_inline)) __m512 dq16(const uint8_t *p, const int bits, const int tail,
                                                                     const int short_row, const unpack16 *u) {
+    if (bits == 32) return _mm512_loadu_ps((const float *)p); /* exact float32 rows (16 floats = 2 * 32 bytes) */
     uint64_t w = 0;
     if (short_row) {
         memcpy(&w, p, (size_t)(2 * bits));
@@ -319,6 +326,7 @@ QJL_AVX512 static void mix512(int bits, const uint8_t *codes, int64_t nb, int64_
     case 1: mix512_(1, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum, pw); break;
     case 2: mix512_(2, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum, pw); break;
     case 3: mix512_(3, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum, pw); break;
+    case 32: mix512_(32, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum, pw); break;
     default: mix512_(4, codes, nb, n, cent, gs, ngroups, scale, zero, skind, has_zero, p, len, t0, t1, acc, zsum, pw); break;
     }
 }
@@ -378,6 +386,7 @@ QJL_AVX512 static void score512(int bits, const uint8_t *codes, int64_t nb, int6
     case 1: score512_(1, codes, nb, n, cent, q, norm, nkind, t0, t1, out, len); break;
     case 2: score512_(2, codes, nb, n, cent, q, norm, nkind, t0, t1, out, len); break;
     case 3: score512_(3, codes, nb, n, cent, q, norm, nkind, t0, t1, out, len); break;
+    case 32: score512_(32, codes, nb, n, cent, q, norm, nkind, t0, t1, out, len); break;
     default: score512_(4, codes, nb, n, cent, q, norm, nkind, t0, t1, out, len); break;
     }
 }
@@ -428,6 +437,35 @@ QJL_AVX512 static float exp_sum512(float *x, int64_t len, float m) {
     }
     return _mm512_reduce_add_ps(tot);
 }
+
+/* exact_part (below) with the AVX-512 routines: float32 rows are "32-bit codes" for score512/mix512 */
+QJL_AVX512 static void exact512(int64_t item, int64_t bh, int64_t ne, int64_t dx, int64_t nvn, const float *qx,
+                                const float *xk, const float *xv, const float *xbias, int has_xbias, float *m,
+                                float *l, float *o, float *ox) {
+    const uint8_t *k = (const uint8_t *)(xk + bh * ne * dx), *v = (const uint8_t *)(xv + bh * ne * dx);
+    float *s = calloc((size_t)(RW * ne), sizeof(float));
+    float *pw = malloc(sizeof(float) * TB * RW);
+    float zsum[RW];
+    score512(32, k, dx * 4, dx, NULL, qx + item * RW * dx, NULL, 4, 0, ne, s, ne);
+    for (int r = 0; r < RW; r++) {
+        float *sr = s + r * ne;
+        if (has_xbias)
+            for (int64_t j = 0; j < ne; j++) sr[j] += xbias[(item * RW + r) * ne + j];
+        const float mm = max512(sr, ne), mx = mm > m[r] ? mm : m[r];
+        if (mx == -INFINITY) { /* nothing visible to this row */
+            memset(sr, 0, sizeof(float) * (size_t)ne);
+            continue;
+        }
+        const float wc = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+        const float tot = exp_sum512(sr, ne, mx);
+        for (int64_t c = 0; c < nvn; c++) o[r * nvn + c] *= wc;
+        l[r] = l[r] * wc + tot;
+        m[r] = mx;
+    }
+    mix512(32, v, dx * 4, dx, NULL, dx, 1, NULL, NULL, 4, 0, s, ne, 0, ne, ox + item * RW * dx, zsum, pw);
+    free(s);
+    free(pw);
+}
 #else
 #define QJL_HAVE_AVX512_PATH 0
 static int cpu_has_avx512(void) { return 0; }
@@ -448,10 +486,57 @@ static int64_t table_size(int bits, int64_t n) {
     return (n / g) * ((int64_t)1 << (g * bits)) * RW;
 }
 
+/* The exact tokens of one (sequence x KV head, row chunk) item, merged into its code partial (m, l, o):
+ * s[r][j] = <qx[r], xk[j]> + xbias[r][j]; m' = max(m, max_j s); o *= exp(m - m'); ox[r] = sum_j exp(s - m') xv[j];
+ * l' = l exp(m - m') + sum_j exp(s - m').  The window is short (~100-200 tokens): plain loops, rows in a v4. */
+static void exact_part(int64_t item, int64_t bh, int64_t ne, int64_t dx, int64_t nvn, const float *qx,
+                       const float *xk, const float *xv, const float *xbias, int has_xbias, float *m, float *l,
+                       float *o, float *ox) {
+    const float *q = qx + item * RW * dx, *k = xk + bh * ne * dx, *v = xv + bh * ne * dx;
+    float *s = malloc(sizeof(float) * RW * (size_t)ne);
+    v4 *qt = malloc(sizeof(v4) * (size_t)dx); /* q transposed: one v4 of the RW rows per channel */
+    for (int64_t c = 0; c < dx; c++) qt[c] = (v4){q[c], q[dx + c], q[2 * dx + c], q[3 * dx + c]};
+    for (int64_t j = 0; j < ne; j++) {
+        v4 a0 = {0, 0, 0, 0}, a1 = a0, a2 = a0, a3 = a0; /* four chains: the FMA latency, not one long sum */
+        const float *kj = k + j * dx;
+        int64_t c = 0;
+        for (; c + 4 <= dx; c += 4) {
+            a0 += qt[c] * kj[c];
+            a1 += qt[c + 1] * kj[c + 1];
+            a2 += qt[c + 2] * kj[c + 2];
+            a3 += qt[c + 3] * kj[c + 3];
+        }
+        for (; c < dx; c++) a0 += qt[c] * kj[c];
+        const v4 acc = (a0 + a1) + (a2 + a3);
+        for (int r = 0; r < RW; r++)
+            s[r * ne + j] = acc[r] + (has_xbias ? xbias[(item * RW + r) * ne + j] : 0.0f);
+    }
+    for (int r = 0; r < RW; r++) {
+        float mx = m[r];
+        for (int64_t j = 0; j < ne; j++) mx = s[r * ne + j] > mx ? s[r * ne + j] : mx;
+        if (mx == -INFINITY) continue; /* nothing visible to this row: l = 0, o = ox = 0 */
+        const float wc = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+        float tot = 0.0f, *dst = ox + r * dx;
+        for (int64_t j = 0; j < ne; j++) {
+            const float p = expf(s[r * ne + j] - mx);
+            tot += p;
+            for (int64_t c = 0; c < dx; c++) dst[c] += p * v[j * dx + c];
+        }
+        for (int64_t c = 0; c < nvn; c++) o[r * nvn + c] *= wc;
+        l[r] = l[r] * wc + tot;
+        m[r] = mx;
+    }
+    free(s);
+    free(qt);
+}
+
 #define SUB 1024 /* tokens scored per pass: the logits stay in L1/L2, the histogram is rescaled online */
 
 /* Shapes: c [BH, N, nb]; norm [BH, N]; q [BH, rchunks, RW, n]; vc [BH, N, nbv]; vscale/vzero [BH, N, G];
  * bias [B, N]; out_m/out_l [BH, rchunks, splits, RW]; out_o [BH, rchunks, splits, RW, nvn].
+ * has_x: also the exact tokens (sinks + window), merged into split 0: qx [BH, rchunks, RW, dx] (the query,
+ * not rotated), xk/xv [BH, ne, dx] float32, xbias [BH, rchunks, RW, ne] additive (per row) or none;
+ * their values go to out_ox [BH, rchunks, RW, dx] (out_o stays in the codes' space), at the same m, l.
  * nkind1/nkind2/skind: storage of norm1/norm2/(vscale, vzero): 0 fp32, 1 fp16, 2 bf16, 3 float8 e4m3.
  * simd: 0 keeps to the portable table/histogram code (tests compare both).
  * Returns 0, -1 for unsupported bit widths, -2 for an unknown storage dtype code. */
@@ -461,7 +546,8 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                int64_t nbv, int64_t nvn, const float *vcent, int64_t gs, int64_t ngroups, const void *vscale,
                const void *vzero, int skind, int has_zero, const float *bias, int has_bias, int64_t heads,
                int64_t bh_count, int64_t rchunks, int64_t n_tok, int64_t block, int64_t splits, float *out_m,
-               float *out_l, float *out_o, int threads, int simd) {
+               float *out_l, float *out_o, int has_x, int64_t ne, int64_t dx, const float *qx, const float *xk,
+               const float *xv, const float *xbias, int has_xbias, float *out_ox, int threads, int simd) {
     if (kbits1 < 1 || kbits1 > 8 || kbits2 < 1 || kbits2 > 8 || vbits < 1 || vbits > 8) return -1;
     if (nkind1 < 0 || nkind1 > 3 || nkind2 < 0 || nkind2 > 3 || skind < 0 || skind > 3) return -2;
     const int64_t items = bh_count * rchunks * splits;
@@ -568,11 +654,11 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
         }
         for (int r = 0; r < RW; r++) { out_m[slot * RW + r] = m_run[r]; out_l[slot * RW + r] = l_run[r]; }
     }
-    if (splits > 1) {
+    if (splits > 1 || has_x) {
 #pragma omp parallel for num_threads(threads)
         for (int64_t item = 0; item < bh_count * rchunks; item++) {
             const int64_t first = item * splits;
-            for (int r = 0; r < RW; r++) {
+            for (int r = 0; r < RW && splits > 1; r++) {
                 float m = -INFINITY;
                 for (int64_t s = 0; s < splits; s++) m = out_m[(first + s) * RW + r] > m ? out_m[(first + s) * RW + r] : m;
                 if (m == -INFINITY) continue;
@@ -586,6 +672,16 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                 }
                 out_m[first * RW + r] = m;
                 out_l[first * RW + r] = tot;
+            }
+            if (has_x && ne > 0) {
+#if QJL_HAVE_AVX512_PATH
+                if (x512 && dx % 16 == 0)
+                    exact512(item, item / rchunks, ne, dx, nvn, qx, xk, xv, xbias, has_xbias, out_m + first * RW,
+                             out_l + first * RW, out_o + first * RW * nvn, out_ox);
+                else
+#endif
+                    exact_part(item, item / rchunks, ne, dx, nvn, qx, xk, xv, xbias, has_xbias, out_m + first * RW,
+                               out_l + first * RW, out_o + first * RW * nvn, out_ox + item * RW * dx);
             }
         }
     }

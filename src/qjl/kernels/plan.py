@@ -34,7 +34,7 @@ from ..turboquant import TurboQuantMSE
 from ..values import TokenwiseQuantizer
 
 __all__ = ["KeyPart", "ValuePart", "supports", "key_parts", "value_part", "reference_partial", "merge_partials",
-           "partial_exact"]
+           "partial_exact", "merge_apart"]
 
 
 @dataclass
@@ -174,3 +174,14 @@ def merge_partials(partials):
         l_tot = l_tot + w * pl
         o_tot = o_tot + w.unsqueeze(-1) * po
     return m, l_tot, o_tot
+
+
+def merge_apart(code, exact):
+    """Merge an exact partial into a code partial, their outputs kept apart (the code part's may be in a
+    rotated space): (m, l, o), (m_x, l_x, o_x) -> (m', l', o * w, o_x * w_x) at the common max m', so that
+    the attention output is ``(post(o * w) + o_x * w_x) / l'``."""
+    (mc, lc, oc), (mx, lx, ox) = code, exact
+    m = torch.maximum(mc, mx)
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wc, wx = torch.exp(mc - safe), torch.exp(mx - safe)
+    return m, wc * lc + wx * lx, wc.unsqueeze(-1) * oc, wx.unsqueeze(-1) * ox
