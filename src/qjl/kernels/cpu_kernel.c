@@ -28,6 +28,10 @@ static inline float e4m3_to_float(uint8_t b) {
     }
     return (b & 0x80) ? -f : f;
 }
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
     uint32_t bits;
@@ -45,6 +49,7 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
+#endif
 static inline float read_f(const void *p, int64_t i, int kind) {
     if (kind == 0) return ((const float *)p)[i];
     if (kind == 4) return 1.0f; /* internal: no array (the exact tokens' unit norms and scales) */
@@ -278,21 +283,11 @@ QJL_AVX512 static inline __attribute__((always_inline)) void mix512_(const int b
         const int64_t te = tb + TB < t1 ? tb + TB : t1;
         for (int64_t t = tb; t < te; t++) {
             const int64_t c = t - t0;
-            const float p0 = p[c], p1 = p[len + c], p2 = p[2 * len + c], p3 = p[3 * len + c];
+            const v4 pv = {p[c], p[len + c], p[2 * len + c], p[3 * len + c]};
             float *w = pw + (t - tb) * ngroups * RW;
             for (int64_t k = 0; k < ngroups; k++) {
-                const float sc = read_f(scale, t * ngroups + k, skind);
-                w[k * RW] = p0 * sc;
-                w[k * RW + 1] = p1 * sc;
-                w[k * RW + 2] = p2 * sc;
-                w[k * RW + 3] = p3 * sc;
-                if (has_zero) {
-                    const float z = read_f(zero, t * ngroups + k, skind);
-                    zsum[k * RW] += p0 * z;
-                    zsum[k * RW + 1] += p1 * z;
-                    zsum[k * RW + 2] += p2 * z;
-                    zsum[k * RW + 3] += p3 * z;
-                }
+                store4(w + k * RW, pv * read_f(scale, t * ngroups + k, skind));
+                if (has_zero) store4(zsum + k * RW, load4(zsum + k * RW) + pv * read_f(zero, t * ngroups + k, skind));
             }
         }
         for (int64_t g = 0; g < groups; g++) {
@@ -354,7 +349,13 @@ QJL_AVX512 static inline __attribute__((always_inline)) void score512_(const int
     const unpack16 u = setup16(bits, cent);
     const int64_t groups = n / 16, step = 2 * bits;
     const int short_row = nb < 8;
-    float s[16];
+    float s[16], qsum[RW] = {0, 0, 0, 0}, c0 = 0.0f, dc = 0.0f;
+    if (bits == 1) {
+        c0 = cent[0];
+        dc = cent[1] - cent[0];
+        for (int r = 0; r < RW; r++)
+            for (int64_t c = 0; c < n; c++) qsum[r] += q[r * n + c];
+    }
     for (int64_t t = t0; t < t1; t += 4) {
         const uint8_t *rows[4];
         for (int j = 0; j < 4; j++) rows[j] = codes + (t + j < t1 ? t + j : t1 - 1) * nb; /* tail: repeat the last */
@@ -365,6 +366,16 @@ QJL_AVX512 static inline __attribute__((always_inline)) void score512_(const int
             const __m512 q2 = _mm512_loadu_ps(q + 2 * n + 16 * g), q3 = _mm512_loadu_ps(q + 3 * n + 16 * g);
             const int tail = g == groups - 1;
             for (int j = 0; j < 4; j++) {
+                if (bits == 1) { /* sign bits as a mask: acc += q where the bit is set (see below) */
+                    uint16_t bm;
+                    memcpy(&bm, rows[j] + g * 2, 2);
+                    const __mmask16 k = (__mmask16)bm;
+                    acc[4 * j] = _mm512_mask_add_ps(acc[4 * j], k, acc[4 * j], q0);
+                    acc[4 * j + 1] = _mm512_mask_add_ps(acc[4 * j + 1], k, acc[4 * j + 1], q1);
+                    acc[4 * j + 2] = _mm512_mask_add_ps(acc[4 * j + 2], k, acc[4 * j + 2], q2);
+                    acc[4 * j + 3] = _mm512_mask_add_ps(acc[4 * j + 3], k, acc[4 * j + 3], q3);
+                    continue;
+                }
                 const __m512 v = dq16(rows[j] + g * step, bits, tail, short_row, &u);
                 acc[4 * j] = _mm512_fmadd_ps(v, q0, acc[4 * j]);
                 acc[4 * j + 1] = _mm512_fmadd_ps(v, q1, acc[4 * j + 1]);
@@ -373,6 +384,8 @@ QJL_AVX512 static inline __attribute__((always_inline)) void score512_(const int
             }
         }
         _mm512_storeu_ps(s, hsum16(acc));
+        if (bits == 1) /* sum_c q[c] cent[b_c] = cent0 * sum_c q[c] + (cent1 - cent0) * sum_{b_c = 1} q[c] */
+            for (int k = 0; k < 16; k++) s[k] = c0 * qsum[k % RW] + dc * s[k];
         for (int j = 0; j < 4 && t + j < t1; j++) {
             const float nt = read_f(norm, t + j, nkind);
             for (int r = 0; r < RW; r++) out[r * len + (t + j - t0)] += s[4 * j + r] * nt;
