@@ -267,3 +267,21 @@ def test_sdpa_path_for_chunks_equals_reference(spec, monkeypatch):
             calls.clear()
     assert not calls  # and never for kernel="torch"
     assert torch.allclose(outs["auto"], outs["torch"], atol=1e-4), (outs["auto"] - outs["torch"]).abs().max()
+
+
+def test_fp8_value_norms_are_held_and_counted_as_8_bits():
+    """The 5x preset stores the values' norms as float8 e4m3: the cache holds 1-byte norms, reports
+    2 + 8/64 value bits at head_dim 64, and decodes close to full precision."""
+    model = _patched("llama")
+    ids = _prompt(60)
+    cfg = QJLConfig.preset("tq-k3v2", residual_length=8, flush_block=4)
+    cache = QJLCache(model, cfg)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    assert out.shape[1] == 64
+    layer = cache.layers[0]
+    assert layer.value_codes.fields["norm"].dtype == torch.float8_e4m3fn
+    assert layer.key_codes.fields["norm"].dtype == torch.float16
+    assert cache.memory_report()["value_bits"] == pytest.approx(2 + 8 / 64)
+    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits[:, -1]
+    got = model(ids, past_key_values=QJLCache(model, cfg)).logits[:, -1]  # prefill: exact up to the fp16 window
+    assert torch.allclose(got, ref, atol=5e-3)

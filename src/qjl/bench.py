@@ -8,7 +8,7 @@ Everything is timed in one run on this machine, as medians over ``repeats`` afte
    layer (9 / 3 / 64): torch SDPA over fp32 and bf16 caches (two ways: ``enable_gqa=True`` as
    transformers calls it, and the GQA group folded into query rows, the faster one here),
    KIVI-style dequantize-then-SDPA, and :class:`qjl.QJLCacheLayer.attend` with the kernel the
-   cache picks (numba on CPU, Triton on CUDA) for the presets ``tq-k3v2`` (<= 3.2 bits),
+   cache picks (the C or numba kernel on CPU, Triton on CUDA) for the presets ``tq-k3v2`` (<= 3.2 bits),
    ``qjl-paper`` and the default ``tq-k45v3`` (its early-layer codecs);  the layer holds the
    context as codes + its exact window, as in generation.  Effective GB/s = bytes held / time.
 2. **quantization**: compressing the keys and values of an 8k-token prefill of the Llama

@@ -8,14 +8,16 @@ a forward pass attends to compressed history + exact recent tokens + itself, and
 the prompt is attended exactly during prefill.  Codes are only ever appended
 (from the original keys), never re-quantized.
 
-With a kernel backend (:mod:`qjl.kernels`: numba on CPU, Triton on CUDA; ``config.kernel``),
-decode steps (at most ``MAX_KERNEL_ROWS`` query rows per KV head, a mask that is the same
-for every row over the codes, no softcap) score and mix the codes inside the kernel, which
-returns a partial softmax that is merged exactly with the sinks' and the window's.
+With a kernel backend (:mod:`qjl.kernels`: the C or numba kernel on CPU, Triton on CUDA;
+``config.kernel``), decode steps (at most ``MAX_KERNEL_ROWS`` query rows per KV head, a mask
+that is the same for every row over the codes, no softcap) score and mix the codes inside the
+kernel, merged exactly with the sinks and the window (in the CPU kernel itself); other
+forwards (prefill, long chunks, codecs the kernels do not read) run torch SDPA over sinks +
+dequantized codes + window.
 
-Attention (:meth:`attend`) scores every part, applies the mask and softmax in
-float32, and mixes values part by part; the GQA group of each KV head shares one
-read of that head's codes.
+The reference path (``kernel="torch"``, and softcapped models) scores every part with the
+codecs' own inner products, applies the mask and softmax in float32, and mixes values part
+by part; the GQA group of each KV head shares one read of that head's codes.
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--e2e-context", type=int, default=8192, help="prompt tokens for the end-to-end decode")
     p.add_argument("--e2e-tokens", type=int, default=24, help="greedy tokens decoded end to end")
     p.add_argument("--kernel", default="auto", choices=["auto", "torch", "cpu", "triton"],
-                   help="kernel for the compressed caches (auto: numba on CPU, Triton on CUDA)")
+                   help="kernel for the compressed caches (auto: the C or numba kernel on CPU, Triton on CUDA)")
     p.add_argument("--out", default="runs", help="parent directory of the run directory")
     p.set_defaults(func=_bench)
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache and show its memory")
