@@ -108,6 +108,14 @@ def _seq(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1]) if x.ndim >= 2 else x.reshape(1, 1, -1)
 
 
+def _dense(obj, device) -> torch.Tensor:
+    """``obj.matrix()`` on ``device``, built once per object and device (rotations and sketches are fixed)."""
+    cache = obj.__dict__.setdefault("_kernel_dense", {})
+    if device not in cache:
+        cache[device] = obj.matrix().to(device)
+    return cache[device]
+
+
 def quantize(codec, x: torch.Tensor, outlier_idx: torch.Tensor | None = None):
     """Triton quantization, the same Codes as ``codec.quantize(x[, outlier_idx])``.
 
@@ -127,14 +135,14 @@ def quantize(codec, x: torch.Tensor, outlier_idx: torch.Tensor | None = None):
     lead = tuple(x.shape[:-1])
     xs = _seq(x)
     if isinstance(codec, TurboQuantMSE):
-        codes, norm = tk.quantize(xs, codec.rotation.matrix().to(x.device), codec.bits,
+        codes, norm = tk.quantize(xs, _dense(codec.rotation, x.device), codec.bits,
                                   boundaries=codec._boundaries.to(x.device), normalize=True,
                                   centroids=codec._centroids.to(x.device), correct_norm=codec.correct_norm)
         _check_norm(codec.norm_dtype, norm)
         return Codes(lead, {"codes": codes.reshape(*lead, -1), "norm": norm.reshape(lead).to(codec.norm_dtype)})
     sketch = codec.inlier if isinstance(codec, OutlierQJL) else codec
     if isinstance(codec, QJLSketch) or codec.outlier is None:
-        signs, norm = tk.quantize(xs, sketch.matrix().to(x.device), 1, sign=True)
+        signs, norm = tk.quantize(xs, _dense(sketch, x.device), 1, sign=True)
         _check_norm(sketch.norm_dtype, norm)
         return Codes(lead, {"signs": signs.reshape(*lead, -1), "norm": norm.reshape(lead).to(sketch.norm_dtype)})
     idx = codec.select_outliers(x) if outlier_idx is None else outlier_idx
@@ -144,10 +152,10 @@ def quantize(codec, x: torch.Tensor, outlier_idx: torch.Tensor | None = None):
         idx_s = idx_s.expand(xs.shape[0], -1)
     s, d = xs.shape[0], xs.shape[-1]
     inlier_mask = torch.ones(s, d, device=x.device).scatter(-1, idx_s, 0.0)
-    s_out = codec.outlier.matrix().to(x.device)  # [m_o, k]
+    s_out = _dense(codec.outlier, x.device)  # [m_o, k]
     scattered = torch.zeros(s, s_out.shape[0], d, device=x.device)
     scattered.scatter_(-1, idx_s.unsqueeze(1).expand(-1, s_out.shape[0], -1), s_out.unsqueeze(0).expand(s, -1, -1))
-    signs, norm = tk.quantize(xs, sketch.matrix().to(x.device), 1, sign=True, channel_mask=inlier_mask, mask_mode=1)
+    signs, norm = tk.quantize(xs, _dense(sketch, x.device), 1, sign=True, channel_mask=inlier_mask, mask_mode=1)
     osigns, onorm = tk.quantize(xs, scattered, 1, sign=True, channel_mask=inlier_mask, mask_mode=2)
     _check_norm(sketch.norm_dtype, norm)
     fields = {"signs": signs.reshape(*lead, -1), "norm": norm.reshape(lead).to(sketch.norm_dtype),
