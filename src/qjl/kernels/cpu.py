@@ -416,7 +416,7 @@ def _exact_args(exact, bh: int, r_rows: int, rchunks: int) -> dict:
             "xv": xv.float().contiguous(), "xbias": xb, "ox": torch.zeros(bh, rchunks, RW, dx)}
 
 
-_SIMD = 7  # the C build's AVX-512 paths: 1 values, 2 keys, 4 softmax (where the CPU has AVX-512 VBMI)
+_SIMD = 7  # the C build's AVX-512 paths: 1 values, 2 keys, 4 softmax + exact tokens (where the CPU has AVX-512 VBMI)
 _KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 _VIEWS = {torch.float32: torch.float32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
           torch.float8_e4m3fn: torch.uint8}

@@ -1,10 +1,14 @@
-/* CPU decode attention over packed codes: the C twin of the numba kernel in cpu.py.
+/* CPU decode attention over packed codes.
  *
- * Same algorithm and layouts (see cpu.py and plan.py): per (sequence x KV head, row chunk of
- * RW = 4 query rows, token split) a table T[field][value][RW] scores all rows with one 16-byte
- * vector load per field of packed codes; values are mixed through a histogram over the same
- * fields; splits are merged at the end.  GCC/Clang vector extensions give the 4-row vector
- * adds that numba leaves scalar.  Built once per machine by cpu_build.py (cffi), OpenMP threads.
+ * Work items: (sequence x KV head, row chunk of RW = 4 query rows, token split).  Portable path,
+ * the C twin of the numba kernel in cpu.py (same algorithm and layouts, see cpu.py and plan.py):
+ * a table T[field][value][RW] scores all rows with one 16-byte vector load per byte-sized field
+ * of packed codes; values are mixed through a histogram over the same fields.  AVX-512 VBMI path
+ * (chosen at run time; `simd` bits 1 values, 2 keys, 4 softmax and exact tokens): codes of 1-4
+ * bits unpacked in registers (dq16), keys scored 4 tokens x RW rows at a time (score512), values
+ * mixed with register-blocked accumulators (mix512), vectorized exp.  Online softmax within an
+ * item, splits merged at the end, then the exact sinks + window merged in (exact512/exact_part).
+ * Built once per machine by cpu_build.py (cffi), OpenMP threads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -580,8 +584,8 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
         float m_run[RW], l_run[RW];
         for (int r = 0; r < RW; r++) { m_run[r] = -INFINITY; l_run[r] = 0.0f; }
         if (t1 > t0) {
-            float *tab1 = malloc(sizeof(float) * (size_t)table_size(kbits1, n1));
-            float *tab2 = has2 ? malloc(sizeof(float) * (size_t)table_size(kbits2, n2)) : NULL;
+            float *tab1 = k512a ? NULL : malloc(sizeof(float) * (size_t)table_size(kbits1, n1));
+            float *tab2 = has2 && !k512b ? malloc(sizeof(float) * (size_t)table_size(kbits2, n2)) : NULL;
             const float *qr1 = q1 + (bh * rchunks + rc) * RW * n1;
             const float *qr2 = has2 ? q2 + (bh * rchunks + rc) * RW * n2 : NULL;
             float *hist = calloc((size_t)hist_size, sizeof(float));
