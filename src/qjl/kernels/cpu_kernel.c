@@ -547,6 +547,21 @@ static void exact_part(int64_t item, int64_t bh, int64_t ne, int64_t dx, int64_t
     free(qt);
 }
 
+/* exact512 where the CPU and the width allow it, exact_part otherwise; out_ox is [items][RW][dx] */
+static void merge_exact(int x512, int64_t item, int64_t bh, int64_t ne, int64_t dx, int64_t nvn, const float *qx,
+                        const float *xk, const float *xv, const float *xbias, int has_xbias, float *m, float *l,
+                        float *o, float *out_ox) {
+#if QJL_HAVE_AVX512_PATH
+    if (x512 && dx % 16 == 0) {
+        exact512(item, bh, ne, dx, nvn, qx, xk, xv, xbias, has_xbias, m, l, o, out_ox);
+        return;
+    }
+#else
+    (void)x512;
+#endif
+    exact_part(item, bh, ne, dx, nvn, qx, xk, xv, xbias, has_xbias, m, l, o, out_ox + item * RW * dx);
+}
+
 #define SUB 1024 /* tokens scored per pass: the logits stay in L1/L2, the histogram is rescaled online */
 
 /* Shapes: c [BH, N, nb]; norm [BH, N]; q [BH, rchunks, RW, n]; vc [BH, N, nbv]; vscale/vzero [BH, N, G];
@@ -670,8 +685,11 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
             free(pw);
         }
         for (int r = 0; r < RW; r++) { out_m[slot * RW + r] = m_run[r]; out_l[slot * RW + r] = l_run[r]; }
+        if (has_x && splits == 1 && ne > 0) /* one split per item: the exact tokens right here */
+            merge_exact(x512, slot, bh, ne, dx, nvn, qx, xk, xv, xbias, has_xbias, out_m + slot * RW,
+                        out_l + slot * RW, out_o + slot * RW * nvn, out_ox);
     }
-    if (splits > 1 || has_x) {
+    if (splits > 1) {
 #pragma omp parallel for num_threads(threads)
         for (int64_t item = 0; item < bh_count * rchunks; item++) {
             const int64_t first = item * splits;
@@ -690,16 +708,9 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
                 out_m[first * RW + r] = m;
                 out_l[first * RW + r] = tot;
             }
-            if (has_x && ne > 0) {
-#if QJL_HAVE_AVX512_PATH
-                if (x512 && dx % 16 == 0)
-                    exact512(item, item / rchunks, ne, dx, nvn, qx, xk, xv, xbias, has_xbias, out_m + first * RW,
-                             out_l + first * RW, out_o + first * RW * nvn, out_ox);
-                else
-#endif
-                    exact_part(item, item / rchunks, ne, dx, nvn, qx, xk, xv, xbias, has_xbias, out_m + first * RW,
-                               out_l + first * RW, out_o + first * RW * nvn, out_ox + item * RW * dx);
-            }
+            if (has_x && ne > 0)
+                merge_exact(x512, item, item / rchunks, ne, dx, nvn, qx, xk, xv, xbias, has_xbias,
+                            out_m + first * RW, out_l + first * RW, out_o + first * RW * nvn, out_ox);
         }
     }
     return 0;
