@@ -44,6 +44,11 @@ def _additive(mask: torch.Tensor) -> torch.Tensor:
     return mask.float()
 
 
+def _joined(*parts) -> torch.Tensor:
+    """Sinks, dequantized codes, window ([B, H, n_i, D] or None) as one float32 [B, H, n, D]."""
+    return torch.cat([x.float() for x in parts if x is not None], dim=-2)
+
+
 def _cat(a, b, dim=-2):
     return b if a is None else torch.cat([a, b], dim=dim)
 
@@ -175,14 +180,12 @@ class QJLCacheLayer(CacheLayerMixin):
                                f"{total}; was this cache used by another model?")
         if self.backend != "torch" and softcap is None:
             return self._attend_sdpa(query, attention_mask, scaling).to(query.dtype)
-        exact_k = [k.float() for k in (self.sink_k, None, self.keys) if k is not None]
+        exact_k = [k.float() for k in (self.sink_k, self.keys) if k is not None]
         deq = None
         if self.key_codes is not None and self.config.score_path == "dequantize":
             deq = self.key_codec.dequantize(self.key_codes)
-        values = [v for v in (self.sink_v, None, self.values) if v is not None]
-        if self.value_codes is not None:
-            values.insert(1 if self.sink_v is not None else 0, self.value_codec.dequantize(self.value_codes))
-        values = torch.cat([v.float() for v in values], dim=-2)
+        values = _joined(self.sink_v, None if self.value_codes is None else self.value_codec.dequantize(self.value_codes),
+                         self.values)
         outs = []
         for s0 in range(0, t, QUERY_CHUNK):  # bounded logits: [B, H_q, <= QUERY_CHUNK, L] at a time
             s1 = min(t, s0 + QUERY_CHUNK)
@@ -206,13 +209,9 @@ class QJLCacheLayer(CacheLayerMixin):
     def _attend_sdpa(self, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
         """Prefill and chunks outside the kernels: torch SDPA over sinks + dequantized codes + window
         (the same scores as the codecs' inner products up to float error) -> [B, t, H_q, D] float32."""
-        keys = [self.sink_k, None, self.keys]
-        values = [self.sink_v, None, self.values]
-        if self.key_codes is not None:
-            keys[1] = self.key_codec.dequantize(self.key_codes)
-            values[1] = self.value_codec.dequantize(self.value_codes)
-        k = torch.cat([x.float() for x in keys if x is not None], dim=-2)
-        v = torch.cat([x.float() for x in values if x is not None], dim=-2)
+        coded = self.key_codes is not None
+        k = _joined(self.sink_k, self.key_codec.dequantize(self.key_codes) if coded else None, self.keys)
+        v = _joined(self.sink_v, self.value_codec.dequantize(self.value_codes) if coded else None, self.values)
         mask = attention_mask
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.float()
@@ -246,8 +245,7 @@ class QJLCacheLayer(CacheLayerMixin):
         qs = qg * scaling
         parts = kernels.key_parts(self.key_codec, self.key_codes, qs)
         vp = kernels.value_part(self.value_codec, self.value_codes)
-        keys = self.keys if self.sink_k is None else torch.cat([self.sink_k, self.keys], dim=-2)
-        values = self.values if self.sink_v is None else torch.cat([self.sink_v, self.values], dim=-2)
+        keys, values = _joined(self.sink_k, self.keys), _joined(self.sink_v, self.values)
         ne = keys.shape[-2]
         bias_x = None
         if attention_mask is not None:

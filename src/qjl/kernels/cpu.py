@@ -373,28 +373,23 @@ def decode_partial(parts: list[KeyPart], vp: ValuePart, bias: torch.Tensor | Non
     heads = bh // (bias.shape[0] if bias is not None else 1)
     bias_f = bias.float().contiguous() if bias is not None else torch.zeros(1, 1)
     r_all = rchunks * RW  # split 0 holds the merged partial
-    if impl == "numba":
-        out_m = np.empty((bh, rchunks, splits, RW), dtype=np.float32)
-        out_l = np.zeros((bh, rchunks, splits, RW), dtype=np.float32)
-        out_o = np.zeros((bh, rchunks, splits, RW, vp.n), dtype=np.float32)
-        _run_numba(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_f.numpy(), bias is not None, heads,
-                   block, (out_m, out_l, out_o))
-        out_m, out_l, out_o = (torch.from_numpy(a) for a in (out_m, out_l, out_o))
-        code = (out_m[:, :, 0].reshape(bh, r_all)[:, :r_rows], out_l[:, :, 0].reshape(bh, r_all)[:, :r_rows],
-                out_o[:, :, 0].reshape(bh, r_all, vp.n)[:, :r_rows])
-        return code if exact is None else merge_apart(code, partial_exact(*exact))
     out_m = torch.empty(bh, rchunks, splits, RW)
     out_l = torch.zeros(bh, rchunks, splits, RW)
     out_o = torch.zeros(bh, rchunks, splits, RW, vp.n)
-    x = _exact_args(exact, bh, r_rows, rchunks)
-    _run_c(p1, p2, vp, q1, q2, len(parts) == 2, bias_f, bias is not None, heads, bh, rchunks, n_tok, block, splits,
-           (out_m, out_l, out_o), x, threads, _SIMD if impl == "c" else 0)
-    m = out_m[:, :, 0].reshape(bh, r_all)[:, :r_rows]
-    l_ = out_l[:, :, 0].reshape(bh, r_all)[:, :r_rows]
-    o = out_o[:, :, 0].reshape(bh, r_all, vp.n)[:, :r_rows]
+    x = _exact_args(exact, bh, r_rows, rchunks)  # checked for every build; only the C build reads it
+    if impl == "numba":  # the numba build writes through numpy views of the same tensors
+        _run_numba(p1, p2, vp, q1.numpy(), q2.numpy(), len(parts) == 2, bias_f.numpy(), bias is not None, heads,
+                   block, (out_m.numpy(), out_l.numpy(), out_o.numpy()))
+    else:
+        _run_c(p1, p2, vp, q1, q2, len(parts) == 2, bias_f, bias is not None, heads, bh, rchunks, n_tok, block,
+               splits, (out_m, out_l, out_o), x, threads, _SIMD if impl == "c" else 0)
+    code = (out_m[:, :, 0].reshape(bh, r_all)[:, :r_rows], out_l[:, :, 0].reshape(bh, r_all)[:, :r_rows],
+            out_o[:, :, 0].reshape(bh, r_all, vp.n)[:, :r_rows])
     if exact is None:
-        return m, l_, o
-    return m, l_, o, x["ox"].reshape(bh, r_all, -1)[:, :r_rows]
+        return code
+    if impl == "numba":  # the numba build has no exact part: merged in torch
+        return merge_apart(code, partial_exact(*exact))
+    return (*code, x["ox"].reshape(bh, r_all, -1)[:, :r_rows])
 
 
 def _exact_args(exact, bh: int, r_rows: int, rchunks: int) -> dict:

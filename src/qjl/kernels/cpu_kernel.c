@@ -263,13 +263,13 @@ QJL_AVX512 static inline __attribute__((always_inline)) __m512 dq16(const uint8_
                                                                     const int short_row, const unpack16 *u) {
     if (bits == 32) return _mm512_loadu_ps((const float *)p); /* exact float32 rows (16 floats = 2 * 32 bytes) */
     uint64_t w = 0;
-    if (short_row) {
-        memcpy(&w, p, (size_t)(2 * bits));
-        return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(u->ctrl, _mm512_set1_epi64((long long)w)), u->centv);
-    }
-    memcpy(&w, tail ? p + 2 * bits - 8 : p, 8);
-    const __m512i x = _mm512_multishift_epi64_epi8(tail ? u->ctrl_tail : u->ctrl, _mm512_set1_epi64((long long)w));
-    return _mm512_permutexvar_ps(x, u->centv);
+    __m512i ctrl = u->ctrl;
+    if (short_row) memcpy(&w, p, (size_t)(2 * bits));
+    else if (tail) {
+        memcpy(&w, p + 2 * bits - 8, 8);
+        ctrl = u->ctrl_tail;
+    } else memcpy(&w, p, 8);
+    return _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64((long long)w)), u->centv);
 }
 
 /* acc[r][c] += p[r][t - t0] * scale[t][c / gs] * cent[code(t, c)]; zsum[g][r] += p * zero[t][g].
@@ -685,11 +685,8 @@ int qjl_decode(int kbits1, const uint8_t *c1, int64_t nb1, int64_t n1, const flo
             free(pw);
         }
         for (int r = 0; r < RW; r++) { out_m[slot * RW + r] = m_run[r]; out_l[slot * RW + r] = l_run[r]; }
-        if (has_x && splits == 1 && ne > 0) /* one split per item: the exact tokens right here */
-            merge_exact(x512, slot, bh, ne, dx, nvn, qx, xk, xv, xbias, has_xbias, out_m + slot * RW,
-                        out_l + slot * RW, out_o + slot * RW * nvn, out_ox);
     }
-    if (splits > 1) {
+    if (splits > 1 || has_x) {
 #pragma omp parallel for num_threads(threads)
         for (int64_t item = 0; item < bh_count * rchunks; item++) {
             const int64_t first = item * splits;

@@ -160,28 +160,31 @@ def partial_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch
     return m, p.sum(dim=-1), torch.matmul(p, v.float())
 
 
+def _rescaled(partials):
+    """Partials of disjoint key sets brought to their common max: -> (m, l, [o_i * w_i])."""
+    m = functools.reduce(torch.maximum, [p[0] for p in partials])
+    safe_m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    l_tot, outs = 0, []
+    for pm, pl, po in partials:
+        w = torch.exp(pm - safe_m)  # a part whose logits were all -inf (m = -inf, l = 0) gets weight 0
+        l_tot = l_tot + w * pl
+        outs.append(w.unsqueeze(-1) * po)
+    return m, l_tot, outs
+
+
 def merge_partials(partials):
     """Combine partial softmaxes [(m, l, o), ...] of disjoint key sets -> (m, l, o).
 
     All tensors share shapes (m, l: [...], o: [..., n]); a part whose logits were all -inf
     (m = -inf, l = 0) contributes nothing (its weight exp(-inf - m) is 0).
     """
-    m = functools.reduce(torch.maximum, [p[0] for p in partials])
-    safe_m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    l_tot, o_tot = 0, 0
-    for pm, pl, po in partials:
-        w = torch.exp(pm - safe_m)
-        l_tot = l_tot + w * pl
-        o_tot = o_tot + w.unsqueeze(-1) * po
-    return m, l_tot, o_tot
+    m, l_tot, outs = _rescaled(partials)
+    return m, l_tot, sum(outs[1:], outs[0])
 
 
 def merge_apart(code, exact):
     """Merge an exact partial into a code partial, their outputs kept apart (the code part's may be in a
     rotated space): (m, l, o), (m_x, l_x, o_x) -> (m', l', o * w, o_x * w_x) at the common max m', so that
     the attention output is ``(post(o * w) + o_x * w_x) / l'``."""
-    (mc, lc, oc), (mx, lx, ox) = code, exact
-    m = torch.maximum(mc, mx)
-    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    wc, wx = torch.exp(mc - safe), torch.exp(mx - safe)
-    return m, wc * lc + wx * lx, wc.unsqueeze(-1) * oc, wx.unsqueeze(-1) * ox
+    m, l_tot, (o, ox) = _rescaled([code, exact])
+    return m, l_tot, o, ox
