@@ -283,3 +283,13 @@ def test_cpu_kernel_exact_arguments_are_checked():
         cpu.decode_partial(parts, vp, exact=(qx, xk, torch.zeros(2, 6, 64), None), impl="c")
     with pytest.raises(ValueError, match="xbias"):
         cpu.decode_partial(parts, vp, exact=(qx, xk, xk, torch.zeros(2, 3, 4)), impl="c")
+
+
+def test_exact_arguments_are_checked_for_every_backend():
+    parts, vp, _ = case("tq3-tq2", b=1, h=2, rows=3, d=64, n=40, masked=False)
+    qx, xk = torch.zeros(2, 3, 64), torch.zeros(2, 5, 64)
+    for backend in ("torch", "cpu"):
+        with pytest.raises(ValueError, match="exact"):
+            kernels.decode_partial(backend, parts, vp, exact=(qx, xk, torch.zeros(2, 6, 64), None))
+        with pytest.raises(ValueError, match="exact"):
+            kernels.decode_partial(backend, parts, vp, exact=(qx, xk))

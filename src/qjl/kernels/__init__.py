@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .plan import (KeyPart, ValuePart, key_parts, merge_apart, merge_partials, partial_exact, reference_partial, supports,
+from .plan import (KeyPart, ValuePart, check_exact, key_parts, merge_apart, merge_partials, partial_exact, reference_partial, supports,
                    value_part)
 
 __all__ = ["BACKENDS", "pick_backend", "decode_partial", "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu", "key_parts", "value_part",
@@ -81,6 +81,8 @@ def decode_partial(backend: str, parts: list[KeyPart], vp: ValuePart, bias: torc
     """
     if backend not in ("torch", "cpu", "triton"):
         raise ValueError(f"backend must be 'torch', 'cpu' or 'triton' (see pick_backend), got {backend!r}")
+    if exact is not None:
+        check_exact(exact, parts[0].norm.shape[0], parts[0].q.shape[1])
     if backend == "cpu":
         from . import cpu
 

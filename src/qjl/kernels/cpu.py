@@ -27,7 +27,7 @@ import math
 import numpy as np
 import torch
 
-from .plan import KeyPart, ValuePart, merge_apart, partial_exact
+from .plan import KeyPart, ValuePart, check_exact, merge_apart, partial_exact
 
 __all__ = ["available", "decode_partial", "fits", "bucket_pack", "RW"]
 
@@ -396,15 +396,11 @@ def _exact_args(exact, bh: int, r_rows: int, rchunks: int) -> dict:
     """The exact tokens as the C kernel reads them (rows padded to whole chunks of RW)."""
     if exact is None:
         return {"has": 0, "ne": 0, "dx": 0}
+    check_exact(exact, bh, r_rows)
     qx, xk, xv, xbias = exact
     ne, dx = xk.shape[-2], xk.shape[-1]
-    if qx.shape != (bh, r_rows, dx) or xk.shape != (bh, ne, dx) or xv.shape != (bh, ne, dx):
-        raise ValueError(f"exact: qx must be [{bh}, {r_rows}, D] and xk/xv [{bh}, n, D], got "
-                         f"{tuple(qx.shape)}, {tuple(xk.shape)}, {tuple(xv.shape)}")
     xb = None
     if xbias is not None:
-        if xbias.shape != (bh, r_rows, ne):
-            raise ValueError(f"exact: xbias must be [{bh}, {r_rows}, {ne}], got {tuple(xbias.shape)}")
         xb = torch.zeros(bh, rchunks * RW, ne)
         xb[:, :r_rows] = xbias
     return {"has": 1, "ne": ne, "dx": dx, "qx": _rows(qx), "xk": xk.float().contiguous(),

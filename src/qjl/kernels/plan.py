@@ -34,7 +34,7 @@ from ..turboquant import TurboQuantMSE
 from ..values import TokenwiseQuantizer
 
 __all__ = ["KeyPart", "ValuePart", "supports", "key_parts", "value_part", "reference_partial", "merge_partials",
-           "partial_exact", "merge_apart"]
+           "partial_exact", "merge_apart", "check_exact"]
 
 
 @dataclass
@@ -188,3 +188,18 @@ def merge_apart(code, exact):
     the attention output is ``(post(o * w) + o_x * w_x) / l'``."""
     m, l_tot, (o, ox) = _rescaled([code, exact])
     return m, l_tot, o, ox
+
+
+def check_exact(exact, bh: int, r_rows: int) -> None:
+    """``exact`` = (qx [BH, R, D], xk [BH, n, D], xv [BH, n, D], xbias [BH, R, n] or None), else ValueError."""
+    if not isinstance(exact, (tuple, list)) or len(exact) != 4:
+        raise ValueError("exact must be a tuple (qx, xk, xv, xbias)")
+    qx, xk, xv, xbias = exact
+    if any(not isinstance(t, torch.Tensor) for t in (qx, xk, xv)) or xk.ndim != 3:
+        raise ValueError("exact: qx, xk and xv must be 3-d tensors")
+    ne, dx = xk.shape[-2], xk.shape[-1]
+    if qx.shape != (bh, r_rows, dx) or xk.shape != (bh, ne, dx) or xv.shape != (bh, ne, dx):
+        raise ValueError(f"exact: qx must be [{bh}, {r_rows}, D] and xk/xv [{bh}, n, D], got "
+                         f"{tuple(qx.shape)}, {tuple(xk.shape)}, {tuple(xv.shape)}")
+    if xbias is not None and tuple(xbias.shape) != (bh, r_rows, ne):
+        raise ValueError(f"exact: xbias must be [{bh}, {r_rows}, {ne}], got {tuple(xbias.shape)}")
