@@ -23,6 +23,8 @@ import torch
 from ..polarquant import PolarQuant
 from ..sketch import QJLSketch
 from ..turboquant import TurboQuantMSE, TurboQuantProd
+from .._validation import check_fits
+from .encode import encode_lloyd_max
 from .scan import Layout, Segment
 
 __all__ = ["SearchCodec", "make_search_codec", "CODEC_NAMES"]
@@ -93,10 +95,23 @@ class SearchCodec:
         """Code bytes plus the float16 factors."""
         return self.stride + 2 * self.nseg
 
+    def _encode_mse(self, x: torch.Tensor):
+        """TurboQuantMSE.quantize with the bucket + pack step in C (codes bit-exact with it)."""
+        codec = self.codec
+        norm = torch.linalg.vector_norm(x, dim=-1)
+        check_fits("norm of x", norm, torch.float16)
+        y = codec.rotation.apply(x / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1))
+        codes, dot = encode_lloyd_max(y.contiguous(), codec.codebook, codec.bits)
+        if codec.correct_norm:
+            norm = norm / torch.where(dot > 0, dot, torch.ones_like(dot))
+            check_fits("corrected norm of x", norm, torch.float16)
+        return codes, norm.half().unsqueeze(0)
+
     def encode(self, x: torch.Tensor):
-        c = self.codec.quantize(x.float()).fields
+        """x: [n, dim] float32 (finite) -> (codes [n, stride] uint8, factors [nseg, n] float16)."""
         if self.name in ("tq-mse", "tq-mse-rn"):
-            return c["codes"], c["norm"].half().unsqueeze(0)
+            return self._encode_mse(x.float())
+        c = self.codec.quantize(x.float()).fields
         if self.name == "qjl":
             return c["signs"], (c["norm"].float() * self.codec.scale).half().unsqueeze(0)
         if self.name == "tq-prod":

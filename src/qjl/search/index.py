@@ -47,6 +47,8 @@ class IndexConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "dim" else 0):
                 raise ValueError(f"{name} must be an int >= {1 if name == 'dim' else 0}, got {v!r}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 4:
+            raise ValueError(f"bits must be an int in 1..4, got {self.bits!r}")
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {self.codec!r}")
         if self.metric not in METRICS:

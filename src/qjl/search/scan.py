@@ -27,6 +27,7 @@ import torch
 __all__ = ["Segment", "Layout", "build_luts", "scan", "scan_torch", "c_available"]
 
 _SRC = Path(__file__).with_name("scan.c")
+_SOURCES = (_SRC, Path(__file__).with_name("encode.c"))  # one extension: the scan and the encoder
 
 
 @dataclass(frozen=True)
@@ -150,16 +151,20 @@ def scan_torch(codes, layout: Layout, factors, add, luts, ranges, k: int):
 
 
 def _cdef() -> str:
-    text = _SRC.read_text()
-    start = text.index("int qjl_scan(")
-    return text[start:text.index(")", start) + 1] + ";"
+    """The exported prototypes, read from the C sources (so the two cannot drift apart)."""
+    out = []
+    for path, fn in zip(_SOURCES, ("int qjl_scan(", "int qjl_encode_lm(")):
+        text = path.read_text()
+        start = text.index(fn)
+        out.append(text[start:text.index(")", start) + 1] + ";")
+    return "\n".join(out)
 
 
 @functools.lru_cache(maxsize=None)
 def _lib():
     from ._build import load_extension
 
-    return load_extension("_qjl_search_scan", [_SRC], _cdef())
+    return load_extension("_qjl_search", list(_SOURCES), _cdef())
 
 
 def c_available() -> bool:
