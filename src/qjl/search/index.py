@@ -175,7 +175,8 @@ class Index:
 
         ``scores`` are inner products ('ip'/'cosine') or squared distances ('l2', ascending).
         ``nprobe`` lists are scanned in an IVF index; ``backend``: 'auto' (C kernel where built),
-        'c', 'torch' (the reference scan; also what 'polar' always uses)."""
+        'c', 'torch' (the reference scan; also what 'polar' always uses), 'triton' (the Triton scan on
+        the index's device: a GPU, or the CPU under ``TRITON_INTERPRET=1``)."""
         q = self._prep("q", q)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be a positive int, got {k!r}")
@@ -183,8 +184,8 @@ class Index:
             raise ValueError(f"k={k} is larger than the index ({len(self)} vectors)")
         if isinstance(nprobe, bool) or not isinstance(nprobe, int) or nprobe < 1:
             raise ValueError(f"nprobe must be a positive int, got {nprobe!r}")
-        if backend not in ("auto", "c", "torch"):
-            raise ValueError(f"backend must be 'auto', 'c' or 'torch', got {backend!r}")
+        if backend not in ("auto", "c", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'c', 'torch' or 'triton', got {backend!r}")
         kk = min(len(self), k * self.config.rerank) if self.config.rerank else k
         ranges = self._ranges(q, nprobe)
         scores, rows = [], []
@@ -215,6 +216,10 @@ class Index:
         if self.codec.layout is None or backend == "torch":
             return self._scan_dense(q, ranges, k, factors, scale)
         luts = _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)])
+        if backend == "triton":
+            from .triton_scan import scan_triton
+
+            return scan_triton(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k)
         if backend == "c" and not _scan.c_available():
             raise RuntimeError("backend='c' asked but the C scan could not be built")
         return _scan.scan(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k, threads)
