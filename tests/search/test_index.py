@@ -150,3 +150,24 @@ def test_bad_input_is_named_and_leaves_the_index_unchanged():
             IndexConfig(**{"dim": 64, field: value})
     with pytest.raises(ValueError, match="flat index"):
         ix.train(x)
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_center_keeps_scores_estimates_and_helps_offset_data(metric):
+    x, q = _data(n=1500)
+    x, q = x + 3.0, q + 3.0  # a large common component, as real embeddings have
+    truth = torch.topk(q @ x.T if metric == "ip" else -torch.cdist(q, x), 10).indices
+    plain, cent = Index.create(64, bits=2, metric=metric), Index.create(64, bits=2, metric=metric, center=True)
+    plain.add(x[:700])
+    plain.add(x[700:])
+    cent.add(x[:700])
+    cent.add(x[700:])  # the center is the first batch's mean and stays
+    assert torch.allclose(cent.center_vec, x[:700].mean(0))
+    s, ids = cent.search(q, 10)
+    assert _recall(ids, truth) > _recall(plain.search(q, 10)[1], truth)
+    fine = Index.create(64, bits=4, metric=metric, center=True)
+    fine.add(x)
+    s, ids = fine.search(q, 10)
+    exact = (q.unsqueeze(1) * x[ids]).sum(-1) if metric == "ip" else ((q.unsqueeze(1) - x[ids]) ** 2).sum(-1)
+    assert (s - exact).abs().max() < 0.1 * exact.abs().max()
+    assert cent.nbytes()["center"] == 4 * 64

@@ -35,7 +35,7 @@ class BenchConfig:
     speed_queries: int = 200
     repeats: int = 3
     bits: tuple = (1, 2, 3, 4)
-    ours: tuple = ("tq-mse", "tq-mse-rn", "tq-prod", "qjl")
+    ours: tuple = ("tq-mse", "tq-mse-rn", "tq-mse-rn+c", "tq-prod", "qjl")
     regimes: tuple = ("flat", "ivf")
     nlist: int = 1024
     nprobe: int = 32
@@ -107,7 +107,8 @@ class _Ours:
     def __init__(self, codec: str, bits: int, dim: int, nlist: int, nprobe: int):
         from .index import Index
 
-        self.index = Index.create(dim, codec=codec, bits=bits, metric="ip", nlist=nlist)
+        name, _, flag = codec.partition("+")  # "tq-mse-rn+c": centered on the first batch's mean
+        self.index = Index.create(dim, codec=name, bits=bits, metric="ip", nlist=nlist, center=flag == "c")
         self.nprobe = nprobe
 
     def build(self, x, train):

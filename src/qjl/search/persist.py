@@ -19,8 +19,8 @@ from .index import Index, IndexConfig
 
 __all__ = ["save_index", "load_index", "FORMAT"]
 
-FORMAT = "qjl.search.Index/1"
-_FIELDS = ("codes", "factors", "norms", "ids", "vectors", "centroids", "offsets")
+FORMAT = "qjl.search.Index/1"  # center_vec added before any release: still version 1
+_FIELDS = ("codes", "factors", "norms", "ids", "vectors", "centroids", "offsets", "center_vec")
 
 
 def _fingerprint(index: Index) -> torch.Tensor:
