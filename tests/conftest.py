@@ -1,10 +1,14 @@
 import os
+import sys
+from pathlib import Path
 
 # Triton kernels are tested on the CPU through Triton's interpreter; it must be chosen before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# shared test helpers (tiny models, kernel cases) import as top-level modules
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
