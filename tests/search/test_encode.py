@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from qjl.lloyd_max import sphere_codebook
+from qjl.core.lloyd_max import sphere_codebook
 from qjl.search.encode import encode_lloyd_max, encode_lloyd_max_torch
 from qjl.search.scan import c_available
-from qjl.turboquant import TurboQuantMSE
+from qjl import TurboQuantMSE
 
 
 @pytest.mark.skipif(not c_available(), reason="the C build is missing")

@@ -163,7 +163,7 @@ def run_search_bench(cfg: BenchConfig, out: Path, progress: bool = True) -> dict
     """Run every method of ``cfg`` and write the results to ``out``; returns the result dict."""
     from tqdm.auto import tqdm
 
-    from ..report import environment, write_json
+    from ..tools.report import environment, write_json
     from .data import load_dataset
     from .peers import faiss_available, rabitqlib_available
 
@@ -205,7 +205,7 @@ def _versions() -> dict:
 
 
 def format_results(result: dict) -> str:
-    from ..report import format_table
+    from ..tools.report import format_table
 
     heads = ["regime", "method", "bits/dim", "R@1", "R@10", "R@100", "encode vec/s", "train s", "QPS 1t", "QPS 2t",
              "index MB"]
@@ -223,7 +223,7 @@ def format_results(result: dict) -> str:
 
 def plot_recall(result: dict, path: Path) -> None:
     """recall@10 against bits per dimension, one line per method family, one panel per regime."""
-    from ..report import save_figure, two_panels
+    from ..tools.report import save_figure, two_panels
 
     fig, axes = two_panels()
     for ax, regime in zip(axes, ("flat", "ivf")):

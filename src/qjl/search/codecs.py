@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ..polarquant import PolarQuant
-from ..sketch import QJLSketch
-from ..turboquant import TurboQuantMSE, TurboQuantProd
-from .._validation import check_fits
+from ..codecs.polarquant import PolarQuant
+from ..codecs.sketch import QJLSketch
+from ..codecs.turboquant import TurboQuantMSE, TurboQuantProd
+from ..core.validation import check_fits
 from .encode import encode_lloyd_max
 from .scan import Layout, Segment
 
@@ -133,7 +133,7 @@ class SearchCodec:
 
     def score(self, q: torch.Tensor, codes: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
         """Reference estimate through the codec itself: q [nq, d], codes [n, stride] -> [nq, n]."""
-        from ..codec import Codes
+        from ..codecs.base import Codes
 
         lead = (codes.shape[0],)
         if self.name in ("tq-mse", "tq-mse-rn"):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..lloyd_max import Codebook, bucket
-from ..packing import pack_bits
-from .scan import _lib
+from ..core.lloyd_max import Codebook, bucket
+from ..core.packing import pack_bits
+from .scan import extension
 
 __all__ = ["encode_lloyd_max", "encode_lloyd_max_torch"]
 
@@ -34,7 +34,7 @@ def encode_lloyd_max_torch(y: torch.Tensor, codebook: Codebook, bits: int):
 def encode_lloyd_max(y: torch.Tensor, codebook: Codebook, bits: int, threads: int = 0):
     """The C path of :func:`encode_lloyd_max_torch` (the reference where the C build is missing)."""
     _check(y, codebook)
-    mod = _lib()
+    mod = extension()
     if mod is None:
         return encode_lloyd_max_torch(y, codebook, bits)
     y = y.contiguous()

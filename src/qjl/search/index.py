@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._validation import check_vectors
+from ..core.validation import check_vectors
 from . import scan as _scan
 from .codecs import CODEC_NAMES, SearchCodec
 from .ivf import assign, kmeans, probe
@@ -233,7 +233,7 @@ class Index:
             return self._scan_dense(q, ranges, k, factors, scale)
         luts = _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)])
         if backend == "triton":
-            from .triton_scan import scan_triton
+            from ..kernels.triton.scan import scan_triton
 
             return scan_triton(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k)
         if backend == "c" and not _scan.c_available():

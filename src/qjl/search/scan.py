@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Segment", "Layout", "build_luts", "scan", "scan_torch", "c_available"]
+__all__ = ["Segment", "Layout", "build_luts", "scan", "scan_torch", "c_available", "check_scan_args", "extension"]
 
 _SRC = Path(__file__).with_name("scan.c")
 _SOURCES = (_SRC, Path(__file__).with_name("encode.c"))  # one extension: the scan and the encoder
@@ -98,7 +98,8 @@ def build_luts(layout: Layout, tables: list) -> torch.Tensor:
     return torch.cat([_group_table(t, seg) for t, seg in zip(tables, layout.segments)], dim=1).contiguous()
 
 
-def _check(codes, layout, factors, add, luts, ranges, k):
+def check_scan_args(codes, layout, factors, add, luts, ranges, k) -> None:
+    """The shared argument checks of every scan backend (names the bad argument)."""
     if codes.dtype != torch.uint8 or codes.ndim != 2 or codes.shape[1] != layout.stride:
         raise ValueError(f"codes must be uint8 [n, {layout.stride}], got {codes.dtype} {tuple(codes.shape)}")
     n = codes.shape[0]
@@ -118,7 +119,7 @@ def scan_torch(codes, layout: Layout, factors, add, luts, ranges, k: int):
     """Reference. codes: [n, stride] uint8; factors: [nseg, n] float32; add: [n] or None;
     luts: [nq, lut_size]; ranges: [nq, nr, 2] int64 (half-open row ranges, may be empty) ->
     (scores [nq, k] descending, indices [nq, k] int64; -inf / -1 past the vectors in range)."""
-    _check(codes, layout, factors, add, luts, ranges, k)
+    check_scan_args(codes, layout, factors, add, luts, ranges, k)
     n, nq = codes.shape[0], luts.shape[0]
     total = torch.zeros(nq, n) + (add.float() if add is not None else 0)
     c = codes.long()
@@ -161,21 +162,22 @@ def _cdef() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _lib():
-    from ._build import load_extension
+def extension():
+    """The compiled scan + encoder module (``.lib``, ``.ffi``), or None where it cannot be built."""
+    from ..kernels.cpu.build import load_extension
 
     return load_extension("_qjl_search", list(_SOURCES), _cdef())
 
 
 def c_available() -> bool:
-    return _lib() is not None
+    return extension() is not None
 
 
 def scan(codes, layout: Layout, factors, add, luts, ranges, k: int, threads: int = 0):
     """The C kernel (same contract as :func:`scan_torch`); ``threads`` 0 = OpenMP's default.
     Falls back to :func:`scan_torch` where the extension cannot be built."""
-    _check(codes, layout, factors, add, luts, ranges, k)
-    mod = _lib()
+    check_scan_args(codes, layout, factors, add, luts, ranges, k)
+    mod = extension()
     if mod is None:
         return scan_torch(codes, layout, factors, add, luts, ranges, k)
     ffi, lib = mod.ffi, mod.lib

@@ -1,10 +1,10 @@
-"""The Triton scan against the torch reference, through Triton's interpreter (conftest sets TRITON_INTERPRET)."""
+"""The vector-search Triton scan (qjl.kernels.triton.scan) against the torch reference, through Triton's interpreter (conftest sets TRITON_INTERPRET)."""
 
 import pytest
 import torch
 
 from qjl.search.scan import Layout, Segment, build_luts, scan_torch
-from qjl.search.triton_scan import scan_triton, triton_available
+from qjl.kernels.triton.scan import scan_triton, triton_available
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 

@@ -1,4 +1,4 @@
-"""Triton path of the LUT scan (:mod:`qjl.search.scan`), for codes held on a GPU.
+"""Triton path of the vector-search LUT scan (:mod:`qjl.search.scan`), for codes held on a GPU.
 
 ``_segment_sums_kernel`` computes, for one segment, ``part[q, i] = sum_g lut[q, off + group_g(code_i)]``
 for a block of vectors per program (grid: queries x vector blocks); the launcher :func:`scan_triton`
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .scan import Layout, _check
+from ...search.scan import Layout, check_scan_args
 
 __all__ = ["scan_triton", "triton_available"]
 
@@ -58,7 +58,7 @@ def scan_triton(codes, layout: Layout, factors, add, luts, ranges, k: int, block
     the CPU under ``TRITON_INTERPRET=1``)."""
     if triton is None:
         raise RuntimeError("scan_triton needs triton (pip install triton)")
-    _check(codes, layout, factors, add, luts, ranges, k)
+    check_scan_args(codes, layout, factors, add, luts, ranges, k)
     n, nq = codes.shape[0], luts.shape[0]
     codes, luts = codes.contiguous(), luts.float().contiguous()
     total = torch.zeros(nq, n, device=codes.device) + (add.float() if add is not None else 0)
