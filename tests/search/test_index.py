@@ -115,9 +115,12 @@ def test_ivf_trains_probes_and_all_lists_equals_flat():
 
 
 def test_bytes_count_everything():
-    ix = Index.create(384, codec="tq-mse-rn", bits=1)
+    ix = Index.create(384, codec="tq-mse-rn", bits=1, fastscan=False)
     ix.add(torch.randn(10, 384))
     assert ix.nbytes() == {"codes": 480, "factors": 20, "ids": 80}
+    fast = Index.create(384, codec="tq-mse-rn", bits=1)
+    fast.add(torch.randn(10, 384))
+    assert fast.nbytes()["codes"] == 32 * 48  # blocks of 32 vectors: the padding is held, so counted
     assert ix.bits_per_dim() == pytest.approx((48 + 2) * 8 / 384)
     l2 = Index.create(384, codec="tq-prod", bits=2, metric="l2")
     assert l2.bits_per_dim() == pytest.approx((48 + 48 + 2 + 2 + 2) * 8 / 384)

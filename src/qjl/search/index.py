@@ -1,6 +1,7 @@
 """A vector index over qjl's codecs: flat (no training) or IVF, top-k by inner product, cosine or L2.
 
-Storage, every byte counted by :meth:`Index.nbytes`: codes ``[n, stride]`` uint8, one float16
+Storage, every byte counted by :meth:`Index.nbytes`: codes ``[n, stride]`` uint8 (for the fast scan:
+the same bytes in blocks of 32 vectors, :mod:`qjl.search.fastscan`, padded to 32), one float16
 factor per segment (norms), a float16 norm for ``metric='l2'``, int64 ids, the IVF centroids
 and list offsets, and, with ``rerank > 0``, the float32 vectors used to re-score a shortlist of
 ``rerank * k`` candidates exactly.  Rows are kept sorted by IVF list, so a probe is a range.
@@ -21,6 +22,7 @@ import torch
 from ..core.validation import check_vectors
 from . import scan as _scan
 from .codecs import CODEC_NAMES, SearchCodec
+from .fastscan import fastscan, fastscan_ok, from_blocks, nibble_tables, to_blocks
 from .ivf import assign, kmeans, probe
 
 __all__ = ["IndexConfig", "Index", "METRICS"]
@@ -46,6 +48,7 @@ class IndexConfig:
     rerank: int = 0
     seed: int = 0
     center: bool = False
+    fastscan: bool = True
 
     def __post_init__(self):
         for name in ("dim", "nlist", "rerank", "seed"):
@@ -56,8 +59,9 @@ class IndexConfig:
             raise ValueError(f"bits must be an int in 1..4, got {self.bits!r}")
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {self.codec!r}")
-        if not isinstance(self.center, bool):
-            raise TypeError(f"center must be a bool, got {type(self.center).__name__}")
+        for name in ("center", "fastscan"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {list(METRICS)}, got {self.metric!r}")
 
@@ -70,7 +74,10 @@ class Index:
             raise TypeError(f"config must be an IndexConfig, got {type(config).__name__}")
         self.config = config
         self.codec = SearchCodec(config.codec, config.dim, config.bits, config.seed)
-        self.codes = torch.empty(0, self.codec.stride, dtype=torch.uint8)
+        # fast scan: 1/2/4-bit single-factor codes ranked by inner product (no per-vector term to add),
+        # stored in blocks of 32 vectors (fastscan.to_blocks)
+        self.fast = config.fastscan and fastscan_ok(self.codec.layout) and config.metric != "l2"
+        self.codes = self._store(torch.empty(0, self.codec.stride, dtype=torch.uint8))
         self.factors = torch.empty(self.codec.nseg, 0, dtype=torch.float16)
         self.norms = torch.empty(0, dtype=torch.float16) if config.metric == "l2" else None
         self.ids = torch.empty(0, dtype=torch.int64)
@@ -143,6 +150,19 @@ class Index:
         self.next_id = max(self.next_id, int(ids.max()) + 1) if n else self.next_id
         return ids
 
+    def _store(self, rows: torch.Tensor) -> torch.Tensor:
+        return to_blocks(rows) if self.fast else rows
+
+    def row_codes(self) -> torch.Tensor:
+        """The codes as rows ``[n, stride]`` uint8, whatever the storage layout."""
+        return from_blocks(self.codes, len(self)) if self.fast else self.codes
+
+    def set_row_codes(self, rows: torch.Tensor) -> None:
+        """Replace the codes (rows ``[n, stride]`` uint8, one per stored id; used by persistence)."""
+        if rows.dtype != torch.uint8 or rows.shape != (len(self), self.codec.stride):
+            raise ValueError(f"rows must be uint8 [{len(self)}, {self.codec.stride}], got {rows.dtype} {tuple(rows.shape)}")
+        self.codes = self._store(rows)
+
     def _lists(self) -> torch.Tensor:
         counts = self.offsets.diff()
         return torch.repeat_interleave(torch.arange(counts.numel()), counts)
@@ -151,7 +171,7 @@ class Index:
         """Append rows, keep them sorted by list; all fields are computed before any is assigned."""
         all_lists = torch.cat([self._lists(), lists])
         order = torch.sort(all_lists, stable=True).indices
-        out = {"codes": torch.cat([self.codes, new["codes"]])[order],
+        out = {"codes": self._store(torch.cat([self.row_codes(), new["codes"]])[order]),
                "factors": torch.cat([self.factors, new["factors"]], 1)[:, order],
                "ids": torch.cat([self.ids, new["ids"]])[order], "center_vec": new["center_vec"]}
         for name in ("norms", "vectors"):
@@ -171,7 +191,7 @@ class Index:
         if removed:
             lists = self._lists()[keep]
             counts = torch.bincount(lists, minlength=self.offsets.numel() - 1)
-            out = {"codes": self.codes[keep], "factors": self.factors[:, keep], "ids": self.ids[keep],
+            out = {"codes": self._store(self.row_codes()[keep]), "factors": self.factors[:, keep], "ids": self.ids[keep],
                    "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])}
             for name in ("norms", "vectors"):
                 if getattr(self, name) is not None:
@@ -229,15 +249,22 @@ class Index:
     def _scan(self, q, ranges, k, threads, backend):
         factors = self.factors.float()
         scale = 2.0 if self.config.metric == "l2" else 1.0  # rank by 2<q,x> - ||x||^2
-        if self.codec.layout is None or backend == "torch":
+        if self.codec.layout is None:
             return self._scan_dense(q, ranges, k, factors, scale)
+        if backend == "torch":  # the reference LUT scan, chunked over the vectors
+            return self._scan_dense(q, ranges, k, factors, scale) if len(self) > 65536 else _scan.scan_torch(
+                self.row_codes(), self.codec.layout, factors, self._add_term(),
+                _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)]), ranges, k)
         luts = _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)])
         if backend == "triton":
             from ..kernels.triton.scan import scan_triton
 
-            return scan_triton(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k)
+            return scan_triton(self.row_codes(), self.codec.layout, factors, self._add_term(), luts, ranges, k)
         if backend == "c" and not _scan.c_available():
             raise RuntimeError("backend='c' asked but the C scan could not be built")
+        if self.fast:
+            lutf = nibble_tables(self.codec.layout.segments[0], scale * self.codec.tables(q)[0])
+            return fastscan(self.codes, len(self), factors[0], lutf, ranges, k, max(4 * k, 64), threads)
         return _scan.scan(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k, threads)
 
     def _scan_dense(self, q, ranges, k, factors, scale):
@@ -245,9 +272,10 @@ class Index:
         best_s = torch.full((q.shape[0], k), -float("inf"))
         best_i = torch.full((q.shape[0], k), -1, dtype=torch.int64)
         add = self._add_term()
+        rows_all = self.row_codes()
         for s in range(0, len(self), 16384):
             e = min(len(self), s + 16384)
-            sc = scale * self.codec.score(q, self.codes[s:e], self.factors[:, s:e])
+            sc = scale * self.codec.score(q, rows_all[s:e], self.factors[:, s:e])
             if add is not None:
                 sc = sc + add[s:e]
             rows = torch.arange(s, e)

@@ -36,6 +36,7 @@ def save_index(index: Index, path) -> None:
     state = {"format": FORMAT, "config": dataclasses.asdict(index.config), "next_id": index.next_id,
              "train_seconds": index.train_seconds, "fingerprint": _fingerprint(index)}
     state.update({name: getattr(index, name) for name in _FIELDS})
+    state["codes"] = index.row_codes()  # rows on disk, whatever the layout in memory
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
     torch.save(state, tmp)
     tmp.replace(path)
@@ -53,6 +54,8 @@ def load_index(path) -> Index:
         raise ValueError(f"{path} is corrupt: codes {tuple(state['codes'].shape)}, factors "
                          f"{tuple(state['factors'].shape)} for {n} ids")
     for name in _FIELDS:
-        setattr(index, name, state[name])
+        if name != "codes":
+            setattr(index, name, state[name])
+    index.set_row_codes(state["codes"])
     index.next_id, index.train_seconds = state["next_id"], state["train_seconds"]
     return index

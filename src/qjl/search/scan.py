@@ -27,7 +27,8 @@ import torch
 __all__ = ["Segment", "Layout", "build_luts", "scan", "scan_torch", "c_available", "check_scan_args", "extension"]
 
 _SRC = Path(__file__).with_name("scan.c")
-_SOURCES = (_SRC, Path(__file__).with_name("encode.c"))  # one extension: the scan and the encoder
+# one extension: the LUT scan, the encoder and the fast scan
+_SOURCES = (_SRC, Path(__file__).with_name("encode.c"), Path(__file__).with_name("fastscan.c"))
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def scan_torch(codes, layout: Layout, factors, add, luts, ranges, k: int):
 def _cdef() -> str:
     """The exported prototypes, read from the C sources (so the two cannot drift apart)."""
     out = []
-    for path, fn in zip(_SOURCES, ("int qjl_scan(", "int qjl_encode_lm(")):
+    for path, fn in zip(_SOURCES, ("int qjl_scan(", "int qjl_encode_lm(", "int qjl_fastscan(")):
         text = path.read_text()
         start = text.index(fn)
         out.append(text[start:text.index(")", start) + 1] + ";")
