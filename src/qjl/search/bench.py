@@ -28,7 +28,8 @@ __all__ = ["BenchConfig", "run_search_bench", "exact_topk", "recall_at", "synthe
 class BenchConfig:
     """n: corpus vectors (None: the whole data set); queries: query vectors used for recall;
     speed_queries/repeats: the timed passes; bits: budgets; ours: our codecs; nlist/nprobe: IVF
-    regime (nlist 0: skip it); regimes: 'flat' and/or 'ivf'; peers: run faiss / rabitqlib."""
+    regime (nlist 0: skip it); regimes: 'flat' and/or 'ivf'; peers: run faiss / rabitqlib; only: run just
+    the methods whose label contains one of these strings (empty: all)."""
 
     n: int | None = None
     queries: int = 1000
@@ -41,6 +42,7 @@ class BenchConfig:
     nprobe: int = 32
     peers: bool = True
     dataset: str = "minilm-200k"
+    only: tuple = ()
     extra: dict = field(default_factory=dict)
 
 
@@ -175,7 +177,7 @@ def run_search_bench(cfg: BenchConfig, out: Path, progress: bool = True) -> dict
     have = {"ours": True, "faiss": faiss_available(), "rabitqlib": rabitqlib_available()}
     jobs = [(*m, r) for r in cfg.regimes if r == "flat" or cfg.nlist for m in _methods(cfg, r, x.shape[1])]
     skipped = sorted({m[3] for m in jobs if not have[m[3]]})
-    jobs = [j for j in jobs if have[j[3]]]
+    jobs = [j for j in jobs if have[j[3]] and (not cfg.only or any(o in j[0] for o in cfg.only))]
     rows = []
     for job in tqdm(jobs, desc="search-bench", unit="method", disable=not progress):
         try:

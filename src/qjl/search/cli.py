@@ -32,7 +32,7 @@ def _bench(args) -> int:
 
     cfg = BenchConfig(n=args.n, queries=args.queries, speed_queries=args.speed_queries, repeats=args.repeats,
                       bits=tuple(args.bits), ours=tuple(args.ours), regimes=tuple(args.regimes), nlist=args.nlist,
-                      nprobe=args.nprobe, peers=not args.no_peers, dataset=args.dataset)
+                      nprobe=args.nprobe, peers=not args.no_peers, dataset=args.dataset, only=tuple(args.only))
     out = Path(args.out) / time.strftime("search-bench-%Y%m%d-%H%M%S")
     result = run_search_bench(cfg, out, progress=not args.quiet)
     print(format_results(result))
@@ -64,6 +64,7 @@ def add_search_commands(subparsers) -> None:
     b.add_argument("--nlist", type=int, default=1024)
     b.add_argument("--nprobe", type=int, default=32)
     b.add_argument("--no-peers", action="store_true", help="only our codecs")
+    b.add_argument("--only", nargs="*", default=[], help="run only methods whose label contains one of these")
     b.add_argument("--dataset", default="minilm-200k", help="data set name, or 'synthetic' for a dry run")
     b.add_argument("--out", default="runs", help="parent of the run directory")
     b.add_argument("--quiet", action="store_true")
