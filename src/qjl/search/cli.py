@@ -28,7 +28,7 @@ def _data(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import BenchConfig, format_results, run_search_bench
+    from .bench import BenchConfig, format_bars, format_results, run_search_bench
 
     cfg = BenchConfig(n=args.n, queries=args.queries, speed_queries=args.speed_queries, repeats=args.repeats,
                       bits=tuple(args.bits), ours=tuple(args.ours), regimes=tuple(args.regimes), nlist=args.nlist,
@@ -36,6 +36,7 @@ def _bench(args) -> int:
     out = Path(args.out) / time.strftime("search-bench-%Y%m%d-%H%M%S")
     result = run_search_bench(cfg, out, progress=not args.quiet)
     print(format_results(result))
+    print(format_bars(result))
     if result["skipped_missing_packages"]:
         print(f"skipped (not installed): {', '.join(result['skipped_missing_packages'])}: pip install 'qjl[search]'")
     print(f"{result['seconds']:.0f} s; wrote {out}/results.json, table.txt, recall10.png")
