@@ -122,7 +122,12 @@ class _Ours:
         return t1 - t0, time.perf_counter() - t1
 
     def search(self, q, k, threads):
-        return self.index.search(torch.from_numpy(q), k, nprobe=self.nprobe, threads=threads)[1].numpy()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)  # the query tables are torch ops: the same thread budget as the kernel
+        try:
+            return self.index.search(torch.from_numpy(q), k, nprobe=self.nprobe, threads=threads)[1].numpy()
+        finally:
+            torch.set_num_threads(before)
 
     def code_bits(self):
         return 8 * self.index.codec.bytes_per_vector()

@@ -255,16 +255,18 @@ class Index:
             return self._scan_dense(q, ranges, k, factors, scale) if len(self) > 65536 else _scan.scan_torch(
                 self.row_codes(), self.codec.layout, factors, self._add_term(),
                 _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)]), ranges, k)
-        luts = _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)])
+        tables = [scale * t for t in self.codec.tables(q)]
         if backend == "triton":
             from ..kernels.triton.scan import scan_triton
 
+            luts = _scan.build_luts(self.codec.layout, tables)
             return scan_triton(self.row_codes(), self.codec.layout, factors, self._add_term(), luts, ranges, k)
         if backend == "c" and not _scan.c_available():
             raise RuntimeError("backend='c' asked but the C scan could not be built")
         if self.fast:
-            lutf = nibble_tables(self.codec.layout.segments[0], scale * self.codec.tables(q)[0])
+            lutf = nibble_tables(self.codec.layout.segments[0], tables[0])
             return fastscan(self.codes, len(self), factors[0], lutf, ranges, k, max(4 * k, 64), threads)
+        luts = _scan.build_luts(self.codec.layout, tables)
         return _scan.scan(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k, threads)
 
     def _scan_dense(self, q, ranges, k, factors, scale):
