@@ -176,7 +176,8 @@ def test_nbytes_by_hand():
     exact = 2 * heads * (2 + 9) * d * 4  # keys and values, fp32
     r = cache.memory_report()
     assert r["key_code_bytes"] == 3 * key_code and r["value_code_bytes"] == 3 * value_code
-    assert r["exact_bytes"] == 3 * exact and cache.nbytes() == 3 * (key_code + value_code + exact)
+    assert r["exact_bytes"] == 3 * exact and r["other_bytes"] == 3 * 8  # each row's first real position (int64)
+    assert cache.nbytes() == 3 * (key_code + value_code + exact + 8)
     assert r["key_bits"] == 8 * key_code / (heads * 20 * d)
 
 
@@ -337,11 +338,13 @@ def test_kivi_crop_is_all_or_nothing_across_layers():
                     residual_length=8, flush_block=4, sink_tokens=0)
     cache = QJLCache(model, cfg)
     model(_prompt(30), past_key_values=cache)
+    model(_prompt(1), past_key_values=cache)  # flushes the prompt: 20 tokens in codes, 11 in the window
+    assert cache.layers[0].store.n_codes == 20
     with pytest.raises(ValueError, match="multiple of 4"):
-        cache.crop(-10)
-    assert [layer.get_seq_length() for layer in cache.layers] == [30, 30, 30]
-    cache.crop(-12)
-    assert [layer.get_seq_length() for layer in cache.layers] == [18, 18, 18]
+        cache.crop(-13)
+    assert [layer.get_seq_length() for layer in cache.layers] == [31, 31, 31]
+    cache.crop(-15)
+    assert [layer.get_seq_length() for layer in cache.layers] == [16, 16, 16]
 
 
 def test_memory_report_is_readable_and_honest():
@@ -349,16 +352,18 @@ def test_memory_report_is_readable_and_honest():
     model = _patched("llama")
     cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
     model(_prompt(60), past_key_values=cache)
+    model(_prompt(1), past_key_values=cache)
     r = cache.memory_report()
+    assert r["key_code_bytes"] > 0
     parts = ("key_code_bytes", "value_code_bytes", "exact_bytes", "smoothing_bytes", "other_bytes",
              "uncompressed_layer_bytes")
     assert r["bytes"] == sum(r[p] for p in parts) == cache.nbytes()
-    assert r["baseline_bytes"] == 3 * 2 * 2 * 60 * 64 * 4  # DynamicCache: 3 layers, K+V, 2 heads, fp32
+    assert r["baseline_bytes"] == 3 * 2 * 2 * 61 * 64 * 4  # DynamicCache: 3 layers, K+V, 2 heads, fp32
     assert r["compression_vs_baseline"] == pytest.approx(r["baseline_bytes"] / r["bytes"])
     assert r["fp16_bytes"] == r["baseline_bytes"] // 2
     text = str(cache.memory_report())
     assert "model's own cache" in text and "key codes" in text and "layers 0:" in text
-    assert dict(r)["tokens"] == 60
+    assert dict(r)["tokens"] == 61
 
 
 def test_sliding_layers_count_against_the_models_own_cache():
@@ -366,6 +371,7 @@ def test_sliding_layers_count_against_the_models_own_cache():
     model = _patched("gemma3")
     cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
     model(_prompt(80), past_key_values=cache)
+    model(_prompt(1), past_key_values=cache)
     r = cache.memory_report()
     assert r["uncompressed_layer_bytes"] > 0 and r["compression_vs_baseline"] > 1
 

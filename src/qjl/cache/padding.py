@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["row_starts", "sink_order", "remap_mask", "visible"]
+__all__ = ["row_starts", "sink_order", "to_slots", "remap_mask", "zero_padding", "visible"]
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:
@@ -45,6 +45,22 @@ def sink_order(starts: torch.Tensor, sinks: int) -> torch.Tensor | None:
     s = starts.unsqueeze(1)  # [B, 1]
     # slots < S: the row's first real tokens s..s+S-1; slots S..S+s-1: its padding 0..s-1; then in order
     return torch.where(slot < sinks, slot + s, torch.where(slot < sinks + s, slot - sinks, slot))
+
+
+def to_slots(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Tokens ``x: [B, H, n, D]`` in position order -> slot order (the first ``P`` reordered per row)."""
+    if order is None:
+        return x
+    p = order.shape[1]
+    idx = order.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    return torch.cat([x[:, :, :p].gather(2, idx), x[:, :, p:]], dim=2)
+
+
+def zero_padding(block: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """The block right after the sinks ``[B, H, n, D]`` with each row's first ``pads[b]`` tokens (its
+    padding, in slot order) zeroed."""
+    keep = torch.arange(block.shape[2], device=block.device).unsqueeze(0) >= pads.to(block.device).unsqueeze(1)
+    return block * keep[:, None, :, None].to(block.dtype)
 
 
 def remap_mask(mask: torch.Tensor | None, order: torch.Tensor | None) -> torch.Tensor | None:

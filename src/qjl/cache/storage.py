@@ -236,12 +236,8 @@ class LayerStore:
         order = padding.sink_order(starts, s)
         if n < (s if order is None else order.shape[1]):
             return False
-        wk, wv = self._wk.view(), self._wv.view()
-        if order is not None:  # reorder the first P slots of each row: its real first tokens first
-            p = order.shape[1]
-            idx = order[:, None, :, None]
-            wk = torch.cat([wk[:, :, :p].gather(2, idx.expand(-1, self.heads, -1, self.key_dim)), wk[:, :, p:]], 2)
-            wv = torch.cat([wv[:, :, :p].gather(2, idx.expand(-1, self.heads, -1, self.value_dim)), wv[:, :, p:]], 2)
+        wk, wv = padding.to_slots(self._wk.view(), order), padding.to_slots(self._wv.view(), order)
+        if order is not None:
             self.slot_order, self.pads = order, starts
         if s:
             self.sink_k, self.sink_v = wk[:, :, :s].clone(), wv[:, :, :s].clone()
@@ -252,10 +248,7 @@ class LayerStore:
 
     def _without_padding(self, block: torch.Tensor) -> torch.Tensor:
         """The first flushed block with each row's padding slots (just after its sinks) zeroed."""
-        if self.slot_order is None or self.n_codes:
-            return block
-        keep = torch.arange(block.shape[2], device=block.device).unsqueeze(0) >= self.pads.unsqueeze(1)
-        return block * keep[:, None, :, None].to(block.dtype)
+        return block if self.slot_order is None or self.n_codes else padding.zero_padding(block, self.pads)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """Codes of keys and values ``[B, H_kv, n, D]`` with this layer's codecs and kernels (not stored)."""
