@@ -177,7 +177,8 @@ def test_nbytes_by_hand():
     r = cache.memory_report()
     assert r["key_code_bytes"] == 3 * key_code and r["value_code_bytes"] == 3 * value_code
     assert r["exact_bytes"] == 3 * exact and r["other_bytes"] == 3 * 8  # each row's first real position (int64)
-    assert cache.nbytes() == 3 * (key_code + value_code + exact + 8)
+    assert r["smoothing_bytes"] == 3 * heads * d * 4  # key smoothing (on by default): fp32 mean per KV head
+    assert cache.nbytes() == 3 * (key_code + value_code + exact + 8 + heads * d * 4)
     assert r["key_bits"] == 8 * key_code / (heads * 20 * d)
 
 

@@ -104,8 +104,8 @@ class QJLConfig:
     """How a :class:`qjl.QJLCache` compresses keys and values.
 
     ``QJLConfig()`` is the default preset "tq-k45v3" (``DEFAULT_PRESET``): TurboQuant MSE keys with the
-    norm correction at 4 bits (5 bits in the deeper half of the layers), 3-bit values, 4 exact sink
-    tokens and the 128 most recent tokens exact.  ``QJLConfig(residual_length=64)`` is that preset with
+    norm correction at 4 bits (5 bits in the deeper half of the layers), 3-bit values, key smoothing, 4
+    exact sink tokens and the 128 most recent tokens exact.  ``QJLConfig(residual_length=64)`` is that preset with
     a shorter window.
 
     Args:
@@ -128,8 +128,9 @@ class QJLConfig:
         exact_dtype: storage of the exact window and sinks: None (the model's dtype), "fp16", "bf16" or "fp32".
         smooth_keys: subtract from every stored key the channel mean of its layer's and KV head's first
             keys (each sequence's prompt; :mod:`qjl.cache.smoothing`).  Softmax is unchanged (each query's
-            scores shift by the same ``q . mu``), the codecs see keys without their shared offset.  Not
-            exact with attention logit softcapping: :class:`qjl.QJLCache` turns it off there, with a warning.
+            scores shift by the same ``q . mu``), the codecs see keys without their shared offset.  On by
+            default (measured better, docs/cache.md); not exact with attention logit softcapping:
+            :class:`qjl.QJLCache` turns it off there, with a warning.
         allocation: None, or widths chosen per layer from the prompt (:class:`qjl.cache.allocation.AutoBits`;
             made by :meth:`QJLConfig.auto`); then ``key``/``value``/``late_key``/``layer_overrides`` are unused.
         seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
@@ -149,7 +150,7 @@ class QJLConfig:
     score_path: str = "inner_product"
     compress_sliding: bool = False
     exact_dtype: str | None = None
-    smooth_keys: bool = False
+    smooth_keys: bool = True
     allocation: object = None
     seed: int = 0
     kernel: str = "auto"
