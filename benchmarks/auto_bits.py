@@ -7,8 +7,9 @@ tokens, score 512 in chunks of 32 against the full-precision cache):
    candidate's distortion).  For a set of fixed configurations inside the candidate set (uniform widths
    and half-model splits) the proxy predicts a total error; each is then measured (KL).  Prints Spearman's
    rank correlation between predicted error and KL.
-2. cost: the time spent measuring and allocating (``Allocator.observe`` + ``allocate``) against the whole
-   prefill of the same prompt, at ``--cost-contexts`` (median of ``--repeats`` runs).
+2. cost: the time spent building the candidates, measuring and allocating (``candidate_codecs``,
+   ``Allocator.observe``, ``Allocator.allocate``) against the whole prefill of the same prompt, at
+   ``--cost-contexts`` (median of ``--repeats`` runs).
 
     python benchmarks/auto_bits.py --rank --cost-contexts 1536,8192
 
@@ -99,7 +100,9 @@ def cost(model, tok, text, context, repeats, smooth) -> dict:
                 spent[-1] += time.perf_counter() - t
         return wrapper
 
+    real_candidates = allocation.candidate_codecs
     allocation.Allocator.observe, allocation.Allocator.allocate = timed(real_observe), timed(real_allocate)
+    allocation.candidate_codecs = timed(real_candidates)
     try:
         fixed, auto, share = [], [], []
         for _ in range(repeats):
@@ -112,6 +115,7 @@ def cost(model, tok, text, context, repeats, smooth) -> dict:
             share.append(spent[-1] / auto[-1])
     finally:
         allocation.Allocator.observe, allocation.Allocator.allocate = real_observe, real_allocate
+        allocation.candidate_codecs = real_candidates
     r = {"context": context, "prefill_fixed_s": statistics.median(fixed), "prefill_auto_s": statistics.median(auto),
          "measure_share": statistics.median(share)}
     print(f"  {context} tokens: prefill tq-k3v3 {r['prefill_fixed_s']:.2f} s, auto {r['prefill_auto_s']:.2f} s; "
