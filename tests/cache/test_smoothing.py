@@ -18,7 +18,7 @@ def test_channel_mean_skips_padding():
 def _store(smooth, bits=3, kernel="torch", residual=8):
     key = CodecSpec("turboquant_mse", {"bits": bits, "correct_norm": True})
     cfg = QJLConfig(key=key, value=CodecSpec("turboquant_mse", {"bits": 8}), late_key=None, residual_length=residual,
-                    flush_block=4, sink_tokens=2, smooth_keys=smooth, kernel=kernel)
+                    flush_block=4, sink_tokens=2, smooth_keys=smooth, kernel=kernel, exact_dtype=None)
     return LayerStore(0, cfg)
 
 

@@ -85,7 +85,7 @@ def test_chunked_prefill():
     model = _patched("qwen2")
     ids = _prompt(48)
     # with the whole prompt inside the exact window, chunking changes nothing
-    wide = QJLConfig(residual_length=64)
+    wide = QJLConfig(residual_length=64, exact_dtype=None)
     one = model(ids, past_key_values=QJLCache(model, wide)).logits
     cache = QJLCache(model, wide)
     parts = [model(ids[:, s:s + 16], past_key_values=cache).logits for s in range(0, 48, 16)]
@@ -173,7 +173,7 @@ def test_nbytes_by_hand():
     heads, d = 2, 64
     key_code = heads * 20 * (64 * 4 // 8 + 2)  # 4-bit indices + fp16 norm per token
     value_code = heads * 20 * (64 * 2 // 8 + 2 * 2 * 2)  # 2-bit codes + fp16 scale and zero per group of 32
-    exact = 2 * heads * (2 + 9) * d * 4  # keys and values, fp32
+    exact = 2 * heads * (2 + 9) * d * 2  # keys and values at fp16 (exact_dtype "half": fp16 for an fp32 model)
     r = cache.memory_report()
     assert r["key_code_bytes"] == 3 * key_code and r["value_code_bytes"] == 3 * value_code
     assert r["exact_bytes"] == 3 * exact and r["other_bytes"] == 3 * 8  # each row's first real position (int64)
@@ -243,7 +243,7 @@ def test_long_prefill_is_scored_in_query_chunks(monkeypatch):
     model = _patched("llama")
     ids = _prompt(70)
     ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
-    got = model(ids, past_key_values=QJLCache(model, QJLConfig(residual_length=128))).logits
+    got = model(ids, past_key_values=QJLCache(model, QJLConfig(residual_length=128, exact_dtype=None))).logits
     assert torch.allclose(got, ref, atol=1e-5)
     # and with compressed history, chunked equals unchunked
     cfgs = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4, kernel="torch")
@@ -274,7 +274,7 @@ def test_sdpa_path_for_chunks_equals_reference(spec, monkeypatch):
     outs = {}
     for kernel in ("auto", "torch"):
         cfg = QJLConfig(key=spec, value=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4,
-                        kernel=kernel)
+                        kernel=kernel, exact_dtype=None)
         cache = QJLCache(model, cfg)
         first = model(batch[:, :24], attention_mask=mask[:, :24], past_key_values=cache).logits
         outs[kernel] = torch.cat([first, model(batch[:, 24:], attention_mask=mask, past_key_values=cache).logits], 1)

@@ -125,7 +125,10 @@ class QJLConfig:
         score_path: "inner_product" (the codec's estimator, e.g. QJL's Eq. 4) or "dequantize"
             (reconstructed keys, then a matmul).  Both give the same scores up to float error.
         compress_sliding: also compress sliding-window layers (default: keep them exact).
-        exact_dtype: storage of the exact window and sinks: None (the model's dtype), "fp16", "bf16" or "fp32".
+        exact_dtype: storage of the exact window and sinks: "half" (default: the model's dtype if it is 16-bit,
+            else fp16 -- measured as good as fp32 on the embedded model, half the bytes; docs/cache.md), None
+            (the model's dtype), "fp16", "bf16" or "fp32".  A value beyond the chosen dtype's range is refused
+            by the update that brings it.
         smooth_keys: subtract from every stored key the channel mean of its layer's and KV head's first
             keys (each sequence's prompt; :mod:`qjl.cache.smoothing`).  Softmax is unchanged (each query's
             scores shift by the same ``q . mu``), the codecs see keys without their shared offset.  On by
@@ -149,7 +152,7 @@ class QJLConfig:
     late_fraction: float = 0.5
     score_path: str = "inner_product"
     compress_sliding: bool = False
-    exact_dtype: str | None = None
+    exact_dtype: str | None = "half"
     smooth_keys: bool = True
     allocation: object = None
     seed: int = 0
@@ -165,8 +168,8 @@ class QJLConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__} "
                                 f"{getattr(self, name)!r}")
-        if self.exact_dtype not in (None, "fp16", "bf16", "fp32"):
-            raise ValueError(f"exact_dtype must be None, 'fp16', 'bf16' or 'fp32', got {self.exact_dtype!r}")
+        if self.exact_dtype not in (None, "half", "fp16", "bf16", "fp32"):
+            raise ValueError(f"exact_dtype must be 'half', None, 'fp16', 'bf16' or 'fp32', got {self.exact_dtype!r}")
         if self.kernel not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(f"kernel must be 'auto', 'torch', 'cpu' or 'triton', got {self.kernel!r}")
         if self.score_path not in ("inner_product", "dequantize"):

@@ -38,12 +38,19 @@ from qjl.cache.smoothing import channel_mean
 from qjl.codecs.base import Codes
 from qjl.core.validation import STORAGE_DTYPES
 
-__all__ = ["LayerStore", "EAGER_FLUSH"]
+__all__ = ["LayerStore", "EAGER_FLUSH", "exact_storage"]
 
 # A window overflowing by more than this many tokens (a prompt, a long chunk) is flushed right after the
 # attention that read it, so the prompt is not held at full precision; smaller overflows (decode steps,
 # speculative candidates that may be cropped again) wait for the next append, as a crop expects.
 EAGER_FLUSH = 512
+
+
+def exact_storage(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The exact window's dtype: "half" is the model's dtype if 16-bit, else fp16; None the model's dtype."""
+    if name == "half":
+        return model_dtype if model_dtype.itemsize == 2 else torch.float16
+    return STORAGE_DTYPES.get(name, model_dtype)
 
 
 class LayerStore:
@@ -88,7 +95,7 @@ class LayerStore:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch, self.heads, _, self.key_dim = key_states.shape
         self.value_dim = value_states.shape[-1]
-        self.exact_dtype = STORAGE_DTYPES.get(self.config.exact_dtype, key_states.dtype)
+        self.exact_dtype = exact_storage(self.config.exact_dtype, key_states.dtype)
         self._wk, self._wv = TokenBuffer(self.exact_dtype), TokenBuffer(self.exact_dtype)
         self.backend = kernels.pick_backend(key_states.device, self.config.kernel)
         if self.key_spec is not None:
