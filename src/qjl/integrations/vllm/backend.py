@@ -1,0 +1,224 @@
+"""The vLLM attention backend: compressed pages, exact current chunk, plain-torch reference attention.
+
+Imported only inside vLLM processes (it imports vLLM).  Per layer and step:
+
+* ``do_kv_cache_update`` quantizes the new keys and values into their pages (codes for every
+  token, :mod:`.layout`);
+* ``forward`` attends: decode rows through the paged contract (:func:`decode_fn`: sinks and
+  window exact, codes in between, the current token exact from ``forward``'s own key/value);
+  prefill and chunk rows through :func:`.paged.paged_attention_reference` (the chunk attended
+  exactly and causally); then the exact copies of the sinks and of the last ``window`` tokens
+  are written (after the attention, so a chunk never overwrites ring slots it still reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadata,
+                                       AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from .layout import PageLayout
+from .paged import page_fields, paged_attention_reference, paged_decode_reference, write_codes, write_exact
+from .settings import VLLMSettings, load_settings
+
+__all__ = ["QJLAttentionBackend", "QJLAttentionImpl", "QJLMetadata", "QJLMetadataBuilder", "decode_fn",
+           "current_settings", "layer_layouts"]
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def current_settings() -> VLLMSettings:
+    cfg = get_current_vllm_config_or_none()
+    return load_settings(getattr(cfg, "additional_config", None) or {})
+
+
+def _num_layers() -> int | None:
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None or cfg.model_config is None:
+        return None
+    return cfg.model_config.hf_text_config.num_hidden_layers
+
+
+def layer_layouts(settings: VLLMSettings, head_dim: int, block_size: int, model_dtype: torch.dtype,
+                  num_layers: int | None) -> dict:
+    """{layer index or None: PageLayout} for every distinct layer kind; all padded to one size."""
+    cfg = settings.config
+    exact = _DTYPES.get(cfg.exact_dtype, model_dtype)
+    layers = list(range(num_layers)) if num_layers else [None]
+    out = {}
+    for layer in layers:
+        k, v = cfg.specs(layer, num_layers)
+        seed = cfg.seed + 1000 * (layer or 0)
+        out[layer] = PageLayout(k.build(head_dim, seed), v.build(head_dim, seed + 1), head_dim, block_size, exact,
+                                settings.sink_tokens, settings.window)
+    width = max(lay.content_bytes for lay in out.values())
+    return {i: PageLayout(lay.key_codec, lay.value_codec, head_dim, block_size, exact, settings.sink_tokens,
+                          settings.window, content_bytes=width) for i, lay in out.items()}
+
+
+def decode_fn(settings: VLLMSettings):
+    """The function that serves decode rows: a paged kernel from :mod:`qjl.kernels` when it exists and
+    ``decode="auto"``, else :func:`.paged.paged_decode_reference` (same signature)."""
+    if settings.decode == "auto":
+        from ... import kernels
+
+        fast = getattr(kernels, "paged_decode", None)
+        if fast is not None:
+            return fast
+    return paged_decode_reference
+
+
+class QJLAttentionBackend(AttentionBackend):
+    """Registered over CPU_ATTN (CPU) or as CUSTOM (CUDA) by :func:`qjl.integrations.vllm.register`."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "QJL"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        return (KVCacheLayout.LBHNC,)  # head-major pages: one contiguous region per (block, KV head)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Our bytes per (token, KV head): the block pool is sized by them."""
+        if spec.state_content_bytes is not None:
+            return spec
+        layouts = layer_layouts(current_settings(), spec.head_size, spec.block_size, spec.dtype, _num_layers())
+        return replace(spec, state_content_bytes=next(iter(layouts.values())).content_bytes)
+
+    @staticmethod
+    def get_impl_cls():
+        return QJLAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return QJLMetadataBuilder
+
+
+@dataclass
+class QJLMetadata(AttentionMetadata):
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # [B + 1] (CPU)
+    seq_lens: torch.Tensor  # [B] tokens after this step (CPU)
+    block_table: torch.Tensor  # [B, max_blocks]
+    slot_mapping: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] absolute position of each token
+    seq_ends: torch.Tensor  # [T] seq_lens of each token's sequence
+    decode: torch.Tensor  # [B] bool: one-token rows
+
+
+class QJLMetadataBuilder(AttentionMetadataBuilder[QJLMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> QJLMetadata:
+        m = common_attn_metadata
+        qsl = m.query_start_loc_cpu.long()
+        qlen = qsl[1:] - qsl[:-1]
+        seq_lens = m.seq_lens.cpu().long()
+        seq_of_token = torch.repeat_interleave(torch.arange(len(qlen)), qlen)
+        row = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of_token]
+        positions = (seq_lens - qlen)[seq_of_token] + row
+        return QJLMetadata(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len, query_start_loc=qsl,
+                           seq_lens=seq_lens, block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
+                           positions=positions, seq_ends=seq_lens[seq_of_token], decode=qlen == 1)
+
+
+class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto", logits_soft_cap=None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None, sinks=None, **kwargs):
+        refuse = {"attn_type": (attn_type != AttentionType.DECODER, attn_type),
+                  "alibi_slopes": (alibi_slopes is not None, "ALiBi"),
+                  "sliding_window": (sliding_window is not None, sliding_window),
+                  "logits_soft_cap": (bool(logits_soft_cap), logits_soft_cap),
+                  "sinks": (sinks is not None, "learned attention sinks"),
+                  "kv_sharing_target_layer_name": (kv_sharing_target_layer_name is not None,
+                                                   kv_sharing_target_layer_name),
+                  "kv_cache_dtype": (kv_cache_dtype != "auto", kv_cache_dtype)}
+        for name, (bad, got) in refuse.items():
+            if bad:
+                raise ValueError(f"the qjl vLLM backend cannot hold this model: {name}={got!r} is not supported "
+                                 "(decoder-only full causal attention, kv_cache_dtype='auto')")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.settings = current_settings()
+        self.num_layers = _num_layers()
+        self.layout = None
+        self._fields_key = self._fields = None
+        self._decode = decode_fn(self.settings)
+
+    def _layout(self, layer, kv_cache: torch.Tensor) -> PageLayout:
+        if self.layout is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            idx = extract_layer_index(layer.layer_name)
+            layouts = layer_layouts(self.settings, self.head_size, kv_cache.shape[2], kv_cache.dtype, self.num_layers)
+            self.layout = layouts.get(idx, layouts.get(None))
+        return self.layout
+
+    def _page_fields(self, layer, kv_cache: torch.Tensor) -> dict:
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
+        if key != self._fields_key:
+            self._fields = page_fields(self._layout(layer, kv_cache), kv_cache)
+            self._fields_key = key
+        return self._fields
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if kv_cache.numel() == 0:
+            return
+        n = min(key.shape[0], slot_mapping.shape[0])
+        write_codes(self._layout(layer, kv_cache), self._page_fields(layer, kv_cache), key[:n], value[:n],
+                    slot_mapping[:n])
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the qjl backend")
+        if attn_metadata is None:  # warm-up / profiling
+            return output
+        m = attn_metadata
+        n = m.num_actual_tokens
+        lay, fields = self._layout(layer, kv_cache), self._page_fields(layer, kv_cache)
+        q, k, v = query[:n], key[:n], value[:n]
+        out = torch.empty(n, self.num_heads, self.head_size, dtype=torch.float32, device=q.device)
+        qsl = m.query_start_loc
+        dec = m.decode.nonzero().flatten()
+        if len(dec):
+            rows = qsl[dec]
+            ex = (fields["exact.key"], fields["exact.value"]) if lay.sinks + lay.window else None
+            kf = {k_[4:]: f for k_, f in fields.items() if k_.startswith("key.")}
+            vf = {k_[6:]: f for k_, f in fields.items() if k_.startswith("value.")}
+            out[rows] = self._decode(q[rows], kf, vf, m.block_table[dec], m.seq_lens[dec] - 1, lay.block_size,
+                                     key_codec=lay.key_codec, value_codec=lay.value_codec, scale=self.scale,
+                                     num_kv_heads=self.num_kv_heads, exact=ex, sinks=lay.sinks, window=lay.window,
+                                     current=(k[rows], v[rows]))
+        if len(dec) < len(m.decode):
+            other = (~m.decode).nonzero().flatten()
+            for i in other.tolist():  # prefill / chunk rows, one sequence at a time
+                r0, r1 = int(qsl[i]), int(qsl[i + 1])
+                sub = torch.tensor([0, r1 - r0])
+                out[r0:r1] = paged_attention_reference(q[r0:r1], k[r0:r1], v[r0:r1], fields, m.block_table[i:i + 1],
+                                                       sub, m.seq_lens[i:i + 1], lay, self.scale)
+        write_exact(lay, fields, k, v, m.slot_mapping[:n], m.positions[:n], m.seq_ends[:n])
+        output[:n] = out.to(output.dtype)
+        return output

@@ -1,0 +1,301 @@
+"""Paged compressed KV: writing tokens into pages, and the plain-torch attention over them.
+
+PAGED CONTRACT (shared with the paged kernels of issue #13)::
+
+    paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size, *,
+                           key_codec, value_codec, scale, num_kv_heads, exact=None, sinks=0,
+                           window=0, current=None) -> out [B, H_q, D] float32
+
+* ``q``: [B, H_q, D], one query row per sequence (a decode step); query head ``i`` reads KV
+  head ``i // (H_q / H_kv)`` (GQA).
+* ``key_fields`` / ``value_fields``: {codec field name: :class:`PagedField`}, the fields of the
+  codec's :class:`qjl.Codes` (TurboQuant MSE: ``codes`` uint8 [nbytes], ``norm`` fp16/bf16/fp8;
+  QJL: ``signs`` uint8 [m/8], ``norm``, with outliers also ``outlier_signs``, ``outlier_norm``
+  and the per-block shared ``outlier_idx`` uint8 [n_outliers]; token-wise values: ``codes``
+  uint8, ``scale`` and ``zero`` [groups] fp16).  Field ``f`` of token ``t`` of sequence ``b``,
+  KV head ``h``, is the ``f.dtype`` array of shape ``f.shape`` at byte address
+  ``f.offset + block_table[b, t // block_size] * f.stride_block + h * f.stride_head
+  + (t % block_size) * f.stride_token`` of ``f.buffer`` (``stride_token = 0``: one entry per
+  block and head).  vLLM's pages (:mod:`.layout`) and transformers' contiguous cache (one
+  block per sequence, ``block_table = arange(B)[:, None]``) are both this addressing.
+* ``block_table``: [B, max_blocks] int; ``seq_lens``: [B] tokens of history in the cache
+  (the current token excluded when it is passed in ``current``).
+* Tokens ``[sinks, n - window)`` of a sequence of ``n`` are scored from codes; the first
+  ``sinks`` and last ``window`` come exactly from ``exact = (key PagedField, value PagedField)``
+  at slot :func:`.layout.exact_slot` instead of ``t % block_size``.
+* ``current``: None or (k, v) [B, H_kv, D], the current token's exact key and value.
+* Softmax in float32 over all of them; ``scale`` multiplies the logits.
+
+Keys are scored with the codec's own estimator (``inner_product``), values mixed from
+``dequantize``; a fast kernel must match this within float error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...codec import Codes
+from .layout import PageLayout, exact_slot
+
+__all__ = ["PagedField", "page_fields", "write_codes", "write_exact", "paged_decode_reference",
+           "paged_attention_reference", "gather_history"]
+
+
+@dataclass(frozen=True)
+class PagedField:
+    """A field of every token in a paged pool (see the module docstring for the addressing)."""
+
+    buffer: torch.Tensor  # 1-d uint8 over the whole storage
+    offset: int
+    stride_block: int
+    stride_head: int
+    stride_token: int
+    dtype: torch.dtype
+    shape: tuple
+
+    def _index(self, blocks, heads, slots) -> torch.Tensor:
+        addr = self.offset + blocks.long() * self.stride_block + heads.long() * self.stride_head
+        addr = addr + slots.long() * self.stride_token
+        item = torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = item * (int(torch.tensor(self.shape).prod()) if self.shape else 1)
+        return addr.unsqueeze(-1) + torch.arange(nbytes, device=addr.device)
+
+    def gather(self, blocks, heads, slots) -> torch.Tensor:
+        """Broadcast int tensors of a common shape S -> the field values [*S, *shape]."""
+        idx = self._index(*torch.broadcast_tensors(blocks, heads, slots))
+        raw = self.buffer[idx]
+        return raw.view(self.dtype).reshape(*idx.shape[:-1], *self.shape)
+
+    def scatter(self, blocks, heads, slots, values: torch.Tensor) -> None:
+        """Write ``values`` [*S, *shape] (S the broadcast shape of the indices)."""
+        idx = self._index(*torch.broadcast_tensors(blocks, heads, slots))
+        raw = values.to(self.dtype).contiguous().view(torch.uint8).reshape(idx.shape)
+        self.buffer[idx] = raw
+
+
+def page_fields(layout: PageLayout, pages: torch.Tensor) -> dict[str, PagedField]:
+    """The fields of ``layout`` in vLLM's page tensor ``pages`` [num_blocks, H_kv, block_size, C']
+    (any element dtype; every head region must be contiguous)."""
+    nb, h, bs, c = pages.shape
+    es = pages.element_size()
+    if bs != layout.block_size or c * es != layout.content_bytes:
+        raise ValueError(f"pages of shape {tuple(pages.shape)} ({pages.dtype}) do not hold this layout "
+                         f"(block {layout.block_size}, {layout.content_bytes} bytes per token)")
+    if pages.stride(3) != 1 or pages.stride(2) != c:
+        raise ValueError("each head region of the pages must be contiguous (vLLM's LBHNC layout)")
+    storage = torch.empty(0, dtype=torch.uint8, device=pages.device).set_(pages.untyped_storage())
+    base = pages.storage_offset() * es
+    return {n: PagedField(storage, base + f.offset, pages.stride(0) * es, pages.stride(1) * es, f.stride_token,
+                          f.dtype, f.shape) for n, f in layout.fields.items()}
+
+
+def _role(fields: dict, role: str) -> dict:
+    p = role + "."
+    return {n[len(p):]: f for n, f in fields.items() if n.startswith(p)}
+
+
+def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Codes:
+    """k: [N, H, D] of tokens at (blocks, offs) -> Codes lead [N, H]; per-block outlier channels
+    (QJL) are chosen from the tokens written first into a block and stored in it."""
+    if "outlier_idx" not in key_fields:
+        return codec.quantize(k.float())
+    h = k.shape[1]
+    heads = torch.arange(h)
+    out = []
+    for blk in torch.unique(blocks).tolist():
+        sel = (blocks == blk).nonzero().flatten()
+        kb = k[sel].float().transpose(0, 1)  # [H, n, D]
+        field = key_fields["outlier_idx"]
+        if bool((offs[sel] == 0).any()):  # the block starts in this write: choose its channels now
+            idx = codec.select_outliers(kb)
+            field.scatter(torch.tensor(blk), heads, torch.tensor(0), idx)
+        else:
+            idx = field.gather(torch.tensor(blk), heads, torch.tensor(0))
+        c = codec.quantize(kb, idx.long())
+        out.append((sel, c))
+    fields = {n: torch.empty(k.shape[0], h, *t.shape[2:], dtype=t.dtype) for n, t in out[0][1].fields.items()}
+    for sel, c in out:
+        for n, t in c.fields.items():
+            fields[n][sel] = t.transpose(0, 1)
+    return Codes((k.shape[0], h), fields)
+
+
+def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torch.Tensor,
+                slot_mapping: torch.Tensor) -> None:
+    """Quantize key/value [N, H_kv, D] and store the codes at ``slot_mapping`` [N] (block * block_size +
+    offset; negative slots are padding and skipped)."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if slot_mapping.numel() == 0:
+        return
+    slots = slot_mapping.long().cpu() if key.device.type == "cpu" else slot_mapping.long()
+    blocks, offs = slots // layout.block_size, slots % layout.block_size
+    heads = torch.arange(key.shape[1], device=key.device)
+    kf, vf = _role(fields, "key"), _role(fields, "value")
+    kc = _quantize_keys(layout.key_codec, key, blocks, offs, kf)
+    vc = layout.value_codec.quantize(value.float())
+    for role_fields, codes in ((kf, kc), (vf, vc)):
+        for name, t in codes.fields.items():
+            role_fields[name].scatter(blocks[:, None], heads[None, :], offs[:, None], t)
+
+
+def write_exact(layout: PageLayout, fields: dict, key: torch.Tensor, value: torch.Tensor,
+                slot_mapping: torch.Tensor, positions: torch.Tensor, seq_ends: torch.Tensor) -> None:
+    """Store exact copies of the sinks and of each sequence's last ``window`` tokens.
+
+    key/value [N, H_kv, D]; positions [N] absolute token positions; seq_ends [N] the length of
+    the token's sequence after this step.  Only tokens that must stay exact are written, so no
+    two writes of one call hit the same ring slot.
+    """
+    if layout.sinks + layout.window == 0:
+        return
+    pos = positions.long()
+    need = (pos < layout.sinks) | (pos >= seq_ends.long() - layout.window) if layout.window else pos < layout.sinks
+    need = need & (slot_mapping >= 0)
+    if not bool(need.any()):
+        return
+    slots = slot_mapping[need].long()
+    blocks = slots // layout.block_size
+    ex = exact_slot(pos[need], layout.sinks, layout.window)
+    heads = torch.arange(key.shape[1], device=key.device)
+    fe = _role(fields, "exact")
+    fe["key"].scatter(blocks[:, None], heads[None, :], ex[:, None], key[need])
+    fe["value"].scatter(blocks[:, None], heads[None, :], ex[:, None], value[need])
+
+
+def _gather_codes(codec, fields: dict, blocks, heads, slots) -> Codes:
+    """Codes of tokens at (blocks, slots) [..., n] for every head: lead [..., H, n]."""
+    per = {n: f.gather(blocks.unsqueeze(-2), heads[:, None], slots.unsqueeze(-2))
+           for n, f in fields.items() if f.stride_token}
+    shared = {}
+    if "outlier_idx" in fields:  # per-block channels: one set per token, applied per token below
+        shared["outlier_idx"] = fields["outlier_idx"].gather(blocks.unsqueeze(-2), heads[:, None],
+                                                             torch.zeros_like(slots).unsqueeze(-2))
+    return Codes(tuple(next(iter(per.values())).shape[:blocks.ndim + 1]), per, shared)
+
+
+def _scores(codec, q: torch.Tensor, codes: Codes) -> torch.Tensor:
+    """q [..., H, R, D] against codes lead [..., H, n] -> [..., H, R, n] (the codec's estimator)."""
+    if "outlier_idx" not in codes.shared:
+        return codec.inner_product(q, codes)
+    idx = codes.shared["outlier_idx"]  # [..., H, n, k]: one codes object per token
+    per = Codes((*codes.lead, 1), {n: t.unsqueeze(len(codes.lead)) for n, t in codes.fields.items()},
+                {"outlier_idx": idx})
+    s = codec.inner_product(q.unsqueeze(-3), per)  # [..., H, n, R, 1]
+    return s.squeeze(-1).transpose(-1, -2)
+
+
+def gather_history(layout_or_codecs, fields: dict, block_row: torch.Tensor, start: int, end: int,
+                   block_size: int, heads: torch.Tensor):
+    """Dequantized keys and values [H, end - start, D] float32 of positions [start, end) of one sequence."""
+    key_codec, value_codec = layout_or_codecs
+    pos = torch.arange(start, end)
+    blocks, slots = block_row[pos // block_size], pos % block_size
+    kc = _gather_codes(key_codec, _role(fields, "key"), blocks, heads, slots)
+    vc = _gather_codes(value_codec, _role(fields, "value"), blocks, heads, slots)
+    if "outlier_idx" in kc.shared:
+        idx = kc.shared["outlier_idx"]
+        per = Codes((*kc.lead, 1), {n: t.unsqueeze(len(kc.lead)) for n, t in kc.fields.items()},
+                    {"outlier_idx": idx})
+        k = key_codec.dequantize(per).squeeze(-2)
+    else:
+        k = key_codec.dequantize(kc)
+    return k, value_codec.dequantize(vc)
+
+
+def _exact(exact, block_row, pos, block_size, sinks, window, heads):
+    """Exact keys and values [H, n, D] float32 of positions ``pos`` [n] of one sequence."""
+    blocks, slots = block_row[pos // block_size], exact_slot(pos, sinks, window)
+    ek, ev = exact
+    return (ek.gather(blocks, heads[:, None], slots).float(), ev.gather(blocks, heads[:, None], slots).float())
+
+
+def _split(n: int, sinks: int, window: int):
+    """(exact sink positions, code range, exact window positions) of a history of n tokens."""
+    s = min(sinks, n)
+    w0 = max(s, n - window)
+    return torch.arange(0, s), (s, w0), torch.arange(w0, n)
+
+
+def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size, *, key_codec,
+                           value_codec, scale: float, num_kv_heads: int, exact=None, sinks: int = 0,
+                           window: int = 0, current=None) -> torch.Tensor:
+    """The paged decode attention of the module docstring (plain torch, one sequence at a time)."""
+    b, hq, d = q.shape
+    if exact is None and sinks + window:
+        raise ValueError("exact must be given when sinks or window is non-zero")
+    if hq % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide the {hq} query heads")
+    heads = torch.arange(num_kv_heads, device=q.device)
+    g = hq // num_kv_heads
+    out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        row = block_table[i].long()
+        sink_pos, (c0, c1), win_pos = _split(int(seq_lens[i]), sinks, window)
+        qi = q[i].float().reshape(num_kv_heads, g, d)
+        logits, vs = [], []
+        xpos = torch.cat([sink_pos, win_pos])
+        if len(xpos):
+            xk, xv = _exact(exact, row, xpos, block_size, sinks, window, heads)
+            logits.append(qi @ xk.transpose(-1, -2))
+            vs.append(xv)
+        if c1 > c0:
+            pos = torch.arange(c0, c1)
+            blocks, slots = row[pos // block_size], pos % block_size
+            logits.append(_scores(key_codec, qi, _gather_codes(key_codec, key_fields, blocks, heads, slots)))
+            vs.append(value_codec.dequantize(_gather_codes(value_codec, value_fields, blocks, heads, slots)))
+        if current is not None:
+            logits.append(qi @ current[0][i].float().unsqueeze(-1))
+            vs.append(current[1][i].float().unsqueeze(-2))
+        if not logits:
+            raise ValueError(f"sequence {i} has no token to attend to (seq_lens 0 and no current token)")
+        p = torch.softmax(torch.cat(logits, dim=-1) * scale, dim=-1)
+        out[i] = (p @ torch.cat(vs, dim=-2)).reshape(hq, d)
+    return out
+
+
+def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_loc, seq_lens, layout: PageLayout,
+                              scale: float) -> torch.Tensor:
+    """Attention of a mixed batch: q [T, H_q, D], the batch's own k/v [T, H_kv, D] (attended
+    exactly, causally), history from the pages -> [T, H_q, D] float32.
+
+    Sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]`` and has ``seq_lens[i]``
+    tokens after this step; its history is the first ``seq_lens[i] - query_len`` tokens.
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    heads = torch.arange(hkv, device=q.device)
+    out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
+    qsl = query_start_loc.tolist()
+    for i in range(len(qsl) - 1):
+        r0, r1 = qsl[i], qsl[i + 1]
+        c = r1 - r0
+        if c == 0:
+            continue
+        n = int(seq_lens[i]) - c
+        row = block_table[i].long()
+        sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window)
+        ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
+        ks, vs = [], []
+        xpos = torch.cat([sink_pos, win_pos])
+        if len(xpos):
+            xk, xv = _exact(ex, row, xpos, layout.block_size, layout.sinks, layout.window, heads)
+        if len(sink_pos):
+            ks.append(xk[:, :len(sink_pos)]), vs.append(xv[:, :len(sink_pos)])
+        if c1 > c0:
+            dk, dv = gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size, heads)
+            ks.append(dk), vs.append(dv)
+        if len(win_pos):
+            ks.append(xk[:, len(sink_pos):]), vs.append(xv[:, len(sink_pos):])
+        ks.append(k[r0:r1].float().transpose(0, 1)), vs.append(v[r0:r1].float().transpose(0, 1))
+        kk, vv = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+        mask = torch.ones(c, n + c, dtype=torch.bool, device=q.device)
+        mask[:, n:] = torch.tril(torch.ones(c, c, dtype=torch.bool, device=q.device))
+        o = F.scaled_dot_product_attention(q[r0:r1].float().transpose(0, 1), kk, vv, attn_mask=mask, scale=scale,
+                                           enable_gqa=hq != hkv)
+        out[r0:r1] = o.transpose(0, 1)
+    return out
