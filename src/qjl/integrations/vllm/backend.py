@@ -22,15 +22,12 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from .layout import PageLayout
-from .paged import page_fields, paged_attention_reference, paged_decode_reference, write_codes, write_exact
+from .layout import PageLayout, content_bytes, layer_layout
+from .paged import forward_batch, page_fields, paged_decode_reference, write_codes
 from .settings import VLLMSettings, load_settings
 
 __all__ = ["QJLAttentionBackend", "QJLAttentionImpl", "QJLMetadata", "QJLMetadataBuilder", "decode_fn",
-           "current_settings", "layer_layouts"]
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
+           "current_settings", "content_bytes", "layer_layout"]
 
 def current_settings() -> VLLMSettings:
     cfg = get_current_vllm_config_or_none()
@@ -42,23 +39,6 @@ def _num_layers() -> int | None:
     if cfg is None or cfg.model_config is None:
         return None
     return cfg.model_config.hf_text_config.num_hidden_layers
-
-
-def layer_layouts(settings: VLLMSettings, head_dim: int, block_size: int, model_dtype: torch.dtype,
-                  num_layers: int | None) -> dict:
-    """{layer index or None: PageLayout} for every distinct layer kind; all padded to one size."""
-    cfg = settings.config
-    exact = _DTYPES.get(cfg.exact_dtype, model_dtype)
-    layers = list(range(num_layers)) if num_layers else [None]
-    out = {}
-    for layer in layers:
-        k, v = cfg.specs(layer, num_layers)
-        seed = cfg.seed + 1000 * (layer or 0)
-        out[layer] = PageLayout(k.build(head_dim, seed), v.build(head_dim, seed + 1), head_dim, block_size, exact,
-                                settings.sink_tokens, settings.window)
-    width = max(lay.content_bytes for lay in out.values())
-    return {i: PageLayout(lay.key_codec, lay.value_codec, head_dim, block_size, exact, settings.sink_tokens,
-                          settings.window, content_bytes=width) for i, lay in out.items()}
 
 
 def decode_fn(settings: VLLMSettings):
@@ -82,7 +62,10 @@ class QJLAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        return "QJL"
+        """The registry entry this class is registered under (vLLM looks names up in its enum)."""
+        from vllm.platforms import current_platform
+
+        return "CPU_ATTN" if current_platform.is_cpu() else "CUSTOM"
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
@@ -97,8 +80,8 @@ class QJLAttentionBackend(AttentionBackend):
         """Our bytes per (token, KV head): the block pool is sized by them."""
         if spec.state_content_bytes is not None:
             return spec
-        layouts = layer_layouts(current_settings(), spec.head_size, spec.block_size, spec.dtype, _num_layers())
-        return replace(spec, state_content_bytes=next(iter(layouts.values())).content_bytes)
+        width = content_bytes(current_settings(), spec.head_size, spec.block_size, spec.dtype)
+        return replace(spec, state_content_bytes=width)
 
     @staticmethod
     def get_impl_cls():
@@ -117,9 +100,6 @@ class QJLMetadata(AttentionMetadata):
     seq_lens: torch.Tensor  # [B] tokens after this step (CPU)
     block_table: torch.Tensor  # [B, max_blocks]
     slot_mapping: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T] absolute position of each token
-    seq_ends: torch.Tensor  # [T] seq_lens of each token's sequence
-    decode: torch.Tensor  # [B] bool: one-token rows
 
 
 class QJLMetadataBuilder(AttentionMetadataBuilder[QJLMetadata]):
@@ -131,15 +111,9 @@ class QJLMetadataBuilder(AttentionMetadataBuilder[QJLMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> QJLMetadata:
         m = common_attn_metadata
-        qsl = m.query_start_loc_cpu.long()
-        qlen = qsl[1:] - qsl[:-1]
-        seq_lens = m.seq_lens.cpu().long()
-        seq_of_token = torch.repeat_interleave(torch.arange(len(qlen)), qlen)
-        row = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of_token]
-        positions = (seq_lens - qlen)[seq_of_token] + row
-        return QJLMetadata(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len, query_start_loc=qsl,
-                           seq_lens=seq_lens, block_table=m.block_table_tensor, slot_mapping=m.slot_mapping,
-                           positions=positions, seq_ends=seq_lens[seq_of_token], decode=qlen == 1)
+        return QJLMetadata(num_actual_tokens=m.num_actual_tokens, max_query_len=m.max_query_len,
+                           query_start_loc=m.query_start_loc_cpu.long(), seq_lens=m.seq_lens.cpu().long(),
+                           block_table=m.block_table_tensor, slot_mapping=m.slot_mapping)
 
 
 class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
@@ -172,8 +146,11 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
             from vllm.model_executor.models.utils import extract_layer_index
 
             idx = extract_layer_index(layer.layer_name)
-            layouts = layer_layouts(self.settings, self.head_size, kv_cache.shape[2], kv_cache.dtype, self.num_layers)
-            self.layout = layouts.get(idx, layouts.get(None))
+            if self.num_layers is None or not 0 <= idx < self.num_layers:
+                raise ValueError(f"the qjl backend cannot place layer {layer.layer_name!r} in a model of "
+                                 f"{self.num_layers} layers")
+            self.layout = layer_layout(self.settings, idx, self.num_layers, self.head_size, kv_cache.shape[2],
+                                       kv_cache.dtype)
         return self.layout
 
     def _page_fields(self, layer, kv_cache: torch.Tensor) -> dict:
@@ -199,26 +176,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         lay, fields = self._layout(layer, kv_cache), self._page_fields(layer, kv_cache)
-        q, k, v = query[:n], key[:n], value[:n]
-        out = torch.empty(n, self.num_heads, self.head_size, dtype=torch.float32, device=q.device)
-        qsl = m.query_start_loc
-        dec = m.decode.nonzero().flatten()
-        if len(dec):
-            rows = qsl[dec]
-            ex = (fields["exact.key"], fields["exact.value"]) if lay.sinks + lay.window else None
-            kf = {k_[4:]: f for k_, f in fields.items() if k_.startswith("key.")}
-            vf = {k_[6:]: f for k_, f in fields.items() if k_.startswith("value.")}
-            out[rows] = self._decode(q[rows], kf, vf, m.block_table[dec], m.seq_lens[dec] - 1, lay.block_size,
-                                     key_codec=lay.key_codec, value_codec=lay.value_codec, scale=self.scale,
-                                     num_kv_heads=self.num_kv_heads, exact=ex, sinks=lay.sinks, window=lay.window,
-                                     current=(k[rows], v[rows]))
-        if len(dec) < len(m.decode):
-            other = (~m.decode).nonzero().flatten()
-            for i in other.tolist():  # prefill / chunk rows, one sequence at a time
-                r0, r1 = int(qsl[i]), int(qsl[i + 1])
-                sub = torch.tensor([0, r1 - r0])
-                out[r0:r1] = paged_attention_reference(q[r0:r1], k[r0:r1], v[r0:r1], fields, m.block_table[i:i + 1],
-                                                       sub, m.seq_lens[i:i + 1], lay, self.scale)
-        write_exact(lay, fields, k, v, m.slot_mapping[:n], m.positions[:n], m.seq_ends[:n])
+        out = forward_batch(lay, fields, query[:n], key[:n], value[:n], m.block_table, m.query_start_loc, m.seq_lens,
+                            self.scale, self._decode)
         output[:n] = out.to(output.dtype)
         return output

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FieldSpec", "PageLayout", "exact_slot", "codec_fields"]
+__all__ = ["FieldSpec", "PageLayout", "exact_slot", "codec_fields", "content_bytes", "layer_layout"]
 
 _ALIGN = 8  # every field's array starts on an 8-byte boundary
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -127,3 +128,26 @@ class PageLayout:
                           for n, f in self.fields.items())
         return (f"{self.content_bytes} B/token/head (block {self.block_size}, used {self.used_bytes} of "
                 f"{self.head_region_bytes} per head region): {parts}")
+
+
+def content_bytes(settings, head_dim: int, block_size: int, model_dtype: torch.dtype) -> int:
+    """Bytes per (token, KV head) of the widest layer kind (keys, late keys, overrides): every layer's
+    pages get this size, so the spec does not depend on the number of layers."""
+    cfg = settings.config
+    exact = _DTYPES.get(cfg.exact_dtype, model_dtype)
+    kinds = [(cfg.key, cfg.value)] + ([(cfg.late_key, cfg.value)] if cfg.late_key is not None else [])
+    kinds += [(o.get("key", cfg.key), o.get("value", cfg.value)) for o in cfg.layer_overrides.values()]
+    return max(PageLayout(k.build(head_dim, cfg.seed), v.build(head_dim, cfg.seed), head_dim, block_size, exact,
+                          settings.sink_tokens, settings.window).content_bytes for k, v in kinds)
+
+
+def layer_layout(settings, layer: int, num_layers: int, head_dim: int, block_size: int,
+                 model_dtype: torch.dtype) -> PageLayout:
+    """Layer ``layer``'s codecs (seeds ``seed + 1000 layer`` and ``+ 1``, as :class:`qjl.QJLCache`) in pages
+    of :func:`content_bytes`."""
+    cfg = settings.config
+    k, v = cfg.specs(layer, num_layers)
+    seed = cfg.seed + 1000 * layer
+    return PageLayout(k.build(head_dim, seed), v.build(head_dim, seed + 1), head_dim, block_size,
+                      _DTYPES.get(cfg.exact_dtype, model_dtype), settings.sink_tokens, settings.window,
+                      content_bytes=content_bytes(settings, head_dim, block_size, model_dtype))

@@ -41,7 +41,7 @@ from ...codec import Codes
 from .layout import PageLayout, exact_slot
 
 __all__ = ["PagedField", "page_fields", "write_codes", "write_exact", "paged_decode_reference",
-           "paged_attention_reference", "gather_history"]
+           "paged_attention_reference", "gather_history", "forward_batch", "token_positions"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,20 @@ class PagedField:
         idx = self._index(*torch.broadcast_tensors(blocks, heads, slots))
         raw = values.to(self.dtype).contiguous().view(torch.uint8).reshape(idx.shape)
         self.buffer[idx] = raw
+
+    def blocks(self, blocks: torch.Tensor, num_heads: int, block_size: int) -> torch.Tensor:
+        """Whole blocks at once: blocks [n] -> [n, H, block_size, *shape] (per-token fields, rows
+        ``stride_token`` = the item size apart) or [n, H, *shape] (shared fields)."""
+        item = torch.empty(0, dtype=self.dtype).element_size() * (int(torch.tensor(self.shape).prod()) if self.shape else 1)
+        rows = block_size if self.stride_token else 1
+        if self.stride_token not in (0, item):
+            return self.gather(blocks[:, None, None], torch.arange(num_heads)[None, :, None],
+                               torch.arange(rows)[None, None, :])
+        top = int(blocks.max()) + 1 if blocks.numel() else 1
+        view = torch.as_strided(self.buffer, (top, num_heads, rows * item), (self.stride_block, self.stride_head, 1),
+                                self.buffer.storage_offset() + self.offset)
+        raw = view[blocks.long()].contiguous().view(self.dtype)
+        return raw.reshape(len(blocks), num_heads, *((rows,) if self.stride_token else ()), *self.shape)
 
 
 def page_fields(layout: PageLayout, pages: torch.Tensor) -> dict[str, PagedField]:
@@ -167,15 +181,21 @@ def write_exact(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
     fe["value"].scatter(blocks[:, None], heads[None, :], ex[:, None], value[need])
 
 
-def _gather_codes(codec, fields: dict, blocks, heads, slots) -> Codes:
-    """Codes of tokens at (blocks, slots) [..., n] for every head: lead [..., H, n]."""
-    per = {n: f.gather(blocks.unsqueeze(-2), heads[:, None], slots.unsqueeze(-2))
-           for n, f in fields.items() if f.stride_token}
-    shared = {}
-    if "outlier_idx" in fields:  # per-block channels: one set per token, applied per token below
-        shared["outlier_idx"] = fields["outlier_idx"].gather(blocks.unsqueeze(-2), heads[:, None],
-                                                             torch.zeros_like(slots).unsqueeze(-2))
-    return Codes(tuple(next(iter(per.values())).shape[:blocks.ndim + 1]), per, shared)
+def _history_codes(fields: dict, row: torch.Tensor, c0: int, c1: int, block_size: int, num_heads: int) -> Codes:
+    """Codes of positions [c0, c1) of one sequence (block table row ``row``): lead [H, c1 - c0];
+    per-block shared fields (QJL outlier channels) come back per token in ``shared`` ([H, n, k])."""
+    b0, b1 = c0 // block_size, (c1 - 1) // block_size + 1
+    blocks = row[b0:b1]
+    lo, hi = c0 - b0 * block_size, c1 - b0 * block_size
+    per, shared = {}, {}
+    for name, f in fields.items():
+        t = f.blocks(blocks, num_heads, block_size)
+        if f.stride_token:
+            per[name] = t.transpose(0, 1).reshape(num_heads, -1, *f.shape)[:, lo:hi]
+        else:
+            t = t.transpose(0, 1).unsqueeze(2).expand(num_heads, len(blocks), block_size, *f.shape)
+            shared[name] = t.reshape(num_heads, -1, *f.shape)[:, lo:hi]
+    return Codes((num_heads, c1 - c0), per, shared)
 
 
 def _scores(codec, q: torch.Tensor, codes: Codes) -> torch.Tensor:
@@ -189,18 +209,14 @@ def _scores(codec, q: torch.Tensor, codes: Codes) -> torch.Tensor:
     return s.squeeze(-1).transpose(-1, -2)
 
 
-def gather_history(layout_or_codecs, fields: dict, block_row: torch.Tensor, start: int, end: int,
-                   block_size: int, heads: torch.Tensor):
+def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, end: int, block_size: int,
+                   num_heads: int):
     """Dequantized keys and values [H, end - start, D] float32 of positions [start, end) of one sequence."""
-    key_codec, value_codec = layout_or_codecs
-    pos = torch.arange(start, end)
-    blocks, slots = block_row[pos // block_size], pos % block_size
-    kc = _gather_codes(key_codec, _role(fields, "key"), blocks, heads, slots)
-    vc = _gather_codes(value_codec, _role(fields, "value"), blocks, heads, slots)
-    if "outlier_idx" in kc.shared:
-        idx = kc.shared["outlier_idx"]
-        per = Codes((*kc.lead, 1), {n: t.unsqueeze(len(kc.lead)) for n, t in kc.fields.items()},
-                    {"outlier_idx": idx})
+    key_codec, value_codec = codecs
+    kc = _history_codes(_role(fields, "key"), block_row, start, end, block_size, num_heads)
+    vc = _history_codes(_role(fields, "value"), block_row, start, end, block_size, num_heads)
+    if "outlier_idx" in kc.shared:  # one outlier set per token: dequantize token by token
+        per = Codes((*kc.lead, 1), {n: t.unsqueeze(len(kc.lead)) for n, t in kc.fields.items()}, kc.shared)
         k = key_codec.dequantize(per).squeeze(-2)
     else:
         k = key_codec.dequantize(kc)
@@ -244,10 +260,9 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
             logits.append(qi @ xk.transpose(-1, -2))
             vs.append(xv)
         if c1 > c0:
-            pos = torch.arange(c0, c1)
-            blocks, slots = row[pos // block_size], pos % block_size
-            logits.append(_scores(key_codec, qi, _gather_codes(key_codec, key_fields, blocks, heads, slots)))
-            vs.append(value_codec.dequantize(_gather_codes(value_codec, value_fields, blocks, heads, slots)))
+            kc = _history_codes(key_fields, row, c0, c1, block_size, num_kv_heads)
+            logits.append(_scores(key_codec, qi, kc))
+            vs.append(value_codec.dequantize(_history_codes(value_fields, row, c0, c1, block_size, num_kv_heads)))
         if current is not None:
             logits.append(qi @ current[0][i].float().unsqueeze(-1))
             vs.append(current[1][i].float().unsqueeze(-2))
@@ -287,7 +302,7 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
         if len(sink_pos):
             ks.append(xk[:, :len(sink_pos)]), vs.append(xv[:, :len(sink_pos)])
         if c1 > c0:
-            dk, dv = gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size, heads)
+            dk, dv = gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size, hkv)
             ks.append(dk), vs.append(dv)
         if len(win_pos):
             ks.append(xk[:, len(sink_pos):]), vs.append(xv[:, len(sink_pos):])
@@ -299,3 +314,51 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
                                            enable_gqa=hq != hkv)
         out[r0:r1] = o.transpose(0, 1)
     return out
+
+
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
+    """(positions [T], seq_ends [T], decode [B]) of a batch: query_start_loc [B + 1], seq_lens [B] (after the step)."""
+    qsl = query_start_loc.long().cpu()
+    qlen = qsl[1:] - qsl[:-1]
+    seq_lens = seq_lens.long().cpu()
+    seq_of = torch.repeat_interleave(torch.arange(len(qlen)), qlen)
+    row = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of]
+    return (seq_lens - qlen)[seq_of] + row, seq_lens[seq_of], qlen == 1
+
+
+def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_start_loc, seq_lens, scale: float,
+                  decode=None) -> torch.Tensor:
+    """One attention layer over a mixed batch whose codes are already written (:func:`write_codes`).
+
+    q [T, H_q, D], k/v [T, H_kv, D] the batch's own tokens; query_start_loc [B + 1] and seq_lens [B]
+    (tokens after this step) on the CPU.  One-token rows go through ``decode`` (the paged contract,
+    default :func:`paged_decode_reference`), the others through :func:`paged_attention_reference`;
+    then the exact copies are written.  Returns [T, H_q, D] float32.
+    """
+    decode = paged_decode_reference if decode is None else decode
+    t, hq, d = q.shape
+    qsl = query_start_loc.long().cpu()
+    seq_lens = seq_lens.long().cpu()
+    positions, seq_ends, is_dec = token_positions(qsl, seq_lens)
+    out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
+    dec = is_dec.nonzero().flatten()
+    if len(dec):
+        rows = qsl[dec]
+        ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
+        out[rows] = decode(q[rows], _role(fields, "key"), _role(fields, "value"), block_table[dec], seq_lens[dec] - 1,
+                           layout.block_size, key_codec=layout.key_codec, value_codec=layout.value_codec, scale=scale,
+                           num_kv_heads=k.shape[1], exact=ex, sinks=layout.sinks, window=layout.window,
+                           current=(k[rows], v[rows]))
+    for i in (~is_dec).nonzero().flatten().tolist():  # prefill / chunk rows, one sequence at a time
+        r0, r1 = int(qsl[i]), int(qsl[i + 1])
+        if r1 > r0:
+            out[r0:r1] = paged_attention_reference(q[r0:r1], k[r0:r1], v[r0:r1], fields, block_table[i:i + 1],
+                                                   torch.tensor([0, r1 - r0]), seq_lens[i:i + 1], layout, scale)
+    slots = _slots(block_table, qsl, positions, layout.block_size)
+    write_exact(layout, fields, k, v, slots, positions, seq_ends)
+    return out
+
+
+def _slots(block_table, qsl, positions, block_size: int) -> torch.Tensor:
+    seq_of = torch.repeat_interleave(torch.arange(len(qsl) - 1), qsl[1:] - qsl[:-1])
+    return block_table.long().cpu()[seq_of, positions // block_size] * block_size + positions % block_size
