@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadata,
                                        AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
@@ -28,6 +29,9 @@ from .settings import VLLMSettings, load_settings
 
 __all__ = ["QJLAttentionBackend", "QJLAttentionImpl", "QJLMetadata", "QJLMetadataBuilder", "decode_fn",
            "current_settings", "content_bytes", "layer_layout"]
+
+logger = init_logger("vllm.qjl")
+
 
 def current_settings() -> VLLMSettings:
     cfg = get_current_vllm_config_or_none()
@@ -140,6 +144,9 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         self.layout = None
         self._fields_key = self._fields = None
         self._decode = decode_fn(self.settings)
+        s = self.settings
+        logger.info_once(f"qjl backend: preset {s.preset}, {s.sink_tokens} exact sinks, exact window {s.window}, "
+                         f"decode {self._decode.__module__}.{self._decode.__name__}")
 
     def _layout(self, layer, kv_cache: torch.Tensor) -> PageLayout:
         if self.layout is None:
