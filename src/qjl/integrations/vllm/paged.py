@@ -32,6 +32,7 @@ Keys are scored with the codec's own estimator (``inner_product``), values mixed
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +60,12 @@ class PagedField:
     def _index(self, blocks, heads, slots) -> torch.Tensor:
         addr = self.offset + blocks.long() * self.stride_block + heads.long() * self.stride_head
         addr = addr + slots.long() * self.stride_token
-        item = torch.empty(0, dtype=self.dtype).element_size()
-        nbytes = item * (int(torch.tensor(self.shape).prod()) if self.shape else 1)
-        return addr.unsqueeze(-1) + torch.arange(nbytes, device=addr.device)
+        return addr.unsqueeze(-1) + torch.arange(self.item_bytes, device=addr.device)
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes of one entry (one token's, or one block's for shared fields)."""
+        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
 
     def gather(self, blocks, heads, slots) -> torch.Tensor:
         """Broadcast int tensors of a common shape S -> the field values [*S, *shape]."""
@@ -78,7 +82,7 @@ class PagedField:
     def blocks(self, blocks: torch.Tensor, num_heads: int, block_size: int) -> torch.Tensor:
         """Whole blocks at once: blocks [n] -> [n, H, block_size, *shape] (per-token fields, rows
         ``stride_token`` = the item size apart) or [n, H, *shape] (shared fields)."""
-        item = torch.empty(0, dtype=self.dtype).element_size() * (int(torch.tensor(self.shape).prod()) if self.shape else 1)
+        item = self.item_bytes
         rows = block_size if self.stride_token else 1
         if self.stride_token not in (0, item):
             return self.gather(blocks[:, None, None], torch.arange(num_heads)[None, :, None],
