@@ -13,6 +13,9 @@ import textwrap
 
 import pytest
 
+# two processes for a minute or more on two busy cores: run with the engine tests (`pytest -m vllm`)
+pytestmark = pytest.mark.vllm
+
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch, transformers as tf

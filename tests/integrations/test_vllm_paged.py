@@ -60,6 +60,12 @@ class Sim:
                             D ** -0.5, decode)
         return {i: out[qsl[j]:qsl[j + 1]] for j, i in enumerate(ids)}, {i: qs[j] for j, i in enumerate(ids)}
 
+    def fork(self, src, dst, n):
+        """dst starts as the first n tokens of src, sharing its n / block_size full blocks (a prefix-cache hit)."""
+        s = self.seqs[src]
+        assert n % self.bs == 0
+        self.seqs[dst] = {"k": s["k"][:n].clone(), "v": s["v"][:n].clone(), "blocks": s["blocks"][: n // self.bs]}
+
     def dense(self, i, q):
         """Independent dense attention of the last q.shape[0] tokens of sequence i."""
         s, lay = self.seqs[i], self.layout
@@ -97,6 +103,19 @@ def test_mixed_batches_match_dense_attention(kv, sinks, window):
         for i, o in outs.items():
             ref = sim.dense(i, qs[i])
             assert torch.allclose(o, ref, atol=2e-5, rtol=1e-4), (chunks, i, (o - ref).abs().max())
+
+
+def test_prefix_cache_hit_reads_the_window_of_shared_blocks():
+    """A request continuing from another's full blocks (prefix caching) finds its exact window there, even
+    when the first request prefilled those positions in the middle of a chunk."""
+    sim = Sim(TQ, TQV, block_size=16, sinks=2, window=5)
+    sim.step({"a": 20})
+    sim.step({"a": 20})  # positions 27..31 (block 1's last 5) sit mid-chunk
+    sim.fork("a", "b", 32)
+    for chunks in ({"b": 5}, {"b": 1, "a": 1}):
+        outs, qs = sim.step(chunks)
+        for i, o in outs.items():
+            assert torch.allclose(o, sim.dense(i, qs[i]), atol=2e-5, rtol=1e-4), i
 
 
 def test_codes_in_pages_are_the_codecs_codes():

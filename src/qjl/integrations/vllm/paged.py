@@ -58,6 +58,8 @@ class PagedField:
     shape: tuple
 
     def _index(self, blocks, heads, slots) -> torch.Tensor:
+        dev = self.buffer.device
+        blocks, heads, slots = blocks.to(dev), heads.to(dev), slots.to(dev)
         addr = self.offset + blocks.long() * self.stride_block + heads.long() * self.stride_head
         addr = addr + slots.long() * self.stride_token
         return addr.unsqueeze(-1) + torch.arange(self.item_bytes, device=addr.device)
@@ -163,26 +165,34 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
 
 def write_exact(layout: PageLayout, fields: dict, key: torch.Tensor, value: torch.Tensor,
                 slot_mapping: torch.Tensor, positions: torch.Tensor, seq_ends: torch.Tensor) -> None:
-    """Store exact copies of the sinks and of each sequence's last ``window`` tokens.
+    """Store exact copies of the sinks, of each sequence's last ``window`` tokens and of each block's
+    last ``window`` tokens (so a block reused through the prefix cache holds the window a request
+    starting right after it reads).
 
     key/value [N, H_kv, D]; positions [N] absolute token positions; seq_ends [N] the length of
-    the token's sequence after this step.  Only tokens that must stay exact are written, so no
-    two writes of one call hit the same ring slot.
+    the token's sequence after this step.  When two tokens of one call map to one slot, the later
+    position wins.
     """
     if layout.sinks + layout.window == 0:
         return
     pos = positions.long()
-    need = (pos < layout.sinks) | (pos >= seq_ends.long() - layout.window) if layout.window else pos < layout.sinks
-    need = need & (slot_mapping >= 0)
+    need = pos < layout.sinks
+    if layout.window:
+        need |= (pos >= seq_ends.long() - layout.window) | (pos % layout.block_size >= layout.block_size - layout.window)
+    need &= slot_mapping >= 0
     if not bool(need.any()):
         return
-    slots = slot_mapping[need].long()
+    slots, pos, k, v = slot_mapping[need].long(), pos[need], key[need], value[need]
     blocks = slots // layout.block_size
-    ex = exact_slot(pos[need], layout.sinks, layout.window)
+    ex = exact_slot(pos, layout.sinks, layout.window)
+    cell = blocks * (layout.sinks + layout.window) + ex
+    uniq, inv = torch.unique(cell, return_inverse=True)
+    latest = torch.full((len(uniq),), -1, dtype=torch.long).scatter_reduce(0, inv, pos, "amax")
+    win = pos == latest[inv]
     heads = torch.arange(key.shape[1], device=key.device)
     fe = _role(fields, "exact")
-    fe["key"].scatter(blocks[:, None], heads[None, :], ex[:, None], key[need])
-    fe["value"].scatter(blocks[:, None], heads[None, :], ex[:, None], value[need])
+    fe["key"].scatter(blocks[win, None], heads[None, :], ex[win, None], k[win])
+    fe["value"].scatter(blocks[win, None], heads[None, :], ex[win, None], v[win])
 
 
 def _history_codes(fields: dict, row: torch.Tensor, c0: int, c1: int, block_size: int, num_heads: int) -> Codes:
