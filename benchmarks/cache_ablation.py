@@ -9,10 +9,11 @@ from dataclasses import replace
 
 import torch
 
-from qjl.attention import patch_attention
-from qjl.config import PRESETS, CodecSpec
-from qjl.evaluate import EvalSetup, evaluate_method, load_text_ids
-from qjl.models import load_model
+from qjl.integrations.transformers.attention import patch_attention
+from qjl.cache.config import CodecSpec
+from qjl.cache.presets import PRESETS
+from qjl.tools.evaluate import EvalSetup, evaluate_method, load_text_ids
+from qjl.tools.models import load_model
 
 
 def main():

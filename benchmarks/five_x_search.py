@@ -10,10 +10,10 @@ import sys
 
 import torch
 
-from qjl.attention import patch_attention
-from qjl.config import CodecSpec, QJLConfig
-from qjl.evaluate import DEFAULT_TEXT, EvalSetup, evaluate_method, load_text_ids, memory_at
-from qjl.models import load_model
+from qjl.integrations.transformers.attention import patch_attention
+from qjl.cache.config import CodecSpec, QJLConfig
+from qjl.tools.evaluate import DEFAULT_TEXT, EvalSetup, evaluate_method, load_text_ids, memory_at
+from qjl.tools.models import load_model
 
 
 def _tq(bits, norm_dtype="fp16"):

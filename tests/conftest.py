@@ -1,10 +1,20 @@
 import os
+import sys
+from pathlib import Path
 
 # Triton kernels are tested on the CPU through Triton's interpreter; it must be chosen before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# shared test helpers (tiny models, kernel cases) import as top-level modules
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
-import pytest
-import torch
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+# One intra-op thread: the statistical tests build thousands of small matrices, where a second thread only
+# adds contention (130-278 ms instead of 3-5 ms per orthogonal sketch on a loaded 2-core machine), and fixed
+# threads make every float sum reproducible.  Tests of multi-threaded kernels set their own count.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -52,7 +52,7 @@ def _run(cmd, env):
 
 
 def test_transformers_tp2_with_qjlcache_equals_one_process(tmp_path):
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
     script = tmp_path / "tp.py"
     script.write_text(SCRIPT.format(tests=tests))
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -12,7 +12,7 @@ import torch
 import qjl
 from qjl.integrations.vllm.layout import PageLayout, exact_slot, layer_layout, content_bytes
 from qjl.integrations.vllm.paged import (forward_batch, page_fields, paged_decode_reference, write_codes,
-                                         _history_codes)
+                                         history_codes)
 from qjl.integrations.vllm.settings import VLLMSettings
 
 D = 64
@@ -126,7 +126,7 @@ def test_codes_in_pages_are_the_codecs_codes():
     for i in ("a", "b"):
         s = sim.seqs[i]
         n = s["k"].shape[0]
-        got = _history_codes({kk[4:]: f for kk, f in sim.fields.items() if kk.startswith("key.")},
+        got = history_codes({kk[4:]: f for kk, f in sim.fields.items() if kk.startswith("key.")},
                              torch.tensor(s["blocks"]), 0, n, 16, 2)
         want = sim.layout.key_codec.quantize(s["k"].transpose(0, 1))
         for name, t in want.fields.items():
@@ -142,7 +142,7 @@ def test_qjl_keys_with_per_block_outliers():
     outs, qs = sim.step({"a": 1})
     s, lay = sim.seqs["a"], sim.layout
     kf = {kk[4:]: f for kk, f in sim.fields.items() if kk.startswith("key.")}
-    codes = _history_codes(kf, torch.tensor(s["blocks"]), 0, 30, 16, 2)
+    codes = history_codes(kf, torch.tensor(s["blocks"]), 0, 30, 16, 2)
     idx0 = codes.shared["outlier_idx"][:, 0].long()
     want = lay.key_codec.select_outliers(s["k"][:16].transpose(0, 1))
     assert torch.equal(idx0, want)

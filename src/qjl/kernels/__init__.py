@@ -2,8 +2,8 @@
 
 Backends:
     "torch"  -- the reference path of the codecs (dequantize / ``inner_product``, then matmul);
-    "cpu"    -- :mod:`qjl.kernels.cpu`, numba, for CPU tensors (decode attention);
-    "triton" -- :mod:`qjl.kernels.triton_kernels`, for CUDA tensors (decode attention and
+    "cpu"    -- :mod:`qjl.kernels.cpu`, the C build (numba where no compiler), for CPU tensors (decode attention);
+    "triton" -- :mod:`qjl.kernels.triton.kernels`, for CUDA tensors (decode attention and
                 quantization); it also runs on CPU tensors under ``TRITON_INTERPRET=1``
                 (how the tests check it).
 ``pick_backend(device, "auto")`` gives "triton" on CUDA when Triton imports, "cpu" on the
@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .plan import (KeyPart, ValuePart, check_exact, key_parts, merge_apart, merge_partials, partial_exact, reference_partial, supports,
+from qjl.kernels.plan import (KeyPart, ValuePart, check_exact, key_parts, merge_apart, merge_partials, partial_exact, reference_partial, supports,
                    value_part)
 
 __all__ = ["BACKENDS", "pick_backend", "decode_partial", "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu", "key_parts", "value_part",
@@ -38,7 +38,7 @@ def _has(module: str) -> bool:
 
 def cpu_available() -> bool:
     """The CPU kernel runs: its C build compiles here (once per machine), or numba imports."""
-    from . import cpu_build
+    from qjl.kernels.cpu import build as cpu_build
 
     return cpu_build.load() is not None or _has("numba")
 
@@ -84,11 +84,11 @@ def decode_partial(backend: str, parts: list[KeyPart], vp: ValuePart, bias: torc
     if exact is not None:
         check_exact(exact, parts[0].norm.shape[0], parts[0].q.shape[1])
     if backend == "cpu":
-        from . import cpu
+        from qjl.kernels.cpu import launch as cpu
 
         return cpu.decode_partial(parts, vp, bias, exact=exact)
     if backend == "triton":
-        from . import triton_kernels
+        from qjl.kernels.triton import kernels as triton_kernels
 
         code = triton_kernels.decode_partial(parts, vp, bias)
     else:
@@ -99,9 +99,9 @@ def decode_partial(backend: str, parts: list[KeyPart], vp: ValuePart, bias: torc
 
 def can_quantize(codec) -> bool:
     """Codecs the Triton quantize kernel covers."""
-    from ..outliers import OutlierQJL
-    from ..sketch import QJLSketch
-    from ..turboquant import TurboQuantMSE
+    from qjl.codecs.outliers import OutlierQJL
+    from qjl.codecs.sketch import QJLSketch
+    from qjl.codecs.turboquant import TurboQuantMSE
 
     return isinstance(codec, (QJLSketch, OutlierQJL, TurboQuantMSE))
 
@@ -123,12 +123,12 @@ def quantize(codec, x: torch.Tensor, outlier_idx: torch.Tensor | None = None):
 
     x: [..., n, dim]; QJL/TurboQuant MSE codecs only (:func:`can_quantize`).
     """
-    from ..codec import Codes
-    from ..outliers import OutlierQJL
-    from ..sketch import QJLSketch
-    from ..turboquant import TurboQuantMSE
-    from .._validation import check_vectors
-    from . import triton_kernels as tk
+    from qjl.codecs.base import Codes
+    from qjl.codecs.outliers import OutlierQJL
+    from qjl.codecs.sketch import QJLSketch
+    from qjl.codecs.turboquant import TurboQuantMSE
+    from qjl.core.validation import check_vectors
+    from qjl.kernels.triton import kernels as tk
 
     if not can_quantize(codec):
         raise TypeError(f"codec: the Triton quantize kernel covers QJLSketch, OutlierQJL and TurboQuantMSE, "
@@ -169,10 +169,10 @@ def quantize_cpu(codec, x: torch.Tensor):
     """TurboQuant MSE on the CPU: the reference's norm and rotation (torch), then bucketing, packing
     and the norm correction's cosine in one numba pass.  Codes equal ``codec.quantize(x)``; with
     ``correct_norm`` the cosine is summed in another order (norms may differ by one ulp)."""
-    from .._validation import check_vectors
-    from ..codec import Codes
-    from ..turboquant import TurboQuantMSE
-    from . import cpu
+    from qjl.core.validation import check_vectors
+    from qjl.codecs.base import Codes
+    from qjl.codecs.turboquant import TurboQuantMSE
+    from qjl.kernels.cpu import launch as cpu
 
     if not isinstance(codec, TurboQuantMSE):
         raise TypeError(f"codec: the CPU quantize kernel covers TurboQuantMSE, got {type(codec).__name__}")
@@ -193,12 +193,12 @@ def quantize_cpu(codec, x: torch.Tensor):
 
 
 def can_quantize_cpu(codec) -> bool:
-    from ..turboquant import TurboQuantMSE
+    from qjl.codecs.turboquant import TurboQuantMSE
 
     return isinstance(codec, TurboQuantMSE) and _has("numba")
 
 
 def _check_norm(dtype, norm):
-    from .._validation import check_fits
+    from qjl.core.validation import check_fits
 
     check_fits("norm of x", norm, dtype)

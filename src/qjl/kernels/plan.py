@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..outliers import OutlierQJL
-from ..packing import unpack_bits
-from ..sketch import QJLSketch
-from ..turboquant import TurboQuantMSE
-from ..values import TokenwiseQuantizer
+from qjl.codecs.outliers import OutlierQJL
+from qjl.core.packing import unpack_bits
+from qjl.codecs.sketch import QJLSketch
+from qjl.codecs.turboquant import TurboQuantMSE
+from qjl.codecs.tokenwise import TokenwiseQuantizer
 
 __all__ = ["KeyPart", "ValuePart", "supports", "key_parts", "value_part", "reference_partial", "merge_partials",
            "partial_exact", "merge_apart", "check_exact"]

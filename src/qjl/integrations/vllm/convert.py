@@ -20,7 +20,7 @@ def _root() -> Path:
 
 def vllm_model_dir(model: str = "smollm2") -> str:
     """A directory vLLM can load: ``model`` is "smollm2" (embedded), a .gguf file, or a model directory."""
-    from ...models import DEFAULT_MODEL, embedded_gguf
+    from ...tools.models import DEFAULT_MODEL, embedded_gguf
 
     if model == DEFAULT_MODEL:
         gguf = embedded_gguf()

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...codec import Codes
+from ...codecs.base import Codes
 from .layout import PageLayout, exact_slot
 
 __all__ = ["PagedField", "page_fields", "write_codes", "write_exact", "paged_decode_reference",
-           "paged_attention_reference", "gather_history", "forward_batch", "token_positions"]
+           "paged_attention_reference", "gather_history", "history_codes", "forward_batch", "token_positions"]
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ def write_exact(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
     fe["value"].scatter(blocks[win, None], heads[None, :], ex[win, None], v[win])
 
 
-def _history_codes(fields: dict, row: torch.Tensor, c0: int, c1: int, block_size: int, num_heads: int) -> Codes:
+def history_codes(fields: dict, row: torch.Tensor, c0: int, c1: int, block_size: int, num_heads: int) -> Codes:
     """Codes of positions [c0, c1) of one sequence (block table row ``row``): lead [H, c1 - c0];
     per-block shared fields (QJL outlier channels) come back per token in ``shared`` ([H, n, k])."""
     b0, b1 = c0 // block_size, (c1 - 1) // block_size + 1
@@ -227,8 +227,8 @@ def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, en
                    num_heads: int):
     """Dequantized keys and values [H, end - start, D] float32 of positions [start, end) of one sequence."""
     key_codec, value_codec = codecs
-    kc = _history_codes(_role(fields, "key"), block_row, start, end, block_size, num_heads)
-    vc = _history_codes(_role(fields, "value"), block_row, start, end, block_size, num_heads)
+    kc = history_codes(_role(fields, "key"), block_row, start, end, block_size, num_heads)
+    vc = history_codes(_role(fields, "value"), block_row, start, end, block_size, num_heads)
     if "outlier_idx" in kc.shared:  # one outlier set per token: dequantize token by token
         per = Codes((*kc.lead, 1), {n: t.unsqueeze(len(kc.lead)) for n, t in kc.fields.items()}, kc.shared)
         k = key_codec.dequantize(per).squeeze(-2)
@@ -274,9 +274,9 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
             logits.append(qi @ xk.transpose(-1, -2))
             vs.append(xv)
         if c1 > c0:
-            kc = _history_codes(key_fields, row, c0, c1, block_size, num_kv_heads)
+            kc = history_codes(key_fields, row, c0, c1, block_size, num_kv_heads)
             logits.append(_scores(key_codec, qi, kc))
-            vs.append(value_codec.dequantize(_history_codes(value_fields, row, c0, c1, block_size, num_kv_heads)))
+            vs.append(value_codec.dequantize(history_codes(value_fields, row, c0, c1, block_size, num_kv_heads)))
         if current is not None:
             logits.append(qi @ current[0][i].float().unsqueeze(-1))
             vs.append(current[1][i].float().unsqueeze(-2))

@@ -25,7 +25,8 @@ import json
 import os
 from dataclasses import dataclass, fields as dc_fields, replace
 
-from ...config import DEFAULT_PRESET, PRESETS, QJLConfig
+from ...cache.config import QJLConfig
+from ...cache.presets import DEFAULT_PRESET, PRESETS
 
 __all__ = ["VLLMSettings", "ENV_PRESET", "ENV_CONFIG", "DEFAULT_WINDOW", "enabled", "load_settings",
            "SERVABLE_KEYS", "SERVABLE_VALUES"]

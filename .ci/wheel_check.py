@@ -1,0 +1,30 @@
+"""Run from a fresh virtual environment where qjl was installed from its wheel (see .ci/run):
+the package imports from that environment, its C source shipped, and a decode picks the C kernel
+and agrees with the reference path."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+import qjl
+from qjl.cache.attention import attend
+from qjl.cache.storage import LayerStore
+from qjl.kernels.cpu import build, launch
+
+here = Path(qjl.__file__).resolve()
+assert "site-packages" in str(here) and "/src/qjl" not in str(here), f"qjl imported from {here}, not the wheel"
+assert build.DECODE_SOURCE.exists(), f"the wheel lacks {build.DECODE_SOURCE.name}"
+assert launch.implementation() == "c", "the C kernel did not build from the wheel"
+
+torch.manual_seed(0)
+k, v, q = torch.randn(1, 2, 300, 64), torch.randn(1, 2, 300, 64), torch.randn(1, 6, 1, 64)
+outs = {}
+for kernel in ("auto", "torch"):
+    store = LayerStore(0, qjl.QJLConfig.preset("tq-k45v3", kernel=kernel), num_layers=2)
+    store.append(k, v)
+    store.flush()
+    outs[kernel] = attend(store, q, None, 64 ** -0.5)
+    print(kernel, "->", store.backend)
+assert torch.allclose(outs["auto"], outs["torch"], atol=1e-4), (outs["auto"] - outs["torch"]).abs().max()
+print("wheel check ok:", here.parent, "| python", sys.version.split()[0])

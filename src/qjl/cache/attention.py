@@ -1,0 +1,145 @@
+"""Attention of new queries over one layer's store (:class:`qjl.cache.storage.LayerStore`).
+
+Three paths, all the same attention up to float error:
+
+* **kernel** (the C kernel on CPU, Triton on CUDA; ``config.kernel``): decode steps (at most
+  ``MAX_KERNEL_ROWS`` query rows per KV head, a mask that is the same for every row over the
+  codes, no softcap) score and mix the codes inside the kernel, merged exactly with the sinks
+  and the window;
+* **SDPA**: other forwards with a kernel backend (prefill, long chunks, codecs the kernels do not
+  read) run torch SDPA over sinks + dequantized codes + window;
+* **reference** (``kernel="torch"``, and softcapped models): every part scored with the codecs'
+  own inner products, mask and softmax in float32, values mixed part by part; the GQA group of
+  each KV head shares one read of that head's codes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qjl import kernels
+
+__all__ = ["attend", "MAX_KERNEL_ROWS", "QUERY_CHUNK"]
+
+MAX_KERNEL_ROWS = 32  # query rows (GQA group x new tokens) per KV head up to which the kernels are used
+QUERY_CHUNK = 128  # the reference path scores at most this many new tokens at a time (bounded memory)
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:
+    """An attention mask as additive float32: bool (True = attend) -> 0 / -inf; float masks as they are."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    return mask.float()
+
+
+def _joined(*parts) -> torch.Tensor:
+    """Sinks, dequantized codes, window ([B, H, n_i, D] or None) as one float32 [B, H, n, D]."""
+    return torch.cat([x.float() for x in parts if x is not None], dim=-2)
+
+
+def _check_mask(store, attention_mask) -> None:
+    total = store.seq_length()
+    if attention_mask is not None and attention_mask.shape[-1] != total:
+        raise RuntimeError(f"attention mask covers {attention_mask.shape[-1]} keys but layer {store.layer_idx} holds "
+                           f"{total}; was this cache used by another model?")
+
+
+def attend(store, query: torch.Tensor, attention_mask, scaling: float, softcap=None) -> torch.Tensor:
+    """query: [B, H_q, t, D]; mask [B, 1|H, t, L] (additive float or bool) -> [B, t, H_q, D] in query's dtype."""
+    b, hq, t, d = query.shape
+    hkv = store.keys.shape[1]
+    g = hq // hkv
+    _check_mask(store, attention_mask)
+    if store.kernel_ok and softcap is None and store.key_codes is not None and g * t <= MAX_KERNEL_ROWS:
+        qg = query.float().reshape(b, hkv, g * t, d)  # query head h reads KV head h // g
+        out = _attend_kernel(store, qg, attention_mask, scaling, hq, t)
+        if out is not None:
+            return out.to(query.dtype)
+    if store.backend != "torch" and softcap is None:
+        return _attend_sdpa(store, query, attention_mask, scaling).to(query.dtype)
+    return _attend_reference(store, query, attention_mask, scaling, softcap).to(query.dtype)
+
+
+def _attend_reference(store, query, attention_mask, scaling, softcap) -> torch.Tensor:
+    """The codecs' own estimators, part by part, in float32 -> [B, t, H_q, D]."""
+    b, hq, t, d = query.shape
+    hkv = store.keys.shape[1]
+    g = hq // hkv
+    exact_k = [k.float() for k in (store.sink_k, store.keys) if k is not None]
+    deq = None
+    if store.key_codes is not None and store.config.score_path == "dequantize":
+        deq = store.key_codec.dequantize(store.key_codes)
+    coded_v = None if store.value_codes is None else store.value_codec.dequantize(store.value_codes)
+    values = _joined(store.sink_v, coded_v, store.values)
+    outs = []
+    for s0 in range(0, t, QUERY_CHUNK):  # bounded logits: [B, H_q, <= QUERY_CHUNK, L] at a time
+        s1 = min(t, s0 + QUERY_CHUNK)
+        qc = query[:, :, s0:s1].float().reshape(b, hkv, g * (s1 - s0), d)
+        parts = [torch.matmul(qc, exact_k[0].transpose(-1, -2))] if store.sink_k is not None else []
+        if store.key_codes is not None:
+            parts.append(store.key_codec.inner_product(qc, store.key_codes) if deq is None
+                         else torch.matmul(qc, deq.transpose(-1, -2)))
+        parts.append(torch.matmul(qc, exact_k[-1].transpose(-1, -2)))
+        logits = torch.cat(parts, dim=-1).reshape(b, hq, s1 - s0, -1) * scaling
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if attention_mask is not None:
+            mask = attention_mask if attention_mask.shape[2] == 1 else attention_mask[:, :, s0:s1]
+            logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.float()
+        probs = torch.softmax(logits, dim=-1).reshape(b, hkv, g * (s1 - s0), -1)
+        outs.append(torch.matmul(probs, values).reshape(b, hq, s1 - s0, -1))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2)
+
+
+def _attend_sdpa(store, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+    """Prefill and chunks outside the kernels: torch SDPA over sinks + dequantized codes + window
+    (the same scores as the codecs' inner products up to float error) -> [B, t, H_q, D] float32."""
+    coded = store.key_codes is not None
+    k = _joined(store.sink_k, store.key_codec.dequantize(store.key_codes) if coded else None, store.keys)
+    v = _joined(store.sink_v, store.value_codec.dequantize(store.value_codes) if coded else None, store.values)
+    mask = attention_mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.float()
+    out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling,
+                                         enable_gqa=query.shape[1] != k.shape[1])
+    return out.transpose(1, 2)
+
+
+def _code_bias(attention_mask, n_sink: int, n_codes: int):
+    """The mask over the codes as one [B, N] additive row, None when it masks nothing, or False
+    when it differs between rows or heads (then another path is used)."""
+    if attention_mask is None:
+        return None
+    sl = attention_mask[..., n_sink:n_sink + n_codes]
+    if sl.shape[1] != 1 or (sl.shape[2] > 1 and not bool((sl == sl[:, :, :1]).all())):
+        return False
+    row = _additive(sl[:, 0, 0])
+    return None if not bool(row.any()) else row.contiguous()
+
+
+def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: int, t: int):
+    """Codes through the kernel, sinks + window exactly, merged: -> [B, t, H_q, D] float32 or None."""
+    b, hkv, rows, d = qg.shape
+    n_sink, n_codes = store.n_sink, store.n_codes
+    bias = _code_bias(attention_mask, n_sink, n_codes)
+    if bias is False:
+        return None
+    qs = qg * scaling
+    parts = kernels.key_parts(store.key_codec, store.key_codes, qs)
+    vp = kernels.value_part(store.value_codec, store.value_codes)
+    keys, values = _joined(store.sink_k, store.keys), _joined(store.sink_v, store.values)
+    ne = keys.shape[-2]
+    bias_x = None
+    if attention_mask is not None:
+        mx = _additive(torch.cat([attention_mask[..., :n_sink], attention_mask[..., n_sink + n_codes:]], dim=-1))
+        # [B, 1|H_q, t, n] -> rows of KV head groups [B * H_kv, g*t, n]
+        bias_x = (mx.expand(b, hq, t, -1).reshape(b * hkv, rows, ne) if mx.shape[1] != 1
+                  else mx.expand(b, 1, t, -1).repeat(1, hkv, hq // hkv, 1).reshape(b * hkv, rows, ne))
+    exact = (qs.reshape(b * hkv, rows, d), keys.reshape(b * hkv, ne, d), values.reshape(b * hkv, ne, d), bias_x)
+    _, l_tot, o_c, o_x = kernels.decode_partial(store.backend, parts, vp, bias, exact=exact)
+    if vp.post is not None:
+        o_c = vp.post(o_c)
+    out = (o_c + o_x) / l_tot.unsqueeze(-1)
+    return out.reshape(b, hq, t, d).transpose(1, 2)

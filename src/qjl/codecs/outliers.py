@@ -1,0 +1,167 @@
+"""QJL with outlier channels split off (paper 001, Section 4.1).
+
+A few fixed key channels carry most of the norm in deeper layers, and QJL's
+error scales with ``||q|| ||k||``.  Per sequence (e.g. per layer and KV head) a
+set of ``n_outliers`` channels is chosen; then, for every vector,
+
+* the inlier part ``k_in`` (outlier channels zeroed) goes through the main
+  ``dim``-dimensional sketch with ``sketch_dim`` bits;
+* the outlier part ``k[idx]`` goes through an independent ``n_outliers``-
+  dimensional sketch with ``outlier_sketch_dim`` bits;
+
+and both norms are stored directly (never one derived from the other by
+subtracting squares, which can turn negative in low precision).  The score is
+
+    Prod(q_in, k_in) + Prod(q[idx], k[idx]),
+
+a sum of two unbiased estimators of ``<q_in, k_in> + <q[idx], k[idx]> = <q, k>``.
+The main sketch's constant stays exact for the zero-padded ``k_in``: for a row
+``s = sqrt(d) u`` with ``u`` uniform on the sphere, ``s.k_in`` has the law of
+``sqrt(d) ||k_in|| u_1`` whatever the support of ``k_in``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qjl.core.validation import check_positive_int, check_vectors
+from qjl.codecs.base import BitBudget, Codec, Codes
+from qjl.codecs.sketch import DEFAULT_HADAMARD_ROUNDS, QJLSketch
+
+__all__ = ["OutlierQJL", "derive_seed"]
+
+
+def derive_seed(seed: int, stream: int) -> int:
+    """A seed for an independent sub-stream (e.g. the outlier sketch) of ``seed``."""
+    return (seed * 0x9E3779B97F4A7C15 + stream * 0xBF58476D1CE4E5B9 + 1) % (1 << 63)
+
+
+class OutlierQJL(Codec):
+    """QJL keys with ``n_outliers`` channels per sequence quantized by their own sketch.
+
+    Args:
+        dim: head dimension d.
+        sketch_dim: bits of the main (inlier) sketch, a multiple of 8.
+        n_outliers: outlier channels per sequence, 0 <= n_outliers < dim.
+        outlier_sketch_dim: bits of the outlier sketch, a multiple of 8.
+        kind, seed, norm_dtype, hadamard_rounds: as for :class:`QJLSketch`; the outlier
+            sketch uses an independent seed derived from ``seed`` and, for
+            ``kind="hadamard"``, the "orthogonal" family (a few channels need no fast
+            transform, and small Hadamard transforms are biased).
+    """
+
+    name = "qjl"
+
+    def __init__(self, dim: int, sketch_dim: int, n_outliers: int = 0, outlier_sketch_dim: int = 0,
+                 kind: str = "orthogonal", seed: int = 0, norm_dtype="fp16",
+                 hadamard_rounds: int = DEFAULT_HADAMARD_ROUNDS):
+        check_positive_int("dim", dim)
+        self.n_outliers = check_positive_int("n_outliers", n_outliers, minimum=0)
+        if n_outliers >= dim:
+            raise ValueError(f"n_outliers must be < dim={dim}, got {n_outliers}")
+        self.inlier = QJLSketch(dim, sketch_dim, kind, seed, norm_dtype, hadamard_rounds)
+        self.dim = dim
+        self.outlier = None
+        if n_outliers:
+            check_positive_int("outlier_sketch_dim", outlier_sketch_dim)
+            if outlier_sketch_dim % 8:
+                raise ValueError(f"outlier_sketch_dim must be a multiple of 8, got {outlier_sketch_dim}")
+            # a handful of channels: a dense sketch is tiny, and Hadamard is biased at small n
+            outlier_kind = "orthogonal" if kind == "hadamard" else kind
+            self.outlier = QJLSketch(n_outliers, outlier_sketch_dim, outlier_kind, derive_seed(seed, 1),
+                                     norm_dtype, hadamard_rounds)
+        self._idx_dtype = torch.uint8 if dim <= 256 else torch.int16
+
+    def __repr__(self):
+        out = self.outlier.sketch_dim if self.outlier else 0
+        return (f"OutlierQJL(dim={self.dim}, sketch_dim={self.inlier.sketch_dim}, n_outliers={self.n_outliers}, "
+                f"outlier_sketch_dim={out}, kind={self.inlier.kind!r}, seed={self.inlier.seed})")
+
+    def select_outliers(self, x: torch.Tensor) -> torch.Tensor:
+        """Channels of largest mean |x| over the vector axis. x: [..., n, dim] -> [..., n_outliers] (sorted)."""
+        check_vectors("x", x, self.dim, min_ndim=2)
+        score = x.float().abs().mean(dim=-2)
+        return torch.topk(score, self.n_outliers, dim=-1).indices.sort(dim=-1).values
+
+    def _check_idx(self, idx, lead_seq: tuple) -> torch.Tensor:
+        if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+            raise TypeError("outlier_idx must be an integer torch.Tensor")
+        if idx.ndim < 1 or idx.shape[-1] != self.n_outliers:
+            raise ValueError(f"outlier_idx must have last dimension n_outliers={self.n_outliers}, "
+                             f"got shape {tuple(idx.shape)}")
+        try:
+            idx = idx.long().expand(*lead_seq, self.n_outliers)
+        except RuntimeError:
+            raise ValueError(f"outlier_idx shape {tuple(idx.shape)} does not broadcast to "
+                             f"{(*lead_seq, self.n_outliers)}") from None
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.dim):
+            raise ValueError(f"outlier_idx values must lie in [0, {self.dim})")
+        if self.n_outliers > 1 and bool((idx.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+            raise ValueError("outlier_idx must not repeat a channel within a sequence")
+        return idx.contiguous()
+
+    @staticmethod
+    def _split(x: torch.Tensor, idx: torch.Tensor):
+        """x: [..., n, d], idx: [..., k] -> (x with idx channels zeroed, x[..., idx] [..., n, k])."""
+        shape = torch.broadcast_shapes(tuple(x.shape[:-2]), tuple(idx.shape[:-1]))
+        x = x.expand(*shape, *x.shape[-2:])
+        gather_idx = idx.expand(*shape, idx.shape[-1]).unsqueeze(-2).expand(*shape, x.shape[-2], idx.shape[-1])
+        mask = torch.ones(*shape, 1, x.shape[-1], dtype=x.dtype, device=x.device)
+        mask = mask.scatter(-1, gather_idx[..., :1, :], 0.0)
+        return x * mask, torch.gather(x, -1, gather_idx), mask
+
+    def quantize(self, x: torch.Tensor, outlier_idx: torch.Tensor | None = None) -> Codes:
+        """x: [..., n, dim] -> Codes (lead [..., n]); outlier_idx [..., n_outliers] or chosen from x."""
+        check_vectors("x", x, self.dim, min_ndim=2)
+        lead = tuple(x.shape[:-1])
+        if self.outlier is None:
+            c = self.inlier.quantize(x)
+            return Codes(lead, c.fields)
+        idx = self.select_outliers(x) if outlier_idx is None else outlier_idx
+        idx = self._check_idx(idx.to(x.device), lead[:-1])
+        x_in, x_out, _ = self._split(x.float(), idx)
+        c_in, c_out = self.inlier.quantize(x_in), self.outlier.quantize(x_out)
+        fields = {"signs": c_in.fields["signs"], "norm": c_in.fields["norm"],
+                  "outlier_signs": c_out.fields["signs"], "outlier_norm": c_out.fields["norm"]}
+        return Codes(lead, fields, {"outlier_idx": idx.to(self._idx_dtype)})
+
+    def _parts(self, codes: Codes):
+        f = codes.fields
+        inl = Codes(codes.lead, {"signs": f["signs"], "norm": f["norm"]})
+        if self.outlier is None:
+            return inl, None, None
+        if "outlier_idx" not in codes.shared:
+            raise ValueError("codes carry no outlier_idx: they were not produced by this OutlierQJL")
+        out = Codes(codes.lead, {"signs": f["outlier_signs"], "norm": f["outlier_norm"]})
+        return inl, out, codes.shared["outlier_idx"].long()
+
+    def inner_product(self, q: torch.Tensor, codes: Codes) -> torch.Tensor:
+        """q: [..., t, dim], codes lead [..., n] -> [..., t, n] float32 (sum of both estimators)."""
+        self._check_query(q, codes)
+        inl, out, idx = self._parts(codes)
+        if out is None:
+            return self.inlier.inner_product(q, inl)
+        q_in, q_out, _ = self._split(q.float(), idx)
+        return self.inlier.inner_product(q_in, inl) + self.outlier.inner_product(q_out, out)
+
+    def dequantize(self, codes: Codes) -> torch.Tensor:
+        """-> [..., n, dim] float32 with q . k_hat equal to :meth:`inner_product`."""
+        inl, out, idx = self._parts(codes)
+        k_in = self.inlier.dequantize(inl)
+        if out is None:
+            return k_in
+        _, _, mask = self._split(k_in, idx)
+        k_out = self.outlier.dequantize(out)
+        shape = k_out.shape[:-1]
+        return (k_in * mask).scatter(-1, idx.unsqueeze(-2).expand(*shape, self.n_outliers), k_out)
+
+    def bit_budget(self) -> BitBudget:
+        budget = self.inlier.bit_budget()
+        if self.outlier is None:
+            return budget
+        ob = self.outlier.bit_budget()
+        per_vector = dict(budget.per_vector)
+        per_vector["outlier_signs"] = ob.per_vector["signs"]
+        per_vector["outlier_norm"] = ob.per_vector["norm"]
+        idx_bits = self.n_outliers * torch.iinfo(self._idx_dtype).bits
+        return BitBudget(self.dim, per_vector, {"outlier_idx": idx_bits})

@@ -1,0 +1,116 @@
+"""Build (once per machine) and load C extensions with cffi: the decode kernel and any other C source.
+
+``load_extension(name, sources, cdef)`` compiles the C ``sources`` with the system C compiler
+(``-O3 -march=native -fopenmp``) into ``$QJL_CACHE_DIR/ext/<hash>/`` (default ``~/.cache/qjl``) on first
+use, keyed by the sources, the flags, the Python version and the machine, then imports it from there;
+later processes load it without compiling.  When cffi, a compiler, OpenMP or a source file is missing,
+it returns None and warns once, so callers fall back to their next backend instead of raising.
+
+:func:`load` is the decode kernel (``decode.c``); ``QJL_CPU_KERNEL=numba`` disables it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import platform
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+__all__ = ["load", "load_extension", "declaration", "DECODE_SOURCE"]
+
+DECODE_SOURCE = Path(__file__).with_name("decode.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c99", "-fno-math-errno", "-fno-trapping-math")
+
+
+def declaration(source: Path, function: str) -> str:
+    """The prototype of ``function`` read from a C source (so the cdef and the C code cannot drift apart)."""
+    text = Path(source).read_text()
+    start = text.index(f"int {function}(")
+    return text[start:text.index(")", start) + 1] + ";"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QJL_CACHE_DIR", Path.home() / ".cache" / "qjl"))
+
+
+def _key(texts: list[str], flags: tuple) -> str:
+    blob = "\0".join(texts) + " ".join(flags) + sys.version + platform.machine() + platform.processor()
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _import(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(target: Path, name: str, code: str, cdef: str, flags: tuple) -> Path:
+    import cffi
+
+    ffi = cffi.FFI()
+    ffi.cdef(cdef)
+    ffi.set_source(name, code, extra_compile_args=list(flags), extra_link_args=["-fopenmp"])
+    target.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target) as tmp:  # build aside, then move in atomically
+        built = Path(ffi.compile(tmpdir=tmp, verbose=False))
+        final = target / built.name
+        os.replace(built, final)
+    return final
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cached(name: str, sources: tuple, cdef: str | None, flags: tuple):
+    try:
+        texts = [Path(s).read_text() for s in sources]
+        cdef = cdef if cdef is not None else "\n".join(
+            declaration(s, fn) for s in sources for fn in _exported(Path(s).read_text()))
+        code = "\n".join(texts)
+        target = cache_root() / "ext" / _key(texts + [cdef], flags)
+        found = sorted(target.glob(f"{name}*.so")) + sorted(target.glob(f"{name}*.pyd"))
+        path = found[0] if found else _build(target, name, code, cdef, flags)
+        return _import(path, name)
+    except Exception as e:  # noqa: BLE001 - no source / cffi / compiler / OpenMP: the caller falls back
+        warnings.warn(f"qjl: the C extension {name!r} could not be built or loaded ({type(e).__name__}: {e}); "
+                      "falling back to the next kernel backend", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _exported(text: str) -> list[str]:
+    """Functions marked ``QJL_EXPORT int name(`` in a C source."""
+    out, pos = [], 0
+    while (i := text.find("QJL_EXPORT int ", pos)) >= 0:
+        j = text.index("(", i)
+        out.append(text[i + len("QJL_EXPORT int "):j].strip())
+        pos = j
+    return out
+
+
+def load_extension(name: str, sources, cdef: str | None = None, flags=FLAGS):
+    """The compiled cffi module (``.lib``, ``.ffi``) of C ``sources`` (paths), or None (with one warning).
+
+    ``cdef``: the declarations to export; by default the prototypes of every function marked
+    ``QJL_EXPORT int f(...)`` in the sources (``#define QJL_EXPORT`` empty in C).
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"name must be a Python identifier, got {name!r}")
+    return _load_cached(name, tuple(str(s) for s in sources), cdef, tuple(flags))
+
+
+def load():
+    """The decode kernel's module (``.lib.qjl_decode``, ``.ffi``), or None where it cannot be built."""
+    if os.environ.get("QJL_CPU_KERNEL", "").lower() == "numba":
+        return None
+    return load_extension("_qjl_cpu_kernel", [DECODE_SOURCE], _decode_cdef())
+
+
+def _decode_cdef() -> str | None:
+    try:
+        return declaration(DECODE_SOURCE, "qjl_decode")
+    except (OSError, ValueError):
+        return None  # load_extension then warns about the missing source

@@ -1,0 +1,139 @@
+"""Triton kernels on the CPU through TRITON_INTERPRET=1 (set in conftest.py), against the references.
+
+Codes must be bit-exact; attention within a stated tolerance.  Shapes are small: the
+interpreter runs every program in Python.
+"""
+
+import os
+
+import pytest
+import torch
+
+from kernel_cases import PAIRS, case, codec_pair, normalized, reference
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():  # pragma: no cover
+    pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from qjl import kernels  # noqa: E402
+from qjl.kernels.triton import kernels as tk  # noqa: E402
+from qjl.codecs.outliers import OutlierQJL  # noqa: E402
+from qjl.codecs.sketch import QJLSketch  # noqa: E402
+from qjl.codecs.turboquant import TurboQuantMSE  # noqa: E402
+
+TOL = 2e-5  # attention output, relative to its largest entry (fp32 sums in another order)
+
+
+def _x(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * (1 + torch.rand(shape[-1], generator=g) * 3)).to(dtype)
+
+
+def _same_codes(a, b):
+    assert a.lead == b.lead and set(a.fields) == set(b.fields) and set(a.shared) == set(b.shared)
+    for k in a.fields:
+        assert torch.equal(a.fields[k], b.fields[k]), k
+    for k in a.shared:
+        assert torch.equal(a.shared[k], b.shared[k]), k
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("correct", [False, True])
+def test_turboquant_quantize_bit_exact(bits, correct):
+    codec = TurboQuantMSE(64, bits, seed=bits, correct_norm=correct)
+    x = _x((2, 3, 21, 64), torch.float32, seed=bits)
+    _same_codes(kernels.quantize(codec, x), codec.quantize(x))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_head_dims_and_dtypes(d, dtype):
+    x = _x((1, 2, 19, d), dtype, seed=d)
+    for codec in (TurboQuantMSE(d, 3, seed=1), QJLSketch(d, 2 * d, "orthogonal", seed=2),
+                  OutlierQJL(d, 2 * d, n_outliers=8, outlier_sketch_dim=32, seed=3)):
+        _same_codes(kernels.quantize(codec, x), codec.quantize(x))
+
+
+@pytest.mark.parametrize("kind", ["gaussian", "orthogonal"])
+def test_qjl_quantize_bit_exact_with_given_outliers(kind):
+    codec = OutlierQJL(64, 128, n_outliers=4, outlier_sketch_dim=16, kind=kind, seed=5)
+    x = _x((2, 3, 17, 64), torch.float32, seed=7)
+    idx = codec.select_outliers(x)
+    _same_codes(kernels.quantize(codec, x, idx), codec.quantize(x, idx))
+
+
+def test_hadamard_sketch_quantize_agrees():
+    """The kernel uses the materialized Hadamard sketch, the reference the fast transform: signs
+    can only differ where a projection is ~0 (float rounding), never elsewhere."""
+    codec = QJLSketch(64, 128, "hadamard", seed=1)
+    x = _x((1, 1, 40, 64), torch.float32)
+    got, want = kernels.quantize(codec, x), codec.quantize(x)
+    assert torch.equal(got.fields["norm"], want.fields["norm"])
+    from qjl.core.packing import unpack_signs
+
+    diff = unpack_signs(got.fields["signs"]) != unpack_signs(want.fields["signs"])
+    y = codec.project(x.float())
+    assert (y[diff].abs() < 1e-4).all()
+
+
+def test_pack_matrix_packs_like_pack_bits():
+    from qjl.core.packing import pack_bits
+
+    g = torch.Generator().manual_seed(0)
+    for bits in (1, 3, 5):
+        idx = torch.randint(0, 1 << bits, (4, 24), generator=g)
+        m = tk.pack_matrix(24, bits, "cpu")
+        planes = [((idx >> r) & 1).float() for r in range(bits)]
+        packed = sum(torch.nn.functional.pad(p, (0, m.shape[1] - 24)) @ m[r] for r, p in enumerate(planes))
+        assert torch.equal(packed[:, : (24 * bits + 7) // 8].to(torch.uint8), pack_bits(idx, bits))
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_decode_every_codec(name):
+    parts, vp, bias = case(name, b=2, h=1, rows=3, d=64, n=37)
+    got = tk.decode_partial(parts, vp, bias, splits=2)
+    want = reference(parts, vp, bias)
+    a, b = normalized(got, vp), normalized(want, vp)
+    assert torch.allclose(a, b, atol=TOL * b.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("d,rows", [(64, 1), (128, 3), (128, 4), (256, 8), (64, 8)])
+def test_decode_head_dims_gqa_and_ragged_lengths(d, rows):
+    parts, vp, bias = case("tq3-tq2", b=2, h=2, rows=rows, d=d, n=45, seed=d + rows)  # 45: not a block multiple
+    got = tk.decode_partial(parts, vp, bias, block_n=16, splits=2)
+    want = reference(parts, vp, bias)
+    a, b = normalized(got, vp), normalized(want, vp)
+    assert torch.allclose(a, b, atol=TOL * b.abs().max().item(), rtol=0)
+
+
+def test_cache_with_triton_kernel_matches_torch_path():
+    import qjl
+    from qjl import CodecSpec, QJLCache, QJLConfig
+    from tiny_models import tiny_model
+
+    torch.set_grad_enabled(False)
+    model = tiny_model("llama")
+    qjl.patch_attention(model)
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for kernel in ("torch", "triton", "cpu"):
+        cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=CodecSpec("turboquant_mse", {"bits": 2}),
+                        residual_length=8, flush_block=8, sink_tokens=2, kernel=kernel)
+        cache = QJLCache(model, cfg)
+        model(ids[:, :26], past_key_values=cache)
+        outs[kernel] = torch.cat([model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(26, 30)], 1)
+        assert cache.layers[0].store.backend == kernel and cache.layers[0].store.key_codes is not None
+    assert torch.allclose(outs["triton"], outs["torch"], atol=1e-4)
+    assert torch.allclose(outs["cpu"], outs["torch"], atol=1e-4)
+
+
+def test_codec_pair_names_are_known():
+    with pytest.raises(ValueError):
+        codec_pair("nope", 64)
+
+
+def test_quantize_refuses_codecs_it_does_not_cover():
+    from qjl.codecs.kivi import KIVIKeys
+
+    with pytest.raises(TypeError, match="codec"):
+        kernels.quantize(KIVIKeys(64, 2), torch.randn(1, 32, 64))

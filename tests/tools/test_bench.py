@@ -1,0 +1,39 @@
+"""`qjl bench` plumbing on tiny sizes (a smoke test: no speed is asserted; the benchmark is not a test)."""
+
+import json
+
+import torch
+
+from qjl.tools import bench
+
+
+def test_attention_and_quantize_rows(tmp_path):
+    torch.set_grad_enabled(False)
+    rows = bench.run_attention(contexts=(300,), layers=("smollm2-135m",), presets=("tq-k3v2",), repeats=1, warmup=0)
+    methods = {r["method"] for r in rows}
+    assert {"sdpa-fp32 (enable_gqa)", "sdpa-fp32 (rows)", "sdpa-bf16 (rows)", "kivi-k2v2 dequant+sdpa"} <= methods
+    ours = [r for r in rows if r["method"].startswith("tq-k3v2")]
+    assert len(ours) == 1 and ours[0]["method"].endswith("[cpu]")  # the CPU kernel was picked
+    fp32 = next(r for r in rows if r["method"] == "sdpa-fp32 (rows)")
+    assert fp32["bytes"] == 2 * 3 * 300 * 64 * 4
+    assert 0 < ours[0]["bytes"] < fp32["bytes"] / 2  # bytes held (128-token fp16 window included): smaller
+    for r in rows:
+        assert r["ms"] > 0 and abs(r["x_vs_sdpa_fp32_rows"] - fp32["ms"] / r["ms"]) < 1e-9
+    q = bench.run_quantize(tokens=256, layer="smollm2-135m", repeats=1, warmup=0)
+    assert q["quantize_over_attention"] == q["quantize_ms"] / q["prefill_attention_ms"]
+    bench.plot_bench(rows, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    json.dumps(rows)
+
+
+def test_bad_arguments_are_named():
+    import pytest
+
+    with pytest.raises(ValueError, match="layer"):
+        bench.run_attention(contexts=(64,), layers=("gpt-5",))
+    with pytest.raises(ValueError, match="contexts"):
+        bench.run_attention(contexts=(0,))
+    with pytest.raises(ValueError, match="layer"):
+        bench.run_quantize(tokens=64, layer="nope")
+    with pytest.raises(ValueError, match="methods"):
+        bench.run_e2e(context=64, methods=("static",))
