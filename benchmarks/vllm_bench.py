@@ -58,17 +58,27 @@ def _parse_config(spec: str) -> tuple[str, dict]:
 
 def worker(args) -> None:
     """Runs inside one configuration's process: measures, writes JSON."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     from qjl.integrations.vllm.convert import vllm_model_dir
 
     llm = LLM(model=vllm_model_dir(), enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=args.max_len,
               max_num_batched_tokens=args.chunk, max_num_seqs=16, max_logprobs=args.topk,
-              enable_prefix_caching=False)
+              enable_prefix_caching=True)  # decode timing re-reads its prompt from the prefix cache
     tok = llm.get_tokenizer()
     res = {}
-    # teacher-forced prompt logprobs
+    if args.quality:
+        res.update(_quality(llm, tok, args))
+    if args.speed:
+        res["decode_tps"] = _decode_speed(llm, tok, args)
+    Path(args.json).write_text(json.dumps(res))
+
+
+def _quality(llm, tok, args) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    res = {}
     kl_texts = []
     for name in TEXTS:
         ids = tok(_text(name))["input_ids"][: args.kl_tokens]
@@ -86,20 +96,29 @@ def worker(args) -> None:
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         SamplingParams(max_tokens=64, temperature=0))
     res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
-    if args.speed:
-        long_ids = []
-        for name in TEXTS:
-            long_ids += tok(_text(name))["input_ids"]
-        res["decode_tps"] = {}
-        for ctx in (1024, 8000):
-            p = TokensPrompt(prompt_token_ids=long_ids[:ctx])
-            times = {}
-            for n in (1, 1 + args.decode_tokens):
-                t0 = time.perf_counter()
-                llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-                times[n] = time.perf_counter() - t0
-            res["decode_tps"][str(ctx)] = args.decode_tokens / (times[1 + args.decode_tokens] - times[1])
-    Path(args.json).write_text(json.dumps(res))
+    return res
+
+
+def _decode_speed(llm, tok, args) -> dict:
+    """One stream: after a warm-up that prefills the prompt (kept in the prefix cache), the time of
+    1 + N generated tokens minus the time of 1, both re-reading the cached prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    long_ids = []
+    for name in TEXTS:
+        long_ids += tok(_text(name))["input_ids"]
+    out = {}
+    for ctx in (1024, 8000):
+        p = TokensPrompt(prompt_token_ids=long_ids[:ctx])
+        llm.generate([p], SamplingParams(max_tokens=1, temperature=0))
+        times = {}
+        for n in (1, 1 + args.decode_tokens):
+            t0 = time.perf_counter()
+            llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            times[n] = time.perf_counter() - t0
+        out[str(ctx)] = args.decode_tokens / (times[1 + args.decode_tokens] - times[1])
+    return out
 
 
 def _kl(native: list, other: list, start: int) -> tuple[float, float, int]:
@@ -143,6 +162,7 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--no-speed", dest="speed", action="store_false")
+    ap.add_argument("--no-quality", dest="quality", action="store_false", help="skip KL and greedy agreement")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -166,7 +186,8 @@ def main(argv=None) -> None:
         log = out / f"{spec.replace(':', '_').replace('=', '')}.log"
         cmd = [sys.executable, __file__, "--worker", spec, "--json", str(js), "--chunk", str(args.chunk),
                "--kl-tokens", str(args.kl_tokens), "--topk", str(args.topk), "--decode-tokens",
-               str(args.decode_tokens), "--max-len", str(args.max_len)] + ([] if args.speed else ["--no-speed"])
+               str(args.decode_tokens), "--max-len", str(args.max_len)] + ([] if args.speed else ["--no-speed"]) + \
+            ([] if args.quality else ["--no-quality"])
         t0 = time.perf_counter()
         with open(log, "w") as fh:
             rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
@@ -184,6 +205,7 @@ def main(argv=None) -> None:
         row = {"config": spec, "kv_tokens": r["kv_tokens"], "decode_tps": r.get("decode_tps")}
         if base is not None:
             row["kv_x"] = r["kv_tokens"] / base["kv_tokens"] if r["kv_tokens"] and base["kv_tokens"] else None
+        if base is not None and args.quality:
             row["kl"], row["rest_mass"], row["kl_positions"] = _kl(base["prompt_logprobs"], r["prompt_logprobs"],
                                                                    args.chunk)
             row["greedy_same"], row["greedy_prefix"] = _agreement(base["greedy"], r["greedy"])
@@ -195,8 +217,9 @@ def main(argv=None) -> None:
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         tps = row.get("decode_tps") or {}
-        lines.append(f"| {row['config']} | {row.get('kl', 0):.4f} | {row.get('greedy_same', 1):.1%} / "
-                     f"{row.get('greedy_prefix', 64):.1f} | {row['kv_tokens']:,} | {row.get('kv_x', 1):.2f}x | "
+        kl = f"{row['kl']:.4f}" if "kl" in row else "-"
+        agree = f"{row['greedy_same']:.1%} / {row['greedy_prefix']:.1f}" if "greedy_same" in row else "-"
+        lines.append(f"| {row['config']} | {kl} | {agree} | {row['kv_tokens']:,} | {row.get('kv_x') or 1:.2f}x | "
                      f"{tps.get('1024', float('nan')):.1f} | {tps.get('8000', float('nan')):.1f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
