@@ -33,7 +33,7 @@ __all__ = ["VLLMSettings", "ENV_PRESET", "ENV_CONFIG", "DEFAULT_WINDOW", "enable
 
 ENV_PRESET = "QJL_VLLM_PRESET"
 ENV_CONFIG = "QJL_VLLM_CONFIG"
-DEFAULT_WINDOW = 4
+DEFAULT_WINDOW = 0  # sinks only by default: see docs/vllm.md for what a window costs and buys
 SERVABLE_KEYS = ("turboquant_mse", "qjl")
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
 _KEYS = ("preset", "sinks", "window", "seed", "decode")
