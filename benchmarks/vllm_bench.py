@@ -13,6 +13,7 @@ same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager
   position: KL is computed over native's top-k tokens plus one "rest" bucket, a lower bound of the full
   KL (coarse-graining never increases KL); the mean rest mass is reported beside it.  Positions of the
   first chunk (attended exactly by every configuration) are excluded.
+* **perplexity** of the real next tokens against native's (exact, from the same prompt logprobs);
 * **greedy agreement**: 64 greedy tokens after 8 real-text prompts: identical positions and the mean
   length of the common prefix.
 * **KV tokens** that fit in the cache space, as the engine reports them ("KV cache size").
@@ -141,6 +142,18 @@ def _kl(native: list, other: list, start: int) -> tuple[float, float, int]:
     return total / n, rest_mass / n, n
 
 
+def _ppl_change(ids: list, native: list, other: list, start: int) -> float:
+    """Perplexity of the real next tokens (positions >= start) relative to native, in percent (exact: vLLM
+    always returns the prompt token's own log-probability)."""
+    d = n = 0
+    for text, p_text, q_text in zip(ids, native, other):
+        for pos in range(start, len(text)):
+            t = str(text[pos])
+            d += p_text[pos][t] - q_text[pos][t]
+            n += 1
+    return 100 * (math.exp(d / n) - 1)
+
+
 def _agreement(native: list, other: list) -> tuple[float, float]:
     same = sum(a == b for x, y in zip(native, other) for a, b in zip(x, y)) / sum(len(x) for x in native)
     prefix = []
@@ -164,6 +177,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-speed", dest="speed", action="store_false")
     ap.add_argument("--no-quality", dest="quality", action="store_false", help="skip KL and greedy agreement")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--native-from", default=None, help="reuse a native.json of an earlier run with the same settings "
+                    "(quality only: native's logprobs and tokens are deterministic; timings are never reused)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -199,6 +214,9 @@ def main(argv=None) -> None:
         r["seconds"] = time.perf_counter() - t0
         results[spec] = r
         print(f"{spec}: done in {r['seconds']:.0f} s, kv tokens {r['kv_tokens']}", flush=True)
+    if "native" not in results and args.native_from:
+        results = {"native": {**json.loads(Path(args.native_from).read_text()), "kv_tokens": None, "reused": True},
+                   **results}
     base = results.get("native")
     rows = []
     for spec, r in results.items():
@@ -209,17 +227,20 @@ def main(argv=None) -> None:
             row["kl"], row["rest_mass"], row["kl_positions"] = _kl(base["prompt_logprobs"], r["prompt_logprobs"],
                                                                    args.chunk)
             row["greedy_same"], row["greedy_prefix"] = _agreement(base["greedy"], r["greedy"])
+            row["ppl_change_pct"] = _ppl_change(base["kl_ids"], base["prompt_logprobs"], r["prompt_logprobs"], args.chunk)
         rows.append(row)
     meta = {"argv": sys.argv, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "versions": _versions(), "args": vars(args)}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["| config | KL vs native | greedy same / prefix (of 64) | KV tokens | x native | decode tok/s 1k | 8k |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| config | KL vs native (lower bound) | ppl vs native | greedy same / prefix (of 64) | KV tokens | x native "
+             "| decode tok/s 1k | 8k |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         tps = row.get("decode_tps") or {}
         kl = f"{row['kl']:.4f}" if "kl" in row else "-"
         agree = f"{row['greedy_same']:.1%} / {row['greedy_prefix']:.1f}" if "greedy_same" in row else "-"
-        lines.append(f"| {row['config']} | {kl} | {agree} | {row['kv_tokens']:,} | {row.get('kv_x') or 1:.2f}x | "
+        ppl = f"{row['ppl_change_pct']:+.2f}%" if "ppl_change_pct" in row else "-"
+        kv = f"{row['kv_tokens']:,}" if row["kv_tokens"] else "-"
+        lines.append(f"| {row['config']} | {kl} | {ppl} | {agree} | {kv} | {row.get('kv_x') or 1:.2f}x | "
                      f"{tps.get('1024', float('nan')):.1f} | {tps.get('8000', float('nan')):.1f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
