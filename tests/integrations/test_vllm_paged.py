@@ -189,7 +189,7 @@ def test_layout_fields_fit_and_do_not_overlap():
         for layer in (0, 29):
             lay = layer_layout(s, layer, 30, D, 128, torch.bfloat16)
             assert lay.content_bytes == width and width % 2 == 0
-            spans = sorted((f.offset, f.offset + f.nbytes * (1 if f.shared else (s.sink_tokens + s.window if n.startswith("exact") else 128)))
+            spans = sorted((f.offset, f.offset + f.nbytes * (1 if f.shared else (s.sink_tokens + s.window_tokens if n.startswith("exact") else 128)))
                            for n, f in lay.fields.items())
             assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:]))
             assert spans[-1][1] <= lay.head_region_bytes
@@ -229,7 +229,10 @@ def test_settings_refuse_bad_configuration(tmp_path):
     good = tmp_path / "g.json"
     good.write_text('{"preset": "tq-k3v2", "window": 0}')
     s = load_settings({"qjl": {"sinks": 2}}, environ={"QJL_VLLM_CONFIG": str(good)})
-    assert (s.preset, s.window, s.sink_tokens) == ("tq-k3v2", 0, 2)
+    assert (s.preset, s.window_tokens, s.sink_tokens) == ("tq-k3v2", 0, 2)
+    # the window default follows the preset, also when a later source changes the preset
+    s = load_settings({"qjl": {"preset": "tq-k3v2"}}, environ={"QJL_VLLM_PRESET": "tq-k45v3"})
+    assert s.window_tokens == 0 and VLLMSettings(preset="tq-k45v3").window_tokens == 4
 
 
 def test_plugin_is_inert_without_the_environment(monkeypatch):

@@ -145,7 +145,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         self._fields_key = self._fields = None
         self._decode = decode_fn(self.settings)
         s = self.settings
-        logger.info_once(f"qjl backend: preset {s.preset}, {s.sink_tokens} exact sinks, exact window {s.window}, "
+        logger.info_once(f"qjl backend: preset {s.preset}, {s.sink_tokens} exact sinks, exact window {s.window_tokens}, "
                          f"decode {self._decode.__module__}.{self._decode.__name__}")
 
     def _layout(self, layer, kv_cache: torch.Tensor) -> PageLayout:

@@ -138,7 +138,7 @@ def content_bytes(settings, head_dim: int, block_size: int, model_dtype: torch.d
     kinds = [(cfg.key, cfg.value)] + ([(cfg.late_key, cfg.value)] if cfg.late_key is not None else [])
     kinds += [(o.get("key", cfg.key), o.get("value", cfg.value)) for o in cfg.layer_overrides.values()]
     return max(PageLayout(k.build(head_dim, cfg.seed), v.build(head_dim, cfg.seed), head_dim, block_size, exact,
-                          settings.sink_tokens, settings.window).content_bytes for k, v in kinds)
+                          settings.sink_tokens, settings.window_tokens).content_bytes for k, v in kinds)
 
 
 def layer_layout(settings, layer: int, num_layers: int, head_dim: int, block_size: int,
@@ -149,5 +149,5 @@ def layer_layout(settings, layer: int, num_layers: int, head_dim: int, block_siz
     k, v = cfg.specs(layer, num_layers)
     seed = cfg.seed + 1000 * layer
     return PageLayout(k.build(head_dim, seed), v.build(head_dim, seed + 1), head_dim, block_size,
-                      _DTYPES.get(cfg.exact_dtype, model_dtype), settings.sink_tokens, settings.window,
+                      _DTYPES.get(cfg.exact_dtype, model_dtype), settings.sink_tokens, settings.window_tokens,
                       content_bytes=content_bytes(settings, head_dim, block_size, model_dtype))

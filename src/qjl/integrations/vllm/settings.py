@@ -11,8 +11,8 @@ When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides 
 
 * ``preset``: the codecs (per-layer widths included) and the seed come from this preset;
 * ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
-* ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`,
-  see docs/vllm.md for what it costs and buys);
+* ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
+  ``tq-k3v2``; docs/vllm.md measures what it costs and buys);
 * ``seed``: base seed (layer ``l`` uses ``seed + 1000 l`` for keys, ``+ 1`` for values, as
   :class:`qjl.QJLCache` does);
 * ``decode``: "auto" (a paged kernel where :mod:`qjl.kernels` provides one, else the reference)
@@ -29,11 +29,13 @@ from ...cache.config import QJLConfig
 from ...cache.presets import DEFAULT_PRESET, PRESETS
 
 __all__ = ["VLLMSettings", "ENV_PRESET", "ENV_CONFIG", "DEFAULT_WINDOW", "enabled", "load_settings",
-           "SERVABLE_KEYS", "SERVABLE_VALUES"]
+           "SERVABLE_KEYS", "SERVABLE_VALUES", "PRESET_WINDOWS"]
 
 ENV_PRESET = "QJL_VLLM_PRESET"
 ENV_CONFIG = "QJL_VLLM_CONFIG"
-DEFAULT_WINDOW = 0  # sinks only by default: see docs/vllm.md for what a window costs and buys
+DEFAULT_WINDOW = 4  # exact recent tokens per sequence; docs/vllm.md measures what they cost and buy
+# presets whose point is memory: the 5x preset keeps >= 4x native's tokens only without a window (block 128)
+PRESET_WINDOWS = {"tq-k3v2": 0}
 SERVABLE_KEYS = ("turboquant_mse", "qjl")
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
 _KEYS = ("preset", "sinks", "window", "seed", "decode")
@@ -45,7 +47,7 @@ class VLLMSettings:
 
     preset: str = DEFAULT_PRESET
     sinks: int | None = None
-    window: int = DEFAULT_WINDOW
+    window: int | None = None
     seed: int | None = None
     decode: str = "auto"
 
@@ -65,6 +67,12 @@ class VLLMSettings:
     def config(self) -> QJLConfig:
         over = {} if self.seed is None else {"seed": self.seed}
         return QJLConfig.preset(self.preset, **over)
+
+    @property
+    def window_tokens(self) -> int:
+        """The exact window: ``window`` if set, else the preset's default (:data:`PRESET_WINDOWS`, else
+        :data:`DEFAULT_WINDOW`)."""
+        return PRESET_WINDOWS.get(self.preset, DEFAULT_WINDOW) if self.window is None else self.window
 
     @property
     def sink_tokens(self) -> int:
