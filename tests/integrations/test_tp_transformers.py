@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         json.dump({{"tokens": gen.sequences[0].tolist(), "scores": [s[0].tolist() for s in gen.scores],
-                   "key_bits": [l.key_codec.bits for l in cache.layers]}}, open(out, "w"))
+                   "key_bits": [l.store.key_codec.bits for l in cache.layers]}}, open(out, "w"))
     if tp:
         torch.distributed.destroy_process_group()
 """)
