@@ -1,4 +1,5 @@
-"""Command-line entry point: ``qjl eval``, ``qjl generate``, ``qjl bench``, ``qjl stats``, ``qjl bits``."""
+"""Command-line entry point: ``qjl eval``, ``qjl generate``, ``qjl bench``, ``qjl stats``, ``qjl bits``,
+``qjl search-data``, ``qjl search-bench``."""
 
 from __future__ import annotations
 
@@ -268,6 +269,9 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default=None, help="cache preset (see qjl.PRESETS; default: qjl.config.DEFAULT_PRESET)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.set_defaults(func=_generate)
+    from qjl.search.cli import add_search_commands  # argparse only: nothing heavy is imported
+
+    add_search_commands(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
