@@ -18,7 +18,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from qjl.integrations.vllm.convert import vllm_model_dir
-    llm = LLM(model=vllm_model_dir(), enforce_eager=True, dtype="float32", seed=0, max_model_len=512,
+    llm = LLM(model=vllm_model_dir(), enforce_eager=True, dtype="float32", seed=0, max_model_len=320,
               block_size=16, max_num_batched_tokens=48, max_num_seqs=6, num_gpu_blocks_override=24,
               enable_prefix_caching=True, disable_log_stats=False)
     tok = llm.get_tokenizer()
