@@ -32,8 +32,12 @@ import copy
 import sys
 
 import torch
-from lm_eval.api.registry import register_model
-from lm_eval.models.huggingface import HFLM
+
+try:
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.huggingface import HFLM
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("qjl's lm-eval model needs lm-evaluation-harness: pip install 'qjl[lm_eval]'") from e
 
 __all__ = ["QJLLM", "main"]
 
@@ -88,9 +92,16 @@ class QJLLM(HFLM):
 
     @torch.no_grad()
     def _prefill(self, context: list):
-        """context: token ids -> (cache holding them, log-probs [V] of the next token)."""
+        """context: token ids -> (cache holding them, log-probs [V] of the next token).
+
+        The prompt's overflow is moved into codes here, as the next forward would do first, so the copies
+        made per continuation share those codes instead of each quantizing the context again."""
         cache = self.make_cache()
         out = self.model(torch.tensor([context], device=self.device), past_key_values=cache, use_cache=True)
+        for layer in cache.layers:
+            store = getattr(layer, "store", None)  # compressed layers (QJLCacheLayer)
+            if store is not None:
+                store.flush()
         return cache, torch.log_softmax(out.logits[0, -1].float(), dim=-1)
 
     @torch.no_grad()
