@@ -18,7 +18,7 @@ from qjl.tools.evaluate import EvalSetup, evaluate_method, load_text_ids, memory
 from qjl.tools.methods import REFERENCE, make_cache, make_method
 from qjl.tools.passkey import passkey_hits, passkey_prompts
 
-__all__ = ["EvalPlan", "run_eval", "worst_over"]
+__all__ = ["EvalPlan", "run_eval", "worst_over", "fix_threads"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,21 @@ def _bar(total: int, show: bool):
     return tqdm(total=total, desc="qjl eval", unit="run", disable=not show, leave=True)
 
 
+def fix_threads(n: int) -> None:
+    """Run torch (and the C kernel, which follows torch) and numba (the CPU quantization passes) on ``n``
+    threads: reproducible float sums, and no oversubscription on a shared machine."""
+    import os
+    import sys
+
+    torch.set_num_threads(n)
+    if "numba" in sys.modules:
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    else:
+        os.environ["NUMBA_NUM_THREADS"] = str(n)
+
+
 def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_tokenizer=None) -> dict:
     """Run ``plan``; write ``out_dir/config.json`` and ``out_dir/metrics.json``; return the metrics."""
     from qjl.integrations.transformers.attention import patch_attention
@@ -90,7 +105,7 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
     from qjl.tools.report import environment
     from qjl.tools.texts import CORPUS, TUNING_TEXT
 
-    torch.set_num_threads(plan.threads)
+    fix_threads(plan.threads)
     torch.set_grad_enabled(False)
     cfgs = {name: make_method(name) for name in plan.methods}
     model, tok = model_and_tokenizer or load_model(plan.model)

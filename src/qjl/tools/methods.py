@@ -169,6 +169,9 @@ def cache_memory(cache) -> dict:
                "value_bits": r["value_bits"], "exact_bits": r["exact_bits"],
                "compressed_bytes": r["key_code_bytes"] + r["value_code_bytes"],
                "exact_bytes": r["bytes"] - r["key_code_bytes"] - r["value_code_bytes"]}
+        for extra in ("baseline_bytes", "widths"):  # where this version of the report has them
+            if extra in r:
+                out[extra] = {str(k): list(v) for k, v in r[extra].items()} if extra == "widths" else r[extra]
     else:
         # transformers' QuantizedLayer keeps its quantized part under these (private) names
         qt = [getattr(layer, n, None) for layer in cache.layers for n in ("_quantized_keys", "_quantized_values")]

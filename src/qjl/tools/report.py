@@ -165,7 +165,6 @@ def memory_summary(report: dict) -> str:
     line = (f"cache holds {mib(report['bytes'])} ({', '.join(parts)}); compressed part "
             f"{report['key_bits']:.2f} key / {report['value_bits']:.2f} value bits; {report['bits_per_value']:.2f} "
             f"bits per value with everything counted; {report['compression_vs_fp16']:.2f}x smaller than fp16")
-    other = report.get("model_cache_bytes")
-    if other:
-        line += f", {other / report['bytes']:.2f}x smaller than the cache the model would otherwise use"
+    if report.get("compression_vs_baseline"):  # the model's own cache at its dtype, where the report states it
+        line += f", {report['compression_vs_baseline']:.2f}x smaller than the model's own cache"
     return line
