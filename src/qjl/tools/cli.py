@@ -284,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = add("generate", help="answer a prompt with a compressed cache and show the memory it holds")
     p.add_argument("--model", default="smollm2", help="'smollm2' (the embedded model), a model directory or a .gguf")
-    p.add_argument("--prompt", help="prompt text (default: a question about a ~1.4k-token license text, long "
+    p.add_argument("--prompt", help="prompt text (default: a question about a ~1.2k-token license text, long "
                                     "enough that most of the cache is compressed)")
     p.add_argument("--prompt-file", help="file holding the prompt")
     p.add_argument("--preset", default=None, help=_preset_help)

@@ -77,10 +77,22 @@ def _describe(cfg, model) -> str:
     return cfg.describe(_head_dim(model.config), model.config.num_hidden_layers)
 
 
-def _bar(total: int, show: bool):
-    from tqdm.auto import tqdm
+class _Progress:
+    """A tqdm bar whose 100% line is printed once (by ``close``), also in a log that keeps every refresh."""
 
-    return tqdm(total=total, desc="qjl eval", unit="run", disable=not show, leave=True)
+    def __init__(self, total: int, show: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="qjl eval", unit="run", disable=not show, leave=True)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar.n + n >= self.bar.total:
+            self.bar.n = self.bar.total  # no refresh here: close() shows the final line
+        else:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def fix_threads(n: int) -> None:
@@ -126,7 +138,7 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
              + (len(plan.methods) * len(plan.passkey_lengths) if plan.passkey_trials else 0)
              + (len(plan.methods) if plan.memory_tokens else 0))
     results = {name: {"config": _describe(cfg, model), "texts": {}} for name, cfg in cfgs.items()}
-    bar = _bar(total, show_progress)
+    bar = _Progress(total, show_progress)
     for text in plan.texts:
         for ctx in plan.contexts:
             setup = EvalSetup(context=ctx, score=plan.score, chunk=plan.chunk)
