@@ -110,3 +110,17 @@ def test_plan_is_validated():
         evalrun.EvalPlan(methods=("full precision",), passkey_lengths=(10,))
     with pytest.raises(ValueError, match="threads"):
         evalrun.EvalPlan(methods=("full precision",), threads=0)
+
+
+@pytest.mark.parametrize("name", ["full precision", "tq-k3v2", "kivi-k2v2", "qjl-paper"])
+def test_memory_from_captured_kv_equals_memory_through_the_model(lm, name):
+    from qjl.tools.methods import make_method
+
+    model, _ = lm
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0))
+    cfg = make_method(name)
+    through_model = evaluate.memory_at(model, ids, cfg, 400)
+    fed = evaluate.memory_at(model, ids, cfg, 400, kv=evaluate.capture_kv(model, ids, 400))
+    assert fed == through_model and fed["bytes"] > 0
+    with pytest.raises(ValueError, match="kv holds"):
+        evaluate.memory_at(model, ids, cfg, 300, kv=evaluate.capture_kv(model, ids, 400))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from qjl.tools.evaluate import EvalSetup, evaluate_method, load_text_ids, memory_at
+from qjl.tools.evaluate import EvalSetup, capture_kv, evaluate_method, load_text_ids, memory_at
 from qjl.tools.methods import REFERENCE, make_cache, make_method
 from qjl.tools.passkey import passkey_hits, passkey_prompts
 
@@ -155,6 +155,7 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
                 _record(results[name], text, ctx, m)
                 bar.update(1)
             del ref
+    kv = capture_kv(model, ids[plan.texts[0]], plan.memory_tokens) if plan.memory_tokens else None
     for name, cfg in cfgs.items():
         r = results[name]
         if plan.passkey_trials:
@@ -165,9 +166,12 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
                                         "trials": len(prompts)}
                 bar.update(1)
         if plan.memory_tokens:
-            r["memory_at"] = memory_at(model, ids[plan.texts[0]], cfg, plan.memory_tokens)
+            # configurations that read the prompt's queries (auto-*) are measured through the model
+            r["memory_at"] = memory_at(model, ids[plan.texts[0]], cfg, plan.memory_tokens,
+                                       None if name.startswith("auto-") else kv)
             bar.update(1)
     bar.close()
+    del kv
     for name in plan.methods:
         r, ref = results[name], results[REFERENCE]
         for text, per_ctx in r["texts"].items():

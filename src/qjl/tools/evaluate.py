@@ -27,7 +27,8 @@ import torch
 
 from qjl.tools.methods import cache_memory, make_cache
 
-__all__ = ["EvalSetup", "load_text_ids", "score_method", "quality", "evaluate_method", "memory_at", "DEFAULT_TEXT"]
+__all__ = ["EvalSetup", "load_text_ids", "score_method", "quality", "evaluate_method", "capture_kv", "memory_at",
+           "DEFAULT_TEXT"]
 
 DEFAULT_TEXT = "gpl-3"
 
@@ -119,12 +120,35 @@ def evaluate_method(model, ids: torch.Tensor, setup: EvalSetup, cfg, reference: 
 
 
 @torch.no_grad()
-def memory_at(model, ids: torch.Tensor, cfg, tokens: int) -> dict:
-    """Prefill ``tokens`` tokens (``ids`` repeated if short), then one decode step (which moves the
-    prompt's overflow into codes); -> :func:`qjl.tools.methods.cache_memory` of that cache."""
+def capture_kv(model, ids: torch.Tensor, tokens: int) -> list:
+    """Keys and values of ``tokens`` tokens (``ids`` repeated if short), one full-precision prefill
+    -> [(keys, values)] per layer, each ``[1, H_kv, tokens, D]``."""
     reps = -(-tokens // ids.numel())
-    x = ids.repeat(reps)[:tokens].unsqueeze(0)
+    cache = make_cache(model, None)
+    model(ids.repeat(reps)[:tokens].unsqueeze(0), past_key_values=cache, use_cache=True)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@torch.no_grad()
+def memory_at(model, ids: torch.Tensor, cfg, tokens: int, kv: list | None = None) -> dict:
+    """Bytes a cache holds for ``tokens`` tokens: a prefill of ``tokens - 1`` tokens, then one decode step
+    (which moves the prompt's overflow into codes) -> :func:`qjl.tools.methods.cache_memory`.
+
+    With ``kv`` (from :func:`capture_kv`) the cache receives those keys and values through its own
+    ``update`` in the same two steps, without running the model again: the same tensors held, as a cache's
+    bytes depend on its configuration and the token count, not on the values.  Configurations that choose
+    anything from the prompt's queries need the model run (``kv=None``).
+    """
     cache = make_cache(model, cfg)
-    model(x[:, :-1], past_key_values=cache, use_cache=True)
-    model(x[:, -1:], past_key_values=cache, use_cache=True)
+    if kv is None:
+        reps = -(-tokens // ids.numel())
+        x = ids.repeat(reps)[:tokens].unsqueeze(0)
+        model(x[:, :-1], past_key_values=cache, use_cache=True)
+        model(x[:, -1:], past_key_values=cache, use_cache=True)
+    else:
+        if kv[0][0].shape[-2] != tokens:
+            raise ValueError(f"kv holds {kv[0][0].shape[-2]} tokens, not {tokens}")
+        for part in (slice(0, tokens - 1), slice(tokens - 1, tokens)):
+            for i, (k, v) in enumerate(kv):
+                cache.update(k[..., part, :], v[..., part, :], i)
     return {"tokens": tokens, **cache_memory(cache)}
