@@ -139,6 +139,15 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
              + (len(plan.methods) if plan.memory_tokens else 0))
     results = {name: {"config": _describe(cfg, model), "texts": {}} for name, cfg in cfgs.items()}
     bar = _Progress(total, show_progress)
+
+    def checkpoint(done: bool = False) -> dict:
+        """Summarize what is measured so far and write the run directory (``partial`` until the end)."""
+        _summarize(results, held)
+        metrics = {"results": results, "texts": metas, "held_out": held, "skipped": skipped, "partial": not done,
+                   "environment": {**environment(), "threads": plan.threads}}
+        _write(plan, cfgs, model, metas, metrics, out_dir)
+        return metrics
+
     for text in plan.texts:
         for ctx in plan.contexts:
             setup = EvalSetup(context=ctx, score=plan.score, chunk=plan.chunk)
@@ -155,6 +164,7 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
                 _record(results[name], text, ctx, m)
                 bar.update(1)
             del ref
+            checkpoint()  # long runs keep every finished text
     kv = capture_kv(model, ids[plan.texts[0]], plan.memory_tokens) if plan.memory_tokens else None
     for name, cfg in cfgs.items():
         r = results[name]
@@ -171,19 +181,19 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
                                        None if name.startswith("auto-") else kv)
             bar.update(1)
     bar.close()
-    del kv
-    for name in plan.methods:
-        r, ref = results[name], results[REFERENCE]
+    return checkpoint(done=True)
+
+
+def _summarize(results: dict, held: list) -> None:
+    """Perplexity change against the reference and the worst held-out text, per method and context."""
+    ref = results[REFERENCE]
+    for r in results.values():
         for text, per_ctx in r["texts"].items():
             for ctx, m in per_ctx.items():
                 m["dppl"] = 100 * (m["ppl"] / ref["texts"][text][ctx]["ppl"] - 1)
         ctxs = {c for per in r["texts"].values() for c in per}
         r["worst"] = {c: worst_over({t: per[c] for t, per in r["texts"].items() if c in per}, held)
                       for c in sorted(ctxs, key=int)}
-    metrics = {"results": results, "texts": metas, "held_out": held, "skipped": skipped,
-               "environment": {**environment(), "threads": plan.threads}}
-    _write(plan, cfgs, model, metas, metrics, out_dir)
-    return metrics
 
 
 def _record(r: dict, text: str, ctx: int, m: dict) -> None:
