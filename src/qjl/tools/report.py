@@ -114,8 +114,9 @@ def eval_tables(metrics: dict) -> str:
     rows = []
     for name, r in results.items():
         b = r.get("bits", {})
-        row = [name, _f(b.get("key_bits"), ".2f"), _f(b.get("value_bits"), ".2f"),
-               _f((b["key_bits"] + b["value_bits"]) / 2 if b else None, ".2f"), _f(b.get("exact_bits"), ".0f")]
+        kb, vb = b.get("key_bits") or None, b.get("value_bits") or None  # "-": nothing compressed
+        row = [name, _f(kb, ".2f"), _f(vb, ".2f"), _f((kb + vb) / 2 if kb and vb else None, ".2f"),
+               _f(b.get("exact_bits"), ".0f")]
         for c in ctxs:
             w = r["worst"].get(c, {})
             row += [_f(w.get("kl", {}).get("value"), ".4f"), _f(w.get("dppl", {}).get("value"), "+.2f") + "%",
@@ -139,6 +140,15 @@ def eval_tables(metrics: dict) -> str:
                                        f"{m['ppl']:.3f}", f"{m['dppl']:+.2f}%", f"{100 * m['top1']:.1f}"])
             parts += ["", f"context {c}, each text:",
                       format_table(["method", "text", "KL", "ppl", "dppl", "top1%"], detail)]
+    for name, r in results.items():  # per-layer codecs chosen from the prompt (auto-*), where reported
+        widths = (r.get("memory_at") or {}).get("widths") or next(
+            (m["cache"].get("widths") for per in r["texts"].values() for m in per.values()), None)
+        if widths and name.startswith("auto-"):
+            groups = {}
+            for layer, kv in widths.items():
+                groups.setdefault(tuple(kv), []).append(layer)
+            parts.append(f"{name} widths: " + "; ".join(f"layers {','.join(ls)}: keys {k}, values {v}"
+                                                      for (k, v), ls in groups.items()))
     for s in metrics.get("skipped", []):
         parts.append(f"skipped: {s['text']} at context {s['context']}: {s['reason']}")
     return "\n".join(parts)
