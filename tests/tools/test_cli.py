@@ -70,3 +70,13 @@ def test_generate_prints_the_memory_and_says_why_a_short_prompt_is_exact(tiny, c
     assert "nothing is compressed yet" not in out
     key_codes = float(out.split("key codes ")[1].split(" MiB")[0])
     assert key_codes > 0
+
+
+def test_stats_and_bits_print_their_tables(tmp_path, capsys):
+    assert cli.main(["stats", "--dim", "32", "--seeds", "100", "--vectors", "1000", "--kinds", "gaussian",
+                     "--quiet", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "var/theory" in out and "PolarQuant levels" in out and "paper" in out and "seed003" not in out
+    assert (tmp_path / "stats.json").exists() and (tmp_path / "codecs.png").exists()
+    assert cli.main(["bits", "--dim", "64"]) == 0
+    assert "vs fp16" in capsys.readouterr().out

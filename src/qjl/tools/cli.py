@@ -11,46 +11,8 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _qjl_table(result: dict) -> str:
-    from qjl.tools.report import format_table
-
-    rows = []
-    for r in result["rows"]:
-        tail = r["tail"]["0.2"]
-        att = r["attention"]
-        rows.append([
-            r["kind"], r["sketch_dim"],
-            f"{max(abs(z) for z in r['bias_se'].values()):.2f}",
-            f"{r['var_over_gaussian_theory']['q~k']:.3f}",
-            f"{r['rel_rmse']:.4f}",
-            f"{tail['empirical']:.4f}", f"{tail['printed_bound']:.4f}", f"{tail['corrected_bound']:.4f}",
-            f"{att['median_max_rel_err']:.3f}", f"{att['bound_3eps']:.3f}",
-        ])
-    headers = ["family", "m", "max|bias|/se", "var/theory", "rel RMSE", "P(err>0.2)", "L3.5 printed",
-               "L3.5 fixed", "attn err", "3eps"]
-    return format_table(headers, rows)
-
-
-def _codec_tables(result: dict) -> str:
-    from qjl.tools.report import format_table
-
-    tq = [[r["bits"], f"{r['d_mse']:.4f}", f"{r['d_mse_codebook']:.4f}", f"{r['d_mse_paper']:.3f}",
-           f"{r['d_mse_upper']:.4f}", f"{r['d_mse_lower']:.4f}", f"{r['d_prod_times_d']:.4f}",
-           f"{r['d_prod_theory_times_d']:.4f}", f"{r['d_prod_paper_times_d']:.3f}",
-           f"{r['d_prod_upper_times_d']:.4f}", f"{r['d_prod_lower_times_d']:.4f}"] for r in result["turboquant"]]
-    pq = [["/".join(map(str, p["bits_per_level"][:2])) + "/...", f"{p['angle_bits_per_coordinate']:.3f}",
-           f"{p['bits_per_coordinate_with_norm']:.3f}", f"{p['d_mse']:.4f}"] for p in result["polarquant"]]
-    return "\n".join([
-        format_table(["b", "D_mse", "Lloyd-Max", "paper", "upper", "lower", "d*D_prod", "theory", "paper",
-                      "upper", "lower"], tq),
-        "D_prod: Gaussian QJL sketch with k = d on the residual; theory (pi/2 - 1/d) * D_mse(b-1).",
-        "",
-        format_table(["PolarQuant levels", "angle bits/coord", "with fp32 norm", "D_mse"], pq),
-    ])
-
-
 def _stats(args) -> int:
-    from qjl.tools.report import environment, plot_codec_stats, plot_stats, write_json
+    from qjl.tools.report import codec_tables, environment, plot_codec_stats, plot_stats, qjl_table, write_json
     from qjl.tools.stats import StatsConfig, run_codec_stats, run_stats
 
     out = Path(args.out)
@@ -61,7 +23,7 @@ def _stats(args) -> int:
         result = run_stats(cfg, show_progress=not args.quiet)
         result.update(environment=env, seconds=round(time.time() - t0, 1))
         print(f"QJL estimator statistics: d={cfg.dim}, {cfg.seeds} seeds per setting")
-        print(_qjl_table(result))
+        print(qjl_table(result))
         print("var/theory: variance over the Gaussian-row formula (pi/2|q|^2|k|^2 - <q,k>^2)/m for q~k (<= 1 expected "
               "for orthogonal/hadamard). L3.5 printed: the paper's tail bound as printed; fixed: with E z^2 = pi/2.")
         write_json(out / "stats.json", result)
@@ -72,7 +34,7 @@ def _stats(args) -> int:
         result = run_codec_stats(dim=args.dim, vectors=args.vectors, show_progress=not args.quiet)
         result.update(environment=env, seconds=round(time.time() - t0, 1))
         print(f"TurboQuant / PolarQuant distortion: d={args.dim}, {result['vectors']} unit vectors, {result['seeds']} seeds")
-        print(_codec_tables(result))
+        print(codec_tables(result))
         write_json(out / "codecs.json", result)
         plot_codec_stats(result, out / "codecs.png")
         print(f"wrote {out / 'codecs.json'} and {out / 'codecs.png'}")

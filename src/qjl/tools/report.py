@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["format_table", "write_json", "plot_stats", "plot_codec_stats", "environment", "eval_tables", "memory_summary"]
+__all__ = ["format_table", "write_json", "plot_stats", "plot_codec_stats", "environment", "eval_tables",
+           "memory_summary", "qjl_table", "codec_tables"]
 
 
 def environment() -> dict:
@@ -178,3 +179,39 @@ def memory_summary(report: dict) -> str:
     if report.get("compression_vs_baseline"):  # the model's own cache at its dtype, where the report states it
         line += f", {report['compression_vs_baseline']:.2f}x smaller than the model's own cache"
     return line
+
+
+def qjl_table(result: dict) -> str:
+    """The `qjl stats --part qjl` table."""
+    rows = []
+    for r in result["rows"]:
+        tail = r["tail"]["0.2"]
+        att = r["attention"]
+        rows.append([
+            r["kind"], r["sketch_dim"],
+            f"{max(abs(z) for z in r['bias_se'].values()):.2f}",
+            f"{r['var_over_gaussian_theory']['q~k']:.3f}",
+            f"{r['rel_rmse']:.4f}",
+            f"{tail['empirical']:.4f}", f"{tail['printed_bound']:.4f}", f"{tail['corrected_bound']:.4f}",
+            f"{att['median_max_rel_err']:.3f}", f"{att['bound_3eps']:.3f}",
+        ])
+    headers = ["family", "m", "max|bias|/se", "var/theory", "rel RMSE", "P(err>0.2)", "L3.5 printed",
+               "L3.5 fixed", "attn err", "3eps"]
+    return format_table(headers, rows)
+
+
+def codec_tables(result: dict) -> str:
+    """The `qjl stats --part codecs` tables."""
+    tq = [[r["bits"], f"{r['d_mse']:.4f}", f"{r['d_mse_codebook']:.4f}", f"{r['d_mse_paper']:.3f}",
+           f"{r['d_mse_upper']:.4f}", f"{r['d_mse_lower']:.4f}", f"{r['d_prod_times_d']:.4f}",
+           f"{r['d_prod_theory_times_d']:.4f}", f"{r['d_prod_paper_times_d']:.3f}",
+           f"{r['d_prod_upper_times_d']:.4f}", f"{r['d_prod_lower_times_d']:.4f}"] for r in result["turboquant"]]
+    pq = [["/".join(map(str, p["bits_per_level"][:2])) + "/...", f"{p['angle_bits_per_coordinate']:.3f}",
+           f"{p['bits_per_coordinate_with_norm']:.3f}", f"{p['d_mse']:.4f}"] for p in result["polarquant"]]
+    return "\n".join([
+        format_table(["b", "D_mse", "Lloyd-Max", "paper", "upper", "lower", "d*D_prod", "theory", "paper",
+                      "upper", "lower"], tq),
+        "D_prod: Gaussian QJL sketch with k = d on the residual; theory (pi/2 - 1/d) * D_mse(b-1).",
+        "",
+        format_table(["PolarQuant levels", "angle bits/coord", "with fp32 norm", "D_mse"], pq),
+    ])
