@@ -9,7 +9,7 @@ which moves KL by about 1e-4 and perplexity by a few hundredths of a percent (me
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +36,6 @@ class EvalPlan:
     memory_tokens: int = 4096
     model: str = "smollm2"
     threads: int = 2
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.methods or self.methods[0] != REFERENCE:
