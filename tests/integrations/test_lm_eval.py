@@ -49,6 +49,13 @@ def test_full_precision_path_equals_hflm(lm_pair):
     theirs = HFLM(pretrained=model, tokenizer=tok, max_length=2048).loglikelihood(_requests(PAIRS))
     for (a, ga), (b, gb) in zip(ours, theirs):
         assert a == pytest.approx(b, abs=1e-3) and ga == gb
+    # perplexity tasks (loglikelihood_rolling) go through the same path
+    from lm_eval.api.instance import Instance
+
+    docs = [Instance(request_type="loglikelihood_rolling", doc={}, arguments=(CONTEXT,), idx=0)]
+    ours = _make(lm_pair, "none", chunk=16).loglikelihood_rolling(docs)
+    theirs = HFLM(pretrained=model, tokenizer=tok, max_length=2048).loglikelihood_rolling(docs)
+    assert ours[0] == pytest.approx(theirs[0], abs=1e-2)
 
 
 def test_loglikelihood_reads_the_compressed_context(lm_pair, monkeypatch):
