@@ -173,9 +173,12 @@ def memory_summary(report: dict) -> str:
              f"exact sinks + window {mib(report['exact_bytes'])}"]
     if report.get("uncompressed_layer_bytes"):
         parts.append(f"uncompressed layers {mib(report['uncompressed_layer_bytes'])}")
-    line = (f"cache holds {mib(report['bytes'])} ({', '.join(parts)}); compressed part "
-            f"{report['key_bits']:.2f} key / {report['value_bits']:.2f} value bits; {report['bits_per_value']:.2f} "
-            f"bits per value with everything counted; {report['compression_vs_fp16']:.2f}x smaller than fp16")
+    x = report["compression_vs_fp16"]
+    ratio = f"{x:.2f}x smaller than fp16" if x >= 1 else f"{1 / x:.2f}x larger than fp16"
+    coded = (f"compressed part {report['key_bits']:.2f} key / {report['value_bits']:.2f} value bits"
+             if report["key_code_bytes"] else "nothing compressed yet")
+    line = (f"cache holds {mib(report['bytes'])} ({', '.join(parts)}); {coded}; "
+            f"{report['bits_per_value']:.2f} bits per value with everything counted; {ratio}")
     if report.get("compression_vs_baseline"):  # the model's own cache at its dtype, where the report states it
         line += f", {report['compression_vs_baseline']:.2f}x smaller than the model's own cache"
     return line
