@@ -1,9 +1,10 @@
 """One ``qjl eval`` run: methods x texts x contexts under :mod:`qjl.tools.evaluate`'s protocol, passkey
 retrieval, memory, the worst held-out text per method, and a run directory (config.json, metrics.json).
 
-Reproducibility: torch runs with a fixed number of threads (``EvalPlan.threads``, default 2), so the same
-machine type gives the same numbers run after run; float sums split differently under another thread count,
-which moves KL by about 1e-4 and perplexity by a few hundredths of a percent (measured: docs/quality.md).
+Reproducibility: torch and numba run with a fixed number of threads (``EvalPlan.threads``, default 2), so a
+machine of one kind repeats every number exactly; under another thread count float sums split differently,
+which flips a few codes (issue #10 saw `tq-k3v2` at KL 0.0254 / +1.90% on one machine, 0.0255 / +1.83% on
+another; ``benchmarks/thread_tolerance.py`` measures the spread).
 """
 
 from __future__ import annotations
