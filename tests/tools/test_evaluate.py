@@ -124,3 +124,15 @@ def test_memory_from_captured_kv_equals_memory_through_the_model(lm, name):
     assert fed == through_model and fed["bytes"] > 0
     with pytest.raises(ValueError, match="kv holds"):
         evaluate.memory_at(model, ids, cfg, 300, kv=evaluate.capture_kv(model, ids, 400))
+
+
+def test_a_method_repeats_exactly(lm):
+    import qjl
+
+    model, _ = lm
+    ids = torch.randint(0, 256, (364,), generator=torch.Generator().manual_seed(2))
+    setup = evaluate.EvalSetup(context=300, score=64, chunk=32)
+    cfg = qjl.QJLConfig.preset("tq-k3v2")
+    a, _, _ = evaluate.score_method(model, ids, setup, cfg)
+    b, _, _ = evaluate.score_method(model, ids, setup, cfg)
+    assert torch.equal(a, b)
