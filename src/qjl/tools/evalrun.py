@@ -180,6 +180,7 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
             r["memory_at"] = memory_at(model, ids[plan.texts[0]], cfg, plan.memory_tokens,
                                        None if name.startswith("auto-") else kv)
             bar.update(1)
+        checkpoint()
     bar.close()
     return checkpoint(done=True)
 
