@@ -1,4 +1,5 @@
-"""Command-line entry point: ``qjl eval``, ``qjl generate``, ``qjl bench``, ``qjl stats``, ``qjl bits``."""
+"""Command-line entry point: ``qjl eval``, ``qjl generate``, ``qjl bench``, ``qjl stats``, ``qjl bits``,
+``qjl search-data``, ``qjl search-bench``."""
 
 from __future__ import annotations
 
@@ -281,6 +282,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=128, help="head dimension")
     p.add_argument("--tokens", type=int, default=4096, help="tokens the shared outlier indices amortize over")
     p.set_defaults(func=_bits)
+    from qjl.search.cli import add_search_commands  # argparse only: nothing heavy is imported
+
+    add_search_commands(sub)
     return parser
 
 
