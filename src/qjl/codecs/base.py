@@ -174,6 +174,10 @@ class Codec(abc.ABC):
         """q: [..., dim] float32 -> one tensor [..., length_i] per term of :meth:`score_view`."""
         raise TypeError(f"{type(self).__name__} declares no score view")
 
+    def quantize_view(self):
+        """The projection passes a quantize kernel runs (:class:`qjl.codecs.views.QuantizeView`), or None."""
+        return None
+
     def mix_view(self):
         """The value layout a kernel mixes (:class:`qjl.codecs.views.MixView`), or None."""
         return None

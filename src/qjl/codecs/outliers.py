@@ -176,6 +176,17 @@ class OutlierQJL(Codec):
         q_in, q_out, _ = self._split(q.float(), shared["outlier_idx"].long())
         return self.inlier.score_queries(q_in) + self.outlier.score_queries(q_out)
 
+    def quantize_view(self):
+        """The inlier sketch over x with the outlier channels zeroed, the outlier sketch over x[outlier_idx]."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        if self.outlier is None:
+            return self.inlier.quantize_view()
+        inl = ProjectQuantize(self.inlier, 1, "signs", "norm", self.inlier.norm_dtype, channels="inliers")
+        out = ProjectQuantize(self.outlier, 1, "outlier_signs", "outlier_norm", self.outlier.norm_dtype,
+                              channels="outliers")
+        return QuantizeView((inl, out), "outlier_idx")
+
     @property
     def idx_dtype(self) -> torch.dtype:
         """Storage dtype of ``outlier_idx``."""

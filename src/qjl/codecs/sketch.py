@@ -198,6 +198,12 @@ class QJLSketch(Codec):
 
         return ScoreView((KeyTerm(PackedCodes("signs", 1, self.sketch_dim, torch.tensor([-1.0, 1.0])), "norm"),))
 
+    def quantize_view(self):
+        """Project with S, sign, pack; the norm of x."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        return QuantizeView((ProjectQuantize(self, 1, "signs", "norm", self.norm_dtype),))
+
     def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
         """q: [..., dim] -> [c S q] ([..., sketch_dim] float32, the estimator's constant included)."""
         return [self.project(q.float()) * self.scale]

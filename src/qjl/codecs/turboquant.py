@@ -118,6 +118,13 @@ class TurboQuantMSE(Codec):
         """q: [..., dim] -> [Pi q] ([..., n] float32)."""
         return [self.rotation.apply(q.float())]
 
+    def quantize_view(self):
+        """Normalize, rotate, Lloyd-Max cell, pack (norm correction as configured)."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        return QuantizeView((ProjectQuantize(self.rotation, self.bits, "codes", "norm", self.norm_dtype, self._boundaries,
+                                             self._centroids, normalize=True, correct_norm=self.correct_norm),))
+
     def mix_view(self):
         """One group, scale ``norm``, no zero point; rows mixed in the rotated basis (see :meth:`unmix`)."""
         from qjl.codecs.views import MixView

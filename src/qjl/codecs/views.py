@@ -10,6 +10,9 @@ cannot be read that way, e.g. PolarQuant or KIVI keys: the cache then uses the r
   ``codec.score_queries(q, shared) -> [qt_0, qt_1, ...]`` (TurboQuant MSE: ``Pi q``; QJL:
   ``c S q``; QJL with outlier channels: two terms, the inlier and the outlier sketch, whose query
   maps read the per-sequence ``outlier_idx``).
+* quantization -- ``codec.quantize_view() -> QuantizeView``: one or two passes of "project with a
+  fixed matrix, then sign or Lloyd-Max cell, pack, and store the norm" (the Triton quantize kernel,
+  TurboQuant's CPU bucketing);
 * values -- ``codec.mix_view() -> MixView``: stored vector ``t`` is
   ``v[t, c] = zero[t, c // group_size] + scale[t, c // group_size] * centroids[code[t, c]]`` in
   the codec's basis; a kernel mixes ``sum_t p[t] v[t]`` there and ``codec.unmix(o)`` maps the
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedCodes", "KeyTerm", "ScoreView", "MixView", "kernel_readable"]
+__all__ = ["PackedCodes", "KeyTerm", "ScoreView", "MixView", "ProjectQuantize", "QuantizeView", "kernel_readable"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,36 @@ class MixView:
     @property
     def groups(self) -> int:
         return -(-self.codes.length // self.group_size)
+
+
+@dataclass(frozen=True)
+class ProjectQuantize:
+    """One quantization pass: ``y = M x'`` with ``M = matrix.matrix()`` ([m, d'] float32) and ``x'`` the
+    vector (``channels="all"``), the vector with its outlier channels zeroed (``"inliers"``) or its outlier
+    channels alone (``"outliers"``, ``d' = n_outliers``); ``x'`` is divided by ``||x'||`` first when
+    ``normalize``.  Codes: ``y >= 0`` (``boundaries`` None, 1 bit) or the number of ``boundaries`` below
+    each coordinate, packed LSB-first into field ``codes``; field ``norm`` holds ``||x'||`` (divided by
+    ``<y, centroids[code]>`` when ``correct_norm``) as ``norm_dtype``."""
+
+    matrix: object
+    bits: int
+    codes: str
+    norm: str
+    norm_dtype: torch.dtype
+    boundaries: torch.Tensor | None = None
+    centroids: torch.Tensor | None = None
+    normalize: bool = False
+    correct_norm: bool = False
+    channels: str = "all"
+
+
+@dataclass(frozen=True)
+class QuantizeView:
+    """The passes of a codec's quantization; ``shared`` names the per-sequence channel choice the
+    "inliers"/"outliers" passes read (chosen by ``codec.select_outliers``, stored as ``codec.idx_dtype``)."""
+
+    passes: tuple
+    shared: str | None = None
 
 
 def kernel_readable(key_codec, value_codec) -> bool:
