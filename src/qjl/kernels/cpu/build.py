@@ -24,7 +24,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-__all__ = ["load", "load_extension", "declaration", "DECODE_SOURCE", "SOURCES"]
+__all__ = ["load", "load_extension", "declaration", "kernels_cdef", "DECODE_SOURCE", "SOURCES"]
 
 _HERE = Path(__file__).parent
 DECODE_SOURCE = _HERE / "decode.c"
@@ -122,10 +122,10 @@ def load():
     where it cannot be built (one warning)."""
     if os.environ.get("QJL_CPU_KERNEL", "").lower() == "off":
         return None
-    return load_extension("_qjl_cpu_kernels", SOURCES, _cdef())
+    return load_extension("_qjl_cpu_kernels", SOURCES, kernels_cdef())
 
 
-def _cdef() -> str | None:
+def kernels_cdef() -> str | None:
     """The structs between ``cdef begin`` / ``cdef end`` in decode.h, and every exported prototype."""
     try:
         header = SOURCES[0].read_text()

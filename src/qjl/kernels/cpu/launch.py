@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["available", "implementation", "paged_decode", "bucket_pack", "IMPLS"]
+__all__ = ["available", "implementation", "simd_path", "paged_decode", "bucket_pack", "IMPLS"]
 
 IMPLS = ("c", "c-portable")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
@@ -29,11 +29,13 @@ def available() -> bool:
 
 
 def implementation() -> str:
-    """What the decode runs here: "c-avx2", "c-portable", or "unavailable"."""
-    mod = _module()
-    if mod is None:
-        return "unavailable"
-    return "c-avx2" if _has_avx2() else "c-portable"
+    """"c" where the C build loads, else "unavailable" (the cache then uses the torch reference)."""
+    return "c" if _module() is not None else "unavailable"
+
+
+def simd_path() -> str:
+    """The path ``impl="c"`` runs on this CPU: "avx2" (AVX2 + FMA) or "portable"."""
+    return "avx2" if _has_avx2() else "portable"
 
 
 def _has_avx2() -> bool:
