@@ -206,14 +206,14 @@ def _generate(args) -> int:
 def _bench(args) -> int:
     import torch
 
-    from qjl.tools.bench import main_bench
+    from qjl.tools.bench import PARTS, main_bench
 
     torch.set_grad_enabled(False)
     out = Path(args.out) / time.strftime("bench-%Y%m%d-%H%M%S")
     parts = tuple(args.parts.split(","))
-    bad = set(parts) - {"attention", "quantize", "e2e"}
+    bad = set(parts) - set(PARTS)
     if bad:
-        raise SystemExit(f"--parts: unknown part(s) {sorted(bad)}; choose from attention,quantize,e2e")
+        raise SystemExit(f"--parts: unknown part(s) {sorted(bad)}; choose from {','.join(PARTS)}")
     try:
         contexts = tuple(int(c) for c in args.contexts.split(","))
     except ValueError:
@@ -251,14 +251,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/eval", help="run directory")
     p.set_defaults(func=_eval)
     p = sub.add_parser("bench", help="decode attention / quantization / end-to-end speed, side by side")
-    p.add_argument("--parts", default="attention,quantize,e2e", help="comma list of attention,quantize,e2e")
+    p.add_argument("--parts", default="attention,quantize,e2e",
+                   help="comma list of attention,quantize,e2e,vllm (default attention,quantize,e2e)")
     p.add_argument("--contexts", default="1024,4096,16384,65536", help="context lengths for decode attention")
     p.add_argument("--repeats", type=int, default=7, help="timed calls per method (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     p.add_argument("--e2e-context", type=int, default=8192, help="prompt tokens for the end-to-end decode")
     p.add_argument("--e2e-tokens", type=int, default=24, help="greedy tokens decoded end to end")
     p.add_argument("--kernel", default="auto", choices=["auto", "torch", "cpu", "triton"],
-                   help="kernel for the compressed caches (auto: the C or numba kernel on CPU, Triton on CUDA)")
+                   help="kernel for the compressed caches (auto: the C kernel on CPU, Triton on CUDA)")
     p.add_argument("--out", default="runs", help="parent directory of the run directory")
     p.set_defaults(func=_bench)
     p = sub.add_parser("generate", help="answer a prompt with a compressed cache and show its memory")
