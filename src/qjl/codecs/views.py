@@ -87,7 +87,8 @@ class MixView:
 
 @dataclass(frozen=True)
 class ProjectQuantize:
-    """One quantization pass: ``y = M x'`` with ``M = matrix.matrix()`` ([m, d'] float32) and ``x'`` the
+    """One quantization pass: ``y = M x'`` with ``M = matrix.matrix()`` ([m, d'] float32; a
+    :class:`qjl.Rotation` also maps with ``.apply``) and ``x'`` the
     vector (``channels="all"``), the vector with its outlier channels zeroed (``"inliers"``) or its outlier
     channels alone (``"outliers"``, ``d' = n_outliers``); ``x'`` is divided by ``||x'||`` first when
     ``normalize``.  Codes: ``y >= 0`` (``boundaries`` None, 1 bit) or the number of ``boundaries`` below
