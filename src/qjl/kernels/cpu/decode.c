@@ -69,7 +69,7 @@ static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, flo
         for (int k = 0; k < a->n_terms; k++)
             if (loaded < 0 || (a->key[k].q_per_block && loaded != j)) load_rows(a, k, it->b, j, it->h, it->rc, q[k]);
         loaded = j;
-        memset(logits, 0, sizeof(float) * RW * SUB);
+        for (int r = 0; r < RW; r++) memset(logits + r * SUB, 0, sizeof(float) * (size_t)len);
         for (int k = 0; k < a->n_terms; k++) {
             const qjl_key_term *kt = &a->key[k];
             const uint8_t *codes = at(&kt->codes, blk, it->h, slot), *norm = at(&kt->norm, blk, it->h, slot);

@@ -47,9 +47,11 @@ QJL_AVX2 static inline __attribute__((always_inline)) unpack8_t unpack_setup(con
 QJL_AVX2 static inline __attribute__((always_inline)) __m256 unpack8(const uint8_t *p, const int bits, const int last,
                                                                   const unpack8_t *u) {
     if (bits <= 4) {
-        uint32_t w = 0;
-        if (bits == 3 && !last) memcpy(&w, p, 4);
-        else memcpy(&w, p, (size_t)bits);
+        uint32_t w;
+        if (bits == 1) w = p[0];
+        else if (bits == 2) { uint16_t h; memcpy(&h, p, 2); w = h; }
+        else if (bits == 3 && last) { uint16_t h; memcpy(&h, p, 2); w = h | (uint32_t)p[2] << 16; }
+        else memcpy(&w, p, 4); /* 3 bits: the 4th byte belongs to the next group (masked off by vpermps) */
         const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), u->shifts);
         __m256 v = _mm256_permutevar8x32_ps(u->lo, idx);
         if (bits == 4)
@@ -81,9 +83,17 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
         __m256 a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            const int last = g == groups - 1;
-            const __m256 v0 = unpack8(r0 + g * bits, bits, last, &u), v1 = unpack8(r1 + g * bits, bits, last, &u);
+        for (int64_t g = 0; g < groups - 1; g++) {
+            const __m256 v0 = unpack8(r0 + g * bits, bits, 0, &u), v1 = unpack8(r1 + g * bits, bits, 0, &u);
+            for (int r = 0; r < RW; r++) {
+                const __m256 qr = _mm256_loadu_ps(q + r * n + 8 * g);
+                a[r] = _mm256_fmadd_ps(v0, qr, a[r]);
+                a[4 + r] = _mm256_fmadd_ps(v1, qr, a[4 + r]);
+            }
+        }
+        { /* the row's last group: exact-size reads */
+            const int64_t g = groups - 1;
+            const __m256 v0 = unpack8(r0 + g * bits, bits, 1, &u), v1 = unpack8(r1 + g * bits, bits, 1, &u);
             for (int r = 0; r < RW; r++) {
                 const __m256 qr = _mm256_loadu_ps(q + r * n + 8 * g);
                 a[r] = _mm256_fmadd_ps(v0, qr, a[r]);
