@@ -4,8 +4,8 @@
 translation unit) with the system C compiler (``-O3 -march=native -fopenmp``) into
 ``$QJL_CACHE_DIR/ext/<hash>/`` (default ``~/.cache/qjl``) on first use, keyed by the sources, the flags,
 the Python version, the machine and the CPU's feature flags, then imports it from there; later
-processes load it without compiling.  When cffi, a compiler, OpenMP or a source file is missing, it
-returns None and warns once, so callers fall back to their next backend instead of raising.
+processes load it without compiling.  When cffi, a compiler, OpenMP or a source file is missing,
+it returns None and warns once, so callers fall back to their next backend instead of raising.
 
 :func:`load` is the CPU kernels' module: the decode (``decode.h`` shared declarations and helpers,
 ``decode_portable.c``, ``decode_avx2.c``, ``decode.c`` the entry) and TurboQuant's bucketing
@@ -125,6 +125,7 @@ def load():
     return load_extension("_qjl_cpu_kernels", SOURCES, kernels_cdef())
 
 
+@functools.lru_cache(maxsize=None)
 def kernels_cdef() -> str | None:
     """The structs between ``cdef begin`` / ``cdef end`` in decode.h, and every exported prototype."""
     try:

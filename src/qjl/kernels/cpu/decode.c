@@ -1,11 +1,11 @@
 /* Entry of the CPU decode: one call per layer and step (qjl_paged_decode, arguments in qjl_decode_args).
  *
- * Work items are (sequence, KV head, chunk of RW query rows, token split), run on OpenMP threads.  An item
+ * Work items are (sequence, KV head, chunk of RW query rows, token split), run by parallel_for (decode.h).  An item
  * walks its coded tokens run by run (a run = consecutive slots of one block, so the fields sit at fixed
  * strides), SUB tokens per pass: the key terms are scored into logits [RW][SUB], the online softmax is
  * updated (running max, rescaling what was accumulated when it grows), and the values are mixed with the
- * weights p * scale into accumulators [RW][n] (zero points summed per group apart).  Then, per (sequence,
- * KV head, row chunk), the splits' partial softmaxes are merged exactly and the exact tokens (sinks,
+ * weights p * scale into accumulators [RW][n] (zero points summed per group apart).  When the last item of a
+ * (sequence, KV head, row chunk) is done, the thread that did it merges that unit's splits exactly and the exact tokens (sinks,
  * window, current token) are merged in at the same max; their values go to out_ox (model basis), the
  * codes' values to out_o (the value codec's basis: the caller applies its inverse rotation once per row).
  * The AVX2 path (decode_avx2.c) and the portable path (decode_portable.c) compute the same sums in
@@ -161,11 +161,69 @@ static int check_args(const qjl_decode_args *a) {
     return 0;
 }
 
+typedef struct {
+    const qjl_decode_args *a;
+    int avx2;
+    const qjl_item *list;
+    const int64_t *first, *unit_of; /* items of unit u: [first[u], first[u + 1]); the unit of item i */
+    int64_t *left;                  /* items of each unit not finished yet */
+    float *pm, *pl, *po;            /* partials of every item: [items][RW], [items][RW][n_v] */
+} qjl_job;
+
+/* the unit (b, h, row chunk) whose items are done: its splits merged, the exact tokens merged in, written out */
+static void finish_unit(const qjl_job *j, int64_t u) {
+    const qjl_decode_args *a = j->a;
+    const int64_t H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.n;
+    const int64_t f0 = j->first[u], f1 = j->first[u + 1], b = u / (H * rchunks), h = (u / rchunks) % H,
+                  rc = u % rchunks;
+    float *pm = j->pm, *pl = j->pl, *po = j->po;
+    float *m = pm + f0 * RW, *l = pl + f0 * RW, *o = po + f0 * RW * nv;
+    for (int r = 0; r < RW && f1 - f0 > 1; r++) { /* merge the splits into the first */
+        float mx = -INFINITY;
+        for (int64_t i = f0; i < f1; i++) mx = pm[i * RW + r] > mx ? pm[i * RW + r] : mx;
+        if (mx == -INFINITY) continue;
+        float tot = 0.0f;
+        for (int64_t i = f0; i < f1; i++) {
+            const float w = pm[i * RW + r] == -INFINITY ? 0.0f : expf(pm[i * RW + r] - mx);
+            tot += w * pl[i * RW + r];
+            const float *src = po + (i * RW + r) * nv;
+            for (int64_t c = 0; c < nv; c++) o[r * nv + c] = i == f0 ? o[r * nv + c] * w : o[r * nv + c] + w * src[c];
+        }
+        m[r] = mx;
+        l[r] = tot;
+    }
+    float *ox = NULL, *s = NULL;
+    if (a->ne > 0) {
+        ox = malloc(sizeof(float) * RW * (size_t)a->dx);
+        s = malloc(sizeof(float) * (size_t)a->ne);
+        merge_exact(a, b, h, rc, m, l, o, ox, s);
+    }
+    for (int r = 0; r < RW; r++) {
+        const int64_t row = rc * RW + r, dst = (b * H + h) * a->rows + row;
+        if (row >= a->rows) break;
+        a->out_m[dst] = m[r];
+        a->out_l[dst] = l[r];
+        memcpy(a->out_o + dst * nv, o + r * nv, sizeof(float) * (size_t)nv);
+        if (ox) memcpy(a->out_ox + dst * a->dx, ox + r * a->dx, sizeof(float) * (size_t)a->dx);
+    }
+    free(ox), free(s);
+}
+
+/* one item; the thread finishing a unit's last item finishes the unit (no barrier between the phases) */
+static void do_item(void *ctx, int64_t i) {
+    const qjl_job *j = ctx;
+    const int64_t nv = j->a->value.n;
+    run_item(j->a, j->avx2, &j->list[i], j->pm + i * RW, j->pl + i * RW, j->po + i * RW * nv);
+    const int64_t u = j->unit_of[i];
+    if (__atomic_sub_fetch(&j->left[u], 1, __ATOMIC_ACQ_REL) == 0) finish_unit(j, u);
+}
+
 /* Returns 0, or -1 for arguments outside what the kernel reads (the launcher checks them first). */
 QJL_EXPORT int qjl_paged_decode(const qjl_decode_args *a) {
     if (check_args(a)) return -1;
     const int avx2 = a->simd && QJL_HAVE_AVX2 && cpu_has_avx2();
     const int64_t B = a->batch, H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.n;
+    const int64_t units = B * H * rchunks;
     const int threads = a->threads > 0 ? a->threads : 1;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -174,7 +232,7 @@ QJL_EXPORT int qjl_paged_decode(const qjl_decode_args *a) {
     }
     int64_t split = a->split_tokens;
     if (split <= 0) { /* split sequences only as far as needed to give every thread ~4 items */
-        const int64_t units = B * H * rchunks, per = (4 * threads + units - 1) / units;
+        const int64_t per = (4 * threads + units - 1) / units;
         split = (max_len + per - 1) / (per > 0 ? per : 1);
         split = split < 256 ? 256 : split;
     }
@@ -184,59 +242,28 @@ QJL_EXPORT int qjl_paged_decode(const qjl_decode_args *a) {
         items += (len > 0 ? (len + split - 1) / split : 1) * H * rchunks;
     }
     qjl_item *list = malloc(sizeof(qjl_item) * (size_t)items);
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B * H * rchunks + 1)); /* items of unit (b, h, rc) */
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(units + 1)), *left = malloc(sizeof(int64_t) * (size_t)units);
+    int64_t *unit_of = malloc(sizeof(int64_t) * (size_t)items);
     int64_t at_item = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t s0 = a->code_start[b], s1 = a->code_end[b] > s0 ? a->code_end[b] : s0;
         const int64_t ns = s1 > s0 ? (s1 - s0 + split - 1) / split : 1;
         for (int64_t h = 0; h < H; h++)
             for (int64_t rc = 0; rc < rchunks; rc++) {
-                first[(b * H + h) * rchunks + rc] = at_item;
+                const int64_t u = (b * H + h) * rchunks + rc;
+                first[u] = at_item;
+                left[u] = ns;
                 for (int64_t s = 0; s < ns; s++) {
                     const int64_t t0 = s0 + s * split, t1 = t0 + split < s1 ? t0 + split : s1;
+                    unit_of[at_item] = u;
                     list[at_item++] = (qjl_item){b, h, rc, t0, t1};
                 }
             }
     }
-    first[B * H * rchunks] = at_item;
-    float *pm = malloc(sizeof(float) * RW * (size_t)items), *pl = malloc(sizeof(float) * RW * (size_t)items);
-    float *po = malloc(sizeof(float) * RW * (size_t)(items * nv));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t i = 0; i < items; i++) run_item(a, avx2, &list[i], pm + i * RW, pl + i * RW, po + i * RW * nv);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t u = 0; u < B * H * rchunks; u++) {
-        const int64_t f0 = first[u], f1 = first[u + 1], b = u / (H * rchunks), h = (u / rchunks) % H, rc = u % rchunks;
-        float *m = pm + f0 * RW, *l = pl + f0 * RW, *o = po + f0 * RW * nv;
-        for (int r = 0; r < RW && f1 - f0 > 1; r++) { /* merge the splits into the first */
-            float mx = -INFINITY;
-            for (int64_t i = f0; i < f1; i++) mx = pm[i * RW + r] > mx ? pm[i * RW + r] : mx;
-            if (mx == -INFINITY) continue;
-            float tot = 0.0f;
-            for (int64_t i = f0; i < f1; i++) {
-                const float w = pm[i * RW + r] == -INFINITY ? 0.0f : expf(pm[i * RW + r] - mx);
-                tot += w * pl[i * RW + r];
-                const float *src = po + (i * RW + r) * nv;
-                for (int64_t c = 0; c < nv; c++) o[r * nv + c] = i == f0 ? o[r * nv + c] * w : o[r * nv + c] + w * src[c];
-            }
-            m[r] = mx;
-            l[r] = tot;
-        }
-        float *ox = NULL, *s = NULL;
-        if (a->ne > 0) {
-            ox = malloc(sizeof(float) * RW * (size_t)a->dx);
-            s = malloc(sizeof(float) * (size_t)a->ne);
-            merge_exact(a, b, h, rc, m, l, o, ox, s);
-        }
-        for (int r = 0; r < RW; r++) {
-            const int64_t row = rc * RW + r, dst = (b * H + h) * a->rows + row;
-            if (row >= a->rows) break;
-            a->out_m[dst] = m[r];
-            a->out_l[dst] = l[r];
-            memcpy(a->out_o + dst * nv, o + r * nv, sizeof(float) * (size_t)nv);
-            if (ox) memcpy(a->out_ox + dst * a->dx, ox + r * a->dx, sizeof(float) * (size_t)a->dx);
-        }
-        free(ox), free(s);
-    }
-    free(list), free(first), free(pm), free(pl), free(po);
+    first[units] = at_item;
+    qjl_job job = {a, avx2, list, first, unit_of, left, malloc(sizeof(float) * RW * (size_t)items),
+                   malloc(sizeof(float) * RW * (size_t)items), malloc(sizeof(float) * RW * (size_t)(items * nv))};
+    parallel_for(items, threads, do_item, &job);
+    free(list), free(first), free(left), free(unit_of), free(job.pm), free(job.pl), free(job.po);
     return 0;
 }

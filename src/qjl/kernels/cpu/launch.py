@@ -2,7 +2,7 @@
 
 :func:`paged_decode` fills the C struct ``qjl_decode_args`` (``decode.h``) by name from the codecs'
 views and the paged fields, makes one C call for the whole layer (all sequences, KV heads and query
-rows; OpenMP threads over them), and applies the value codec's ``unmix`` (TurboQuant's inverse rotation)
+rows; OpenMP threads over them, libgomp's pool shared with torch), and applies the value codec's ``unmix`` (TurboQuant's inverse rotation)
 once per row.  ``impl``: "c" (the AVX2 path where the CPU has it), "c-portable" (the C build without it;
 the tests run both).
 """
