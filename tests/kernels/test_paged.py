@@ -120,6 +120,16 @@ def test_bad_arguments_are_named():
         paged_decode(q, kc, kf, vc, vf, bt, bs, s, e, exact=(q, q), backend="torch")
     with pytest.raises(ValueError, match="kernel must be"):
         paged_decode(q, kc, kf, vc, vf, bt, bs, s, e, backend="gpu")
+    with pytest.raises(ValueError, match="maps only"):
+        paged_decode(q, kc, kf, vc, vf, bt, bs - 1, s, e, backend="torch")
+    import dataclasses
+
+    far = dict(kf, norm=dataclasses.replace(kf["norm"], stride_head=kf["norm"].stride_head * 4))
+    for backend in BACKENDS:  # an address past the buffer is refused before any kernel reads it
+        with pytest.raises(ValueError, match="reach byte"):
+            paged_decode(q, kc, far, vc, vf, bt, bs, s, e, backend=backend)
+    with pytest.raises(ValueError, match="packed codes"):
+        paged_decode(q, kc, dict(kf, codes=kf["norm"]), vc, vf, bt, bs, s, e, backend="torch")
 
 
 def test_pairs_are_known():

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PagedField", "paged_decode", "check_paged"]
+__all__ = ["PagedField", "paged_decode", "check_paged", "view_fields", "term_queries", "check_exact"]
 
 
 @dataclass(frozen=True)
@@ -71,30 +71,81 @@ class PagedField:
         return raw.view(self.dtype).reshape(*idx.shape[:-1], *self.shape)
 
 
-def check_paged(q, fields: dict, names, block_table, code_start, code_end) -> None:
-    """ValueError naming the argument unless the shapes fit the contract (see :func:`paged_decode`)."""
+def view_fields(key_codec, value_codec) -> tuple:
+    """(key field names, value field names) the codecs' views read (per-token and per-block shared)."""
+    kview, vview = key_codec.score_view(), value_codec.mix_view()
+    if kview is None or vview is None:
+        raise ValueError(f"codecs {type(key_codec).__name__}/{type(value_codec).__name__} declare no kernel views")
+    knames = [n for t in kview.terms for n in (t.codes.field, t.norm)] + list(kview.shared)
+    vnames = [vview.codes.field, vview.scale] + ([vview.zero] if vview.zero else [])
+    return knames, vnames
+
+
+def _entry_shapes(key_codec, value_codec) -> dict:
+    """{(role, field): bytes per entry} of the packed-code fields the views declare."""
+    out = {("key_fields", t.codes.field): t.codes.nbytes for t in key_codec.score_view().terms}
+    out[("value_fields", value_codec.mix_view().codes.field)] = value_codec.mix_view().codes.nbytes
+    return out
+
+
+def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict, block_table, block_size: int,
+                code_start, code_end) -> None:
+    """ValueError naming the argument unless the arguments fit the contract (:func:`paged_decode`), including
+    that every address a kernel may read lies inside its field's buffer."""
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or not q.dtype.is_floating_point:
         raise ValueError(f"q must be a float tensor [B, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
-    b = q.shape[0]
-    for role, (given, wanted) in fields.items():
+    b, h = q.shape[:2]
+    if not isinstance(block_table, torch.Tensor) or block_table.ndim != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table must be [B={b}, max_blocks], got {getattr(block_table, 'shape', block_table)!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    for name, t in (("code_start", code_start), ("code_end", code_end)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b,) or t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a [B={b}] int tensor, got {getattr(t, 'shape', t)!r}")
+    if b and (bool((code_end < code_start).any()) or bool((code_start < 0).any())):
+        raise ValueError("code_start/code_end must satisfy 0 <= code_start <= code_end")
+    if b and int(code_end.max()) > block_table.shape[1] * block_size:
+        raise ValueError(f"code_end reaches token {int(code_end.max())} but block_table maps only "
+                         f"{block_table.shape[1]} blocks of {block_size}")
+    used = block_table[:, : max(1, -(-int(code_end.max()) // block_size))] if b else block_table
+    if used.numel() and int(used.min()) < 0:
+        raise ValueError("block_table: the blocks holding coded tokens must be >= 0")
+    top = int(used.max()) if used.numel() else 0
+    knames, vnames = view_fields(key_codec, value_codec)
+    sizes = _entry_shapes(key_codec, value_codec)
+    for role, given, wanted in (("key_fields", key_fields, knames), ("value_fields", value_fields, vnames)):
         missing = [n for n in wanted if n not in given]
         if missing:
             raise ValueError(f"{role} lacks the field(s) {missing} its codec's view reads (has {sorted(given)})")
         for n in wanted:
             f = given[n]
-            if not hasattr(f, "buffer") or f.buffer.device != q.device:
-                raise ValueError(f"{role}[{n!r}] must be a PagedField on {q.device}")
-    if not isinstance(block_table, torch.Tensor) or block_table.ndim != 2 or block_table.shape[0] != b:
-        raise ValueError(f"block_table must be [B={b}, max_blocks], got {getattr(block_table, 'shape', block_table)!r}")
-    for name, t in (("code_start", code_start), ("code_end", code_end)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b,):
-            raise ValueError(f"{name} must be a [B={b}] int tensor, got {getattr(t, 'shape', t)!r}")
-    if bool((code_end < code_start).any()) or bool((code_start < 0).any()):
-        raise ValueError("code_start/code_end must satisfy 0 <= code_start <= code_end")
-    del names
+            if not isinstance(getattr(f, "buffer", None), torch.Tensor) or f.buffer.device != q.device:
+                raise ValueError(f"{role}[{n!r}] must be a PagedField whose buffer is on {q.device}")
+            if (role, n) in sizes and (f.dtype != torch.uint8 or f.entry_bytes != sizes[(role, n)]):
+                raise ValueError(f"{role}[{n!r}]: packed codes of {sizes[(role, n)]} uint8 bytes per token expected, "
+                                 f"got {f.dtype} {tuple(f.shape)}")
+            last = (f.offset + top * f.stride_block + (h - 1) * f.stride_head + (block_size - 1) * f.stride_token
+                    + f.entry_bytes)
+            room = f.buffer.untyped_storage().nbytes() - f.buffer.storage_offset() * f.buffer.element_size()
+            if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > room:
+                raise ValueError(f"{role}[{n!r}]: offset/strides reach byte {last} of a buffer of {room}")
 
 
-def _check_exact(exact, q) -> None:
+def term_queries(q: torch.Tensor, key_codec, key_fields: dict, block_table: torch.Tensor) -> list:
+    """Each key term's query rows: [B, H, R, n], or [B, max_blocks, H, R, n] when the codec's query map reads
+    per-block shared fields (QJL outlier channels chosen per block: one map per block-table column)."""
+    kview = key_codec.score_view()
+    qf = q.float()
+    if not kview.shared:
+        return key_codec.score_queries(qf)
+    h = q.shape[1]
+    blocks = block_table.long().clamp(min=0).unsqueeze(-1)  # [B, max_blocks, 1]; unused columns may be -1
+    heads = torch.arange(h, device=q.device).view(1, 1, h)
+    shared = {n: key_fields[n].gather(blocks, heads, torch.zeros_like(blocks)) for n in kview.shared}
+    return key_codec.score_queries(qf.unsqueeze(1), shared)
+
+
+def check_exact(exact, q) -> None:
     if exact is None:
         return
     if not isinstance(exact, (tuple, list)) or len(exact) != 3:
@@ -139,7 +190,7 @@ def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, valu
     from qjl import kernels
 
     backend = kernels.pick_backend(q.device, backend)
-    _check_exact(exact, q)
+    check_exact(exact, q)
     if backend == "cpu":
         from qjl.kernels.cpu import launch
 

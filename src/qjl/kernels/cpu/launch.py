@@ -84,7 +84,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     split_tokens: coded tokens per work item (0: enough items for every thread).
     """
     from qjl.codecs.views import kernel_readable
-    from qjl.kernels.paged import check_paged
+    from qjl.kernels.paged import check_paged, term_queries
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -94,17 +94,14 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
+    check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end)
     kview, vview = key_codec.score_view(), value_codec.mix_view()
-    knames = [n for t in kview.terms for n in (t.codes.field, t.norm)] + list(kview.shared)
-    vnames = [vview.codes.field, vview.scale] + ([vview.zero] if vview.zero else [])
-    check_paged(q, {"key_fields": (key_fields, knames), "value_fields": (value_fields, vnames)}, None, block_table,
-                code_start, code_end)
     b, hkv, r, d = q.shape
     bt = block_table.to(torch.int32).contiguous()
     a = _Args(mod.ffi)
     c = a.c
     c.n_terms = len(kview.terms)
-    for i, (term, qt) in enumerate(zip(kview.terms, _term_queries(q, key_codec, kview, key_fields, bt, block_size))):
+    for i, (term, qt) in enumerate(zip(kview.terms, term_queries(q, key_codec, key_fields, bt))):
         kt = c.key[i]
         a.field(kt.codes, key_fields[term.codes.field], False)
         a.field(kt.norm, key_fields[term.norm], True)
@@ -147,19 +144,6 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if out_ox is not None:
         out = out + out_ox
     return out / out_l.unsqueeze(-1)
-
-
-def _term_queries(q, key_codec, kview, key_fields, bt, block_size):
-    """Each key term's query rows: [B, H, R, n], or [B, max_blocks, H, R, n] when the query map reads
-    per-block shared fields (e.g. QJL outlier channels chosen per block)."""
-    qf = q.float()
-    if not kview.shared:
-        return key_codec.score_queries(qf)
-    b, h = q.shape[:2]
-    blocks = bt.long().unsqueeze(-1)  # [B, max_blocks, 1]
-    heads = torch.arange(h).view(1, 1, h)
-    shared = {n: key_fields[n].gather(blocks, heads, torch.zeros_like(blocks)) for n in kview.shared}  # [B, mb, H, k]
-    return key_codec.score_queries(qf.unsqueeze(1), shared)  # [B, mb, H, R, n]
 
 
 def bucket_pack(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tensor, bits: int):

@@ -82,18 +82,14 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     partials of the coded tokens, merged in torch with the exact tokens' partial; then the value codec's
     ``unmix`` once per row."""
     from qjl.codecs.views import kernel_readable
-    from qjl.kernels.cpu.launch import _term_queries
-    from qjl.kernels.paged import check_paged
+    from qjl.kernels.paged import check_paged, term_queries
     from qjl.kernels.reference import merge_partials, partial_softmax
 
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the Triton kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
+    check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end)
     kview, vview = key_codec.score_view(), value_codec.mix_view()
-    knames = [n for t in kview.terms for n in (t.codes.field, t.norm)] + list(kview.shared)
-    vnames = [vview.codes.field, vview.scale] + ([vview.zero] if vview.zero else [])
-    check_paged(q, {"key_fields": (key_fields, knames), "value_fields": (value_fields, vnames)}, None, block_table,
-                code_start, code_end)
     b, hkv, r, d = q.shape
     dev = q.device
     bt = block_table.to(torch.int32).contiguous()
@@ -103,7 +99,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         splits = max(1, min(64, max_len // 512))
     chunk = max(block_n, math.ceil(math.ceil(max(max_len, 1) / splits) / block_n) * block_n)
     splits = max(1, math.ceil(max(max_len, 1) / chunk))
-    qts = [qt.float().contiguous() for qt in _term_queries(q, key_codec, kview, key_fields, bt, block_size)]
+    qts = [qt.float().contiguous() for qt in term_queries(q, key_codec, key_fields, bt)]
     terms = list(kview.terms)
     if len(terms) == 1:
         terms, qts = terms * 2, qts * 2
