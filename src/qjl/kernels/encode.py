@@ -6,6 +6,8 @@ the same :class:`qjl.Codes` as ``codec.quantize`` (tested bit-exact).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 __all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu"]
@@ -20,9 +22,12 @@ def _seq(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1]) if x.ndim >= 2 else x.reshape(1, 1, -1)
 
 
+_DENSE = weakref.WeakKeyDictionary()  # rotation / sketch object -> {device: its dense matrix}
+
+
 def _dense(obj, device) -> torch.Tensor:
     """``obj.matrix()`` on ``device``, built once per object and device (rotations and sketches are fixed)."""
-    cache = obj.__dict__.setdefault("_kernel_dense", {})
+    cache = _DENSE.setdefault(obj, {})
     if device not in cache:
         cache[device] = obj.matrix().to(device)
     return cache[device]
