@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedCodes", "KeyTerm", "ScoreView", "MixView", "ProjectQuantize", "QuantizeView", "kernel_readable"]
+__all__ = ["PackedCodes", "KeyTerm", "ScoreView", "MixView", "ProjectQuantize", "QuantizeView", "kernel_readable", "readable"]
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,11 @@ class QuantizeView:
 def kernel_readable(key_codec, value_codec) -> bool:
     """Whether both codecs declare views a kernel reads: packed codes in whole bytes of 8 codes
     (``length % 8 == 0``), value groups of whole bytes, and at most two key terms."""
-    sv = getattr(key_codec, "score_view", lambda: None)()
-    mv = getattr(value_codec, "mix_view", lambda: None)()
+    return readable(getattr(key_codec, "score_view", lambda: None)(), getattr(value_codec, "mix_view", lambda: None)())
+
+
+def readable(sv, mv) -> bool:
+    """:func:`kernel_readable` of the views themselves (a ScoreView and a MixView, or None)."""
     if sv is None or mv is None or not 1 <= len(sv.terms) <= 2:
         return False
     codes = [t.codes for t in sv.terms] + [mv.codes]
