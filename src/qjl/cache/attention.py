@@ -109,18 +109,6 @@ def _attend_sdpa(store, query: torch.Tensor, attention_mask, scaling: float) -> 
     return out.transpose(1, 2)
 
 
-def _code_bias(attention_mask, n_sink: int, n_codes: int):
-    """The mask over the codes as one [B, N] additive row, None when it masks nothing, or False
-    when it differs between rows or heads (then another path is used)."""
-    if attention_mask is None:
-        return None
-    sl = attention_mask[..., n_sink:n_sink + n_codes]
-    if sl.shape[1] != 1 or (sl.shape[2] > 1 and not bool((sl == sl[:, :, :1]).all())):
-        return False
-    row = _additive(sl[:, 0, 0])
-    return None if not bool(row.any()) else row.contiguous()
-
-
 def _fields(codes) -> dict:
     """A store's contiguous codes ([B, H, N, ...] per field) as paged fields: one block per sequence."""
     out = {n: PagedField.of(t) for n, t in codes.fields.items()}
@@ -130,24 +118,26 @@ def _fields(codes) -> dict:
 
 def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: int, t: int):
     """Codes through the paged decode core (one block per sequence), sinks + window exactly, in one
-    call: -> [B, t, H_q, D] float32, or None when the mask differs between rows over the codes."""
+    call: -> [B, t, H_q, D] float32, or None when the mask over the codes differs between rows or heads."""
     b, hkv, rows, d = qg.shape
     n_sink, n_codes = store.n_sink, store.n_codes
-    bias = _code_bias(attention_mask, n_sink, n_codes)
-    if bias is False:
-        return None
     keys, values = _joined(store.sink_k, store.keys), _joined(store.sink_v, store.values)
     ne = keys.shape[-2]
-    bias_x = None
+    bias = bias_x = None
     if attention_mask is not None:
-        mx = _additive(torch.cat([attention_mask[..., :n_sink], attention_mask[..., n_sink + n_codes:]], dim=-1))
-        # [B, 1|H_q, t, n] -> rows of KV head groups [B, H_kv, g*t, n]
-        bias_x = (mx.expand(b, hq, t, -1).reshape(b, hkv, rows, ne) if mx.shape[1] != 1
-                  else mx.expand(b, 1, t, -1).repeat(1, hkv, hq // hkv, 1).reshape(b, hkv, rows, ne))
-    block_table = torch.arange(b, dtype=torch.int32, device=qg.device)[:, None]
-    start = torch.zeros(b, dtype=torch.int32, device=qg.device)
-    end = torch.full((b,), n_codes, dtype=torch.int32, device=qg.device)
+        mask = _additive(attention_mask)  # [B, 1|H_q, t, L]
+        codes = mask[..., n_sink:n_sink + n_codes]
+        if mask.shape[1] != 1 or (t > 1 and not bool((codes == codes[:, :, :1]).all())):
+            return None
+        bias = codes[:, 0, 0]  # [B, N]: the same for every head and row
+        mx = torch.cat([mask[..., :n_sink], mask[..., n_sink + n_codes:]], dim=-1)  # [B, 1, t, n_x]
+        # row g * t + i of KV head h is query head h * g + g' at new token i: broadcast over heads (and the group)
+        bias_x = mx if t == 1 else mx.unsqueeze(2).expand(b, 1, hq // hkv, t, ne).reshape(b, 1, rows, ne)
+    block_table = torch.zeros(b, 1, dtype=torch.int32) + torch.arange(b, dtype=torch.int32)[:, None]
+    start = torch.zeros(b, dtype=torch.int32)
+    end = torch.full((b,), n_codes, dtype=torch.int32)
     out = kernels.paged_decode(qg * scaling, store.key_codec, _fields(store.key_codes), store.value_codec,
-                               _fields(store.value_codes), block_table, max(n_codes, 1), start, end,
-                               exact=(keys, values, bias_x), code_bias=bias, backend=store.backend)
+                               _fields(store.value_codes), block_table.to(qg.device), max(n_codes, 1),
+                               start.to(qg.device), end.to(qg.device), exact=(keys, values, bias_x), code_bias=bias,
+                               backend=store.backend)
     return out.reshape(b, hq, t, d).transpose(1, 2)

@@ -16,11 +16,43 @@ kernel reads and how.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["PagedField", "paged_decode", "check_paged", "view_fields", "term_queries", "check_exact"]
+__all__ = ["PagedField", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
+           "check_exact"]
+
+_VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
+
+
+def _view(codec, kind: str):
+    try:
+        memo = _VIEWS.setdefault(codec, {})
+    except TypeError:  # not weak-referenceable: no memo
+        memo = {}
+    if kind not in memo:
+        v = getattr(codec, kind, lambda: None)()
+        if v is not None and kind == "score_view":
+            v = replace(v, terms=tuple(replace(t, codes=replace(t.codes, centroids=t.codes.centroids.float().contiguous()))
+                                       for t in v.terms))
+        elif v is not None:
+            v = replace(v, codes=replace(v.codes, centroids=v.codes.centroids.float().contiguous()))
+        memo[kind] = v
+    return memo[kind]
+
+
+def views(key_codec, value_codec) -> tuple:
+    """(key_codec.score_view(), value_codec.mix_view()), built once per codec object."""
+    return _view(key_codec, "score_view"), _view(value_codec, "mix_view")
+
+
+def kernel_readable(key_codec, value_codec) -> bool:
+    """:func:`qjl.codecs.views.kernel_readable`, memoized per codec object."""
+    from qjl.codecs.views import readable
+
+    return readable(*views(key_codec, value_codec))
 
 
 @dataclass(frozen=True)
@@ -73,7 +105,7 @@ class PagedField:
 
 def view_fields(key_codec, value_codec) -> tuple:
     """(key field names, value field names) the codecs' views read (per-token and per-block shared)."""
-    kview, vview = key_codec.score_view(), value_codec.mix_view()
+    kview, vview = views(key_codec, value_codec)
     if kview is None or vview is None:
         raise ValueError(f"codecs {type(key_codec).__name__}/{type(value_codec).__name__} declare no kernel views")
     knames = [n for t in kview.terms for n in (t.codes.field, t.norm)] + list(kview.shared)
@@ -83,8 +115,9 @@ def view_fields(key_codec, value_codec) -> tuple:
 
 def _entry_shapes(key_codec, value_codec) -> dict:
     """{(role, field): bytes per entry} of the packed-code fields the views declare."""
-    out = {("key_fields", t.codes.field): t.codes.nbytes for t in key_codec.score_view().terms}
-    out[("value_fields", value_codec.mix_view().codes.field)] = value_codec.mix_view().codes.nbytes
+    kview, vview = views(key_codec, value_codec)
+    out = {("key_fields", t.codes.field): t.codes.nbytes for t in kview.terms}
+    out[("value_fields", vview.codes.field)] = vview.codes.nbytes
     return out
 
 
@@ -102,15 +135,21 @@ def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict,
     for name, t in (("code_start", code_start), ("code_end", code_end)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b,) or t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a [B={b}] int tensor, got {getattr(t, 'shape', t)!r}")
-    if b and (bool((code_end < code_start).any()) or bool((code_start < 0).any())):
+    starts, ends = code_start.tolist(), code_end.tolist()
+    if any(e < s or s < 0 for s, e in zip(starts, ends)):
         raise ValueError("code_start/code_end must satisfy 0 <= code_start <= code_end")
-    if b and int(code_end.max()) > block_table.shape[1] * block_size:
-        raise ValueError(f"code_end reaches token {int(code_end.max())} but block_table maps only "
+    end = max(ends, default=0)
+    if end > block_table.shape[1] * block_size:
+        raise ValueError(f"code_end reaches token {end} but block_table maps only "
                          f"{block_table.shape[1]} blocks of {block_size}")
-    used = block_table[:, : max(1, -(-int(code_end.max()) // block_size))] if b else block_table
-    if used.numel() and int(used.min()) < 0:
+    if block_table.shape[1] == 1:  # one block per sequence (the transformers cache): plain ints
+        col = block_table[:, 0].tolist()
+        lo, top = min(col, default=0), max(col, default=0)
+    else:
+        used = block_table[:, : max(1, -(-end // block_size))]
+        lo, top = (int(used.min()), int(used.max())) if used.numel() else (0, 0)
+    if lo < 0:
         raise ValueError("block_table: the blocks holding coded tokens must be >= 0")
-    top = int(used.max()) if used.numel() else 0
     knames, vnames = view_fields(key_codec, value_codec)
     sizes = _entry_shapes(key_codec, value_codec)
     for role, given, wanted in (("key_fields", key_fields, knames), ("value_fields", value_fields, vnames)):
@@ -134,7 +173,7 @@ def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict,
 def term_queries(q: torch.Tensor, key_codec, key_fields: dict, block_table: torch.Tensor) -> list:
     """Each key term's query rows: [B, H, R, n], or [B, max_blocks, H, R, n] when the codec's query map reads
     per-block shared fields (QJL outlier channels chosen per block: one map per block-table column)."""
-    kview = key_codec.score_view()
+    kview = _view(key_codec, "score_view")
     qf = q.float()
     if not kview.shared:
         return key_codec.score_queries(qf)
@@ -156,8 +195,9 @@ def check_exact(exact, q) -> None:
         raise ValueError(f"exact: xk must be [{b}, {h}, n, {d}], got {getattr(xk, 'shape', xk)!r}")
     if not isinstance(xv, torch.Tensor) or xv.shape != xk.shape:
         raise ValueError(f"exact: xv must have xk's shape {tuple(xk.shape)}, got {getattr(xv, 'shape', xv)!r}")
-    if xbias is not None and tuple(xbias.shape) != (b, h, r, xk.shape[2]):
-        raise ValueError(f"exact: xbias must be [{b}, {h}, {r}, {xk.shape[2]}], got {tuple(xbias.shape)}")
+    if xbias is not None and (xbias.ndim != 4 or xbias.shape[-1] != xk.shape[2]
+                              or any(xbias.shape[i] not in (1, (b, h, r)[i]) for i in range(3))):
+        raise ValueError(f"exact: xbias must be [{b}|1, {h}|1, {r}|1, {xk.shape[2]}], got {tuple(xbias.shape)}")
 
 
 def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, value_fields: dict,
@@ -176,7 +216,7 @@ def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, valu
             of the addressing; vLLM: ``[sinks, n - window)``, transformers: ``[0, N)``).
         exact: None or ``(xk, xv, xbias)``: exact tokens (sinks, window, the current token) merged into
             the same softmax; xk/xv [B, H_kv, n_x, D] (any float dtype), xbias [B, H_kv, R, n_x]
-            additive (0 / -inf, e.g. a causal mask or ragged lengths) or None.
+            additive (0 / -inf, e.g. a causal mask or ragged lengths; axes of size 1 broadcast) or None.
         code_bias: [B, >= max(code_end)] additive over coded token indices (e.g. left padding) or None.
         backend: "auto" (by device), "cpu", "triton" or "torch" (:func:`qjl.kernels.reference.paged_decode_reference`).
 

@@ -96,7 +96,7 @@ def paged_decode_reference(q, key_codec, key_fields: dict, value_codec, value_fi
             if exact is not None and exact[0].shape[2]:
                 xk, xv, xb = exact
                 lx = q[i, h].float() @ xk[i, h].float().T
-                logits.append(lx if xb is None else lx + xb[i, h].float())
+                logits.append(lx if xb is None else lx + xb.expand(b, hkv, r, -1)[i, h].float())
             if not logits:
                 out[i, h] = float("nan")
                 continue

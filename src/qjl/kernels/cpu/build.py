@@ -120,9 +120,13 @@ def load_extension(name: str, sources, cdef: str | None = None, flags=FLAGS):
 def load():
     """The CPU kernels' module (``.lib.qjl_paged_decode``, ``.lib.qjl_bucket_pack``, ``.ffi``), or None
     where it cannot be built (one warning)."""
-    if os.environ.get("QJL_CPU_KERNEL", "").lower() == "off":
-        return None
-    return load_extension("_qjl_cpu_kernels", SOURCES, kernels_cdef())
+    return _load(os.environ.get("QJL_CPU_KERNEL", "").lower() == "off", os.environ.get("QJL_CACHE_DIR"))
+
+
+@functools.lru_cache(maxsize=None)
+def _load(off: bool, cache_dir):
+    del cache_dir  # part of the key: another cache directory loads (or builds) its own copy
+    return None if off else load_extension("_qjl_cpu_kernels", SOURCES, kernels_cdef())
 
 
 @functools.lru_cache(maxsize=None)

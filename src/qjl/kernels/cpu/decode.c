@@ -126,7 +126,7 @@ static void merge_exact(const qjl_decode_args *a, int64_t b, int64_t h, int64_t 
         memset(ox + r * dx, 0, sizeof(float) * (size_t)dx);
         if (row >= a->rows) continue;
         const float *qr = a->qx + (bh * a->rows + row) * dx;
-        const float *xb = a->xbias ? a->xbias + (bh * a->rows + row) * ne : NULL;
+        const float *xb = a->xbias ? a->xbias + b * a->xbias_sb + h * a->xbias_sh + row * a->xbias_sr : NULL;
         float mx = m[r];
         for (int64_t j = 0; j < ne; j++) {
             s[j] = dot_f(qr, xk + j * dx, dx) + (xb ? xb[j] : 0.0f);

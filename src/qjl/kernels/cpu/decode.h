@@ -49,7 +49,8 @@ typedef struct {
     int64_t ne, dx;                       /* exact tokens per sequence and head, their dim (0: none) */
     const float *xk, *xv;                 /* [B, H, ne, dx] */
     const float *qx;                      /* [B, H, R, dx] the query (model basis, scale included) */
-    const float *xbias;                   /* [B, H, R, ne] additive, or NULL */
+    const float *xbias;                   /* additive, or NULL: xbias[b * sb + h * sh + r * sr + j] */
+    int64_t xbias_sb, xbias_sh, xbias_sr; /* element strides (0: the same for every head / row) */
     float *out_m, *out_l;                 /* [B, H, R] */
     float *out_o;                         /* [B, H, R, value.n] codes' values (the value codec's basis) */
     float *out_ox;                        /* [B, H, R, dx] exact values, at the same max (if ne > 0) */

@@ -83,8 +83,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     impl: "c" or "c-portable"; threads: OpenMP threads (default ``torch.get_num_threads()``);
     split_tokens: coded tokens per work item (0: enough items for every thread).
     """
-    from qjl.codecs.views import kernel_readable
-    from qjl.kernels.paged import check_paged, term_queries
+    from qjl.kernels.paged import check_paged, kernel_readable, term_queries, views
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -95,7 +94,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
     check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end)
-    kview, vview = key_codec.score_view(), value_codec.mix_view()
+    kview, vview = views(key_codec, value_codec)
     b, hkv, r, d = q.shape
     bt = block_table.to(torch.int32).contiguous()
     a = _Args(mod.ffi)
@@ -106,7 +105,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         a.field(kt.codes, key_fields[term.codes.field], False)
         a.field(kt.norm, key_fields[term.norm], True)
         kt.bits, kt.n = term.codes.bits, term.codes.length
-        kt.cent = a.ptr(_f32(term.codes.centroids))
+        kt.cent = a.ptr(term.codes.centroids)
         kt.q, kt.q_per_block = a.ptr(_f32(qt)), int(bool(kview.shared))
     vv = c.value
     a.field(vv.codes, value_fields[vview.codes.field], False)
@@ -114,7 +113,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if vview.zero:
         a.field(vv.zero, value_fields[vview.zero], True)
     vv.bits, vv.n, vv.group_size, vv.groups = vview.codes.bits, vview.codes.length, vview.group_size, vview.groups
-    vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(_f32(vview.codes.centroids))
+    vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(vview.codes.centroids)
     c.batch, c.heads, c.rows = b, hkv, r
     c.block_table, c.max_blocks, c.block_size = a.ptr(bt, "int32_t *"), bt.shape[1], int(block_size)
     c.code_start = a.ptr(code_start.to(torch.int32).contiguous(), "int32_t *")
@@ -131,7 +130,12 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         xk, xv, xb = exact
         c.ne, c.dx = xk.shape[2], d
         c.xk, c.xv, c.qx = a.ptr(_f32(xk)), a.ptr(_f32(xv)), a.ptr(_f32(q))
-        c.xbias = a.ptr(_f32(xb)) if xb is not None else mod.ffi.NULL
+        if xb is not None:  # [B|1, H|1, R|1, n_x], broadcast through zero strides
+            xb = xb.float()
+            if xb.ndim != 4 or xb.stride(3) != 1:
+                xb = xb.contiguous()
+            c.xbias = a.ptr(xb)
+            c.xbias_sb, c.xbias_sh, c.xbias_sr = (xb.stride(i) if xb.shape[i] > 1 else 0 for i in range(3))
         out_ox = torch.empty(b, hkv, r, d)
         c.out_ox = a.ptr(out_ox)
     c.out_m, c.out_l, c.out_o = a.ptr(out_m), a.ptr(out_l), a.ptr(out_o)
