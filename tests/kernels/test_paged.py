@@ -56,7 +56,7 @@ def test_paged_pool_equals_contiguous(name, block_size, backend):
     close(got, want, TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + (["triton"] if kernels.triton_usable(torch.device("cpu")) else []))
 def test_per_block_outlier_channels(backend):
     """QJL outlier channels chosen per block (vLLM): each block's tokens scored with its own query split."""
     kc, vc = codec_pair("qjl-outliers-uni2", 64)

@@ -1,13 +1,14 @@
 /* Entry of the CPU decode: one call per layer and step (qjl_paged_decode, arguments in qjl_decode_args).
  *
- * Work items are (sequence, KV head, chunk of RW query rows, token split), run by parallel_for (decode.h).  An item
- * walks its coded tokens run by run (a run = consecutive slots of one block, so the fields sit at fixed
- * strides), SUB tokens per pass: the key terms are scored into logits [RW][SUB], the online softmax is
- * updated (running max, rescaling what was accumulated when it grows), and the values are mixed with the
- * weights p * scale into accumulators [RW][n] (zero points summed per group apart).  When the last item of a
- * (sequence, KV head, row chunk) is done, the thread that did it merges that unit's splits exactly and the exact tokens (sinks,
- * window, current token) are merged in at the same max; their values go to out_ox (model basis), the
- * codes' values to out_o (the value codec's basis: the caller applies its inverse rotation once per row).
+ * Work items are (sequence, KV head, chunk of RW query rows, token split), run by parallel_for (decode.h).
+ * An item walks its coded tokens run by run (a run = consecutive slots of one block, so the fields sit at
+ * fixed strides), SUB tokens per pass: the key terms are scored into logits [RW][SUB], the online softmax
+ * is updated (running max, rescaling what was accumulated when it grows), and the values are mixed with
+ * the weights p * scale into accumulators [RW][n] (zero points summed per group apart).  The thread that
+ * finishes the last item of a (sequence, KV head, row chunk) merges that unit's splits exactly and merges
+ * the exact tokens (sinks, window, current token) in at the same max; their values go to out_ox (model
+ * basis), the codes' values to out_o (the value codec's basis: the caller applies its inverse rotation
+ * once per row).
  * The AVX2 path (decode_avx2.c) and the portable path (decode_portable.c) compute the same sums in
  * another order: results agree to float32 rounding. */
 

@@ -1,6 +1,7 @@
-/* Shared by the CPU decode sources (decode_portable.c, decode_avx2.c, decode.c): the argument struct
- * the launcher fills by name (qjl.kernels.cpu.launch), scalar reads of stored dtypes, and the vectorized
- * exp.  The sources are compiled as one translation unit, this header first (qjl.kernels.cpu.build).
+/* Shared by the CPU kernel sources (decode_portable.c, decode_avx2.c, decode.c, quantize.c): the argument
+ * struct the launcher fills by name (qjl.kernels.cpu.launch), scalar reads of stored dtypes, the vectorized
+ * exp, dot products and parallel_for.  The sources are compiled as one translation unit, this header first
+ * (qjl.kernels.cpu.build).
  *
  * Paged addressing: field f of coded token t of sequence b, KV head h, lives at
  *   f.base + block_table[b * max_blocks + t / block_size] * f.stride_block + h * f.stride_head

@@ -2,8 +2,8 @@
 
 :func:`paged_decode` fills the C struct ``qjl_decode_args`` (``decode.h``) by name from the codecs'
 views and the paged fields, makes one C call for the whole layer (all sequences, KV heads and query
-rows; OpenMP threads over them, libgomp's pool shared with torch), and applies the value codec's ``unmix`` (TurboQuant's inverse rotation)
-once per row.  ``impl``: "c" (the AVX2 path where the CPU has it), "c-portable" (the C build without it;
+rows; OpenMP threads over them, libgomp's pool shared with torch), and applies the value codec's
+``unmix`` (TurboQuant's inverse rotation) once per row.  ``impl``: "c" (the AVX2 path where the CPU has it), "c-portable" (the C build without it;
 the tests run both).
 """
 
@@ -89,7 +89,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     mod = _module()
     if mod is None:
-        raise RuntimeError("the C CPU kernel could not be built (cffi and a C compiler with OpenMP are needed)")
+        raise RuntimeError("the C CPU kernels could not be built (cffi and a C compiler with OpenMP are needed)")
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
@@ -155,7 +155,7 @@ def bucket_pack(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tens
     ``cos = sum_c y[c] * centroids[cell_c]``); the cells are ``torch.bucketize(y, boundaries)``."""
     mod = _module()
     if mod is None:
-        raise RuntimeError("the C CPU kernel could not be built (cffi and a C compiler with OpenMP are needed)")
+        raise RuntimeError("the C CPU kernels could not be built (cffi and a C compiler with OpenMP are needed)")
     lead, n = y.shape[:-1], y.shape[-1]
     y2 = _f32(y.reshape(-1, n))
     nbytes = (n * bits + 7) // 8
