@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = ["PagedField", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
-           "check_exact"]
+           "query_maps", "unmix_matrix", "check_exact"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
 
@@ -41,6 +41,30 @@ def _view(codec, kind: str):
             v = replace(v, codes=replace(v.codes, centroids=v.codes.centroids.float().contiguous()))
         memo[kind] = v
     return memo[kind]
+
+
+def query_maps(key_codec) -> list | None:
+    """The key terms' query maps as matrices [n_i, dim] float32 (``score_queries(q)[i] = q @ M_i.T``, the maps
+    being linear), built once per codec; None when the maps read per-sequence shared fields."""
+    view = _view(key_codec, "score_view")
+    if view.shared:
+        return None
+    memo = _VIEWS.get(key_codec, {})
+    if "qmaps" not in memo:
+        eye = torch.eye(key_codec.dim)
+        memo["qmaps"] = [m.T.float().contiguous() for m in key_codec.score_queries(eye)]
+    return memo["qmaps"]
+
+
+def unmix_matrix(value_codec) -> torch.Tensor | None:
+    """``unmix`` as a matrix [n, dim] float32 (``unmix(o) = o @ U``), once per codec; None for the identity."""
+    view = _view(value_codec, "mix_view")
+    if not view.rotated:
+        return None
+    memo = _VIEWS.get(value_codec, {})
+    if "unmix" not in memo:
+        memo["unmix"] = value_codec.unmix(torch.eye(view.codes.length)).float().contiguous()
+    return memo["unmix"]
 
 
 def views(key_codec, value_codec) -> tuple:

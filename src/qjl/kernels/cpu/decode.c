@@ -6,9 +6,10 @@
  * is updated (running max, rescaling what was accumulated when it grows), and the values are mixed with
  * the weights p * scale into accumulators [RW][n] (zero points summed per group apart).  The thread that
  * finishes the last item of a (sequence, KV head, row chunk) merges that unit's splits exactly and merges
- * the exact tokens (sinks, window, current token) in at the same max; their values go to out_ox (model
- * basis), the codes' values to out_o (the value codec's basis: the caller applies its inverse rotation
- * once per row).
+ * the exact tokens (sinks, window, current token) in at the same max, then writes the output
+ * (unmix(o) + ox) / l: the codes' values o are mixed in the value codec's basis and mapped back once per
+ * row (TurboQuant's inverse rotation as a matrix), the exact tokens' values ox in the model's.  The key
+ * terms' query maps (TurboQuant's rotation, QJL's c S) are applied here too, as matrices, once per item.
  * The AVX2 path (decode_avx2.c) and the portable path (decode_portable.c) compute the same sums in
  * another order: results agree to float32 rounding. */
 
@@ -39,11 +40,14 @@ static inline const uint8_t *at(const qjl_field *f, int64_t blk, int64_t h, int6
 static void load_rows(const qjl_decode_args *a, int k, int64_t b, int64_t j, int64_t h, int64_t rc, float *dst) {
     const qjl_key_term *t = &a->key[k];
     const int64_t qb = t->q_per_block ? a->max_blocks : 1, col = t->q_per_block ? j : 0;
-    const float *src = t->q + (((b * qb + col) * a->heads + h) * a->rows) * t->n;
+    const int64_t width = t->qmap ? t->qdim : t->n;
+    const float *src = t->q + (((b * qb + col) * a->heads + h) * a->rows) * width;
     for (int r = 0; r < RW; r++) {
         const int64_t row = rc * RW + r;
-        if (row < a->rows) memcpy(dst + r * t->n, src + row * t->n, sizeof(float) * (size_t)t->n);
-        else memset(dst + r * t->n, 0, sizeof(float) * (size_t)t->n);
+        if (row >= a->rows) memset(dst + r * t->n, 0, sizeof(float) * (size_t)t->n);
+        else if (!t->qmap) memcpy(dst + r * t->n, src + row * t->n, sizeof(float) * (size_t)t->n);
+        else /* the term's query map, applied here: q' = qmap q */
+            for (int64_t c = 0; c < t->n; c++) dst[r * t->n + c] = dot_f(t->qmap + c * t->qdim, src + row * t->qdim, t->qdim);
     }
 }
 
@@ -158,6 +162,9 @@ static int check_args(const qjl_decode_args *a) {
     const qjl_value_view *v = &a->value;
     if (v->bits < 1 || v->bits > 8 || v->n < 8 || v->n % 8 || v->group_size < 8 || v->group_size % 8) return -1;
     if (v->groups != (v->n + v->group_size - 1) / v->group_size) return -1;
+    if (v->out_dim < 1 || (!v->unmix && v->out_dim != v->n) || (a->ne > 0 && a->dx != v->out_dim)) return -1;
+    for (int k = 0; k < a->n_terms; k++)
+        if (a->key[k].qmap && (a->key[k].qdim < 1 || a->key[k].q_per_block)) return -1;
     if (v->scale.dtype < 0 || v->scale.dtype > 3 || (v->has_zero && (v->zero.dtype < 0 || v->zero.dtype > 3))) return -1;
     return 0;
 }
@@ -199,13 +206,30 @@ static void finish_unit(const qjl_job *j, int64_t u) {
         s = malloc(sizeof(float) * (size_t)a->ne);
         merge_exact(a, b, h, rc, m, l, o, ox, s);
     }
+    const int64_t od = a->value.out_dim;
     for (int r = 0; r < RW; r++) {
         const int64_t row = rc * RW + r, dst = (b * H + h) * a->rows + row;
         if (row >= a->rows) break;
-        a->out_m[dst] = m[r];
-        a->out_l[dst] = l[r];
-        memcpy(a->out_o + dst * nv, o + r * nv, sizeof(float) * (size_t)nv);
-        if (ox) memcpy(a->out_ox + dst * a->dx, ox + r * a->dx, sizeof(float) * (size_t)a->dx);
+        if (a->out_m) a->out_m[dst] = m[r];
+        if (a->out_l) a->out_l[dst] = l[r];
+        if (a->out_o) memcpy(a->out_o + dst * nv, o + r * nv, sizeof(float) * (size_t)nv);
+        if (ox && a->out_ox) memcpy(a->out_ox + dst * a->dx, ox + r * a->dx, sizeof(float) * (size_t)a->dx);
+        if (a->out) { /* (unmix(o) + ox) / l; a row that saw nothing gets 0 / 0 */
+            float *y = a->out + dst * od;
+            const float *orow = o + r * nv, *U = a->value.unmix;
+            if (U) {
+                memset(y, 0, sizeof(float) * (size_t)od);
+                for (int64_t k = 0; k < nv; k++) {
+                    const float ok = orow[k];
+                    if (ok != 0.0f)
+                        for (int64_t c = 0; c < od; c++) y[c] += ok * U[k * od + c];
+                }
+            } else memcpy(y, orow, sizeof(float) * (size_t)od);
+            if (ox)
+                for (int64_t c = 0; c < od; c++) y[c] += ox[r * a->dx + c];
+            const float inv = 1.0f / l[r];
+            for (int64_t c = 0; c < od; c++) y[c] = l[r] == 0.0f ? y[c] / l[r] : y[c] * inv;
+        }
     }
     free(ox), free(s);
 }

@@ -27,14 +27,19 @@ typedef struct {          /* s[t] += norm[t] * sum_c q[c] * cent[code[t, c]] */
     qjl_field codes, norm;
     int32_t bits, n;      /* bits per code (1..8), codes per vector (a multiple of 8) */
     const float *cent;    /* [2^bits] */
-    const float *q;       /* [B, QB, H, R, n]: the query rows mapped into this term's basis */
+    const float *q;       /* [B, QB, H, R, n]: the query rows mapped into this term's basis, or, with qmap,
+                             [B, H, R, qdim]: the query itself */
     int32_t q_per_block;  /* QB: 0 -> one map per sequence, 1 -> one per block-table column (max_blocks) */
+    const float *qmap;    /* [n, qdim]: the term's query map as a matrix (applied in the kernel), or NULL */
+    int32_t qdim;
 } qjl_key_term;
 
 typedef struct {          /* v[t, c] = zero[t, c / group_size] + scale[t, c / group_size] * cent[code[t, c]] */
     qjl_field codes, scale, zero;
     int32_t bits, n, group_size, groups, has_zero;
     const float *cent;    /* [2^bits] */
+    const float *unmix;   /* [n, out_dim]: mixed rows back to the model's basis (o @ unmix), or NULL (identity) */
+    int32_t out_dim;
 } qjl_value_view;
 
 typedef struct {
@@ -52,9 +57,10 @@ typedef struct {
     const float *qx;                      /* [B, H, R, dx] the query (model basis, scale included) */
     const float *xbias;                   /* additive, or NULL: xbias[b * sb + h * sh + r * sr + j] */
     int64_t xbias_sb, xbias_sh, xbias_sr; /* element strides (0: the same for every head / row) */
-    float *out_m, *out_l;                 /* [B, H, R] */
-    float *out_o;                         /* [B, H, R, value.n] codes' values (the value codec's basis) */
-    float *out_ox;                        /* [B, H, R, dx] exact values, at the same max (if ne > 0) */
+    float *out;                           /* [B, H, R, value.out_dim]: the attention output, or NULL */
+    float *out_m, *out_l;                 /* [B, H, R] the partial softmax (m, l), or NULL */
+    float *out_o;                         /* [B, H, R, value.n] codes' values (the value codec's basis), or NULL */
+    float *out_ox;                        /* [B, H, R, dx] exact values, at the same max (if ne > 0), or NULL */
     int64_t split_tokens;                 /* coded tokens per work item (0: automatic) */
     int32_t threads, simd;                /* simd 0: portable path; 1: the AVX2 path where the CPU has it */
 } qjl_decode_args;

@@ -1,10 +1,12 @@
 """Launchers of the CPU kernels (:mod:`qjl.kernels.cpu.build`): the paged decode and TurboQuant bucketing.
 
 :func:`paged_decode` fills the C struct ``qjl_decode_args`` (``decode.h``) by name from the codecs'
-views and the paged fields, makes one C call for the whole layer (all sequences, KV heads and query
-rows; OpenMP threads over them, libgomp's pool shared with torch), and applies the value codec's
-``unmix`` (TurboQuant's inverse rotation) once per row.  ``impl``: "c" (the AVX2 path where the CPU has it), "c-portable" (the C build without it;
-the tests run both).
+views and the paged fields and makes one C call for the whole layer (all sequences, KV heads and query
+rows; OpenMP threads over them, libgomp's pool shared with torch), which returns the attention output:
+the key terms' query maps and the value codec's ``unmix`` (TurboQuant's rotation and its inverse) are
+applied inside the call as matrices built once per codec (:func:`qjl.kernels.paged.query_maps`).
+``impl``: "c" (the AVX2 path where the CPU has it) or "c-portable" (the C build without it; the tests
+run both).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     impl: "c" or "c-portable"; threads: OpenMP threads (default ``torch.get_num_threads()``);
     split_tokens: coded tokens per work item (0: enough items for every thread).
     """
-    from qjl.kernels.paged import check_paged, kernel_readable, term_queries, views
+    from qjl.kernels.paged import check_paged, kernel_readable, query_maps, term_queries, unmix_matrix, views
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -100,13 +102,19 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     a = _Args(mod.ffi)
     c = a.c
     c.n_terms = len(kview.terms)
-    for i, (term, qt) in enumerate(zip(kview.terms, term_queries(q, key_codec, key_fields, bt))):
+    qmaps = query_maps(key_codec)  # applied inside the C call (no small torch matmuls per layer and step)
+    qs = [None] * len(kview.terms) if qmaps is not None else term_queries(q, key_codec, key_fields, bt)
+    q32 = _f32(q)
+    for i, (term, qt) in enumerate(zip(kview.terms, qs)):
         kt = c.key[i]
         a.field(kt.codes, key_fields[term.codes.field], False)
         a.field(kt.norm, key_fields[term.norm], True)
         kt.bits, kt.n = term.codes.bits, term.codes.length
         kt.cent = a.ptr(term.codes.centroids)
-        kt.q, kt.q_per_block = a.ptr(_f32(qt)), int(bool(kview.shared))
+        if qmaps is not None:
+            kt.q, kt.qmap, kt.qdim = a.ptr(q32), a.ptr(qmaps[i]), d
+        else:
+            kt.q, kt.q_per_block = a.ptr(_f32(qt)), 1
     vv = c.value
     a.field(vv.codes, value_fields[vview.codes.field], False)
     a.field(vv.scale, value_fields[vview.scale], True)
@@ -114,6 +122,8 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         a.field(vv.zero, value_fields[vview.zero], True)
     vv.bits, vv.n, vv.group_size, vv.groups = vview.codes.bits, vview.codes.length, vview.group_size, vview.groups
     vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(vview.codes.centroids)
+    unmix = unmix_matrix(value_codec)
+    vv.unmix, vv.out_dim = a.ptr(unmix), d
     c.batch, c.heads, c.rows = b, hkv, r
     c.block_table, c.max_blocks, c.block_size = a.ptr(bt, "int32_t *"), bt.shape[1], int(block_size)
     c.code_start = a.ptr(code_start.to(torch.int32).contiguous(), "int32_t *")
@@ -123,31 +133,26 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         if cb.ndim != 2 or cb.shape[0] != b or (b and cb.shape[1] < int(code_end.max())):
             raise ValueError(f"code_bias must be [B={b}, >= max(code_end)], got {tuple(code_bias.shape)}")
         c.bias, c.bias_stride = a.ptr(cb), cb.shape[1]
-    out_m, out_l = torch.empty(b, hkv, r), torch.empty(b, hkv, r)
-    out_o = torch.empty(b, hkv, r, vview.codes.length)
-    out_ox = None
+    if unmix is None and vview.codes.length != d:
+        raise ValueError(f"value codes of length {vview.codes.length} with an identity unmix need D = {d}")
+    out = torch.empty(b, hkv, r, d)
     if exact is not None and exact[0].shape[2] > 0:
         xk, xv, xb = exact
         c.ne, c.dx = xk.shape[2], d
-        c.xk, c.xv, c.qx = a.ptr(_f32(xk)), a.ptr(_f32(xv)), a.ptr(_f32(q))
+        c.xk, c.xv, c.qx = a.ptr(_f32(xk)), a.ptr(_f32(xv)), a.ptr(q32)
         if xb is not None:  # [B|1, H|1, R|1, n_x], broadcast through zero strides
             xb = xb.float()
             if xb.ndim != 4 or xb.stride(3) != 1:
                 xb = xb.contiguous()
             c.xbias = a.ptr(xb)
             c.xbias_sb, c.xbias_sh, c.xbias_sr = (xb.stride(i) if xb.shape[i] > 1 else 0 for i in range(3))
-        out_ox = torch.empty(b, hkv, r, d)
-        c.out_ox = a.ptr(out_ox)
-    c.out_m, c.out_l, c.out_o = a.ptr(out_m), a.ptr(out_l), a.ptr(out_o)
+    c.out = a.ptr(out)
     c.split_tokens = int(split_tokens)
     c.threads = int(threads or torch.get_num_threads())
     c.simd = int(impl == "c")
     if mod.lib.qjl_paged_decode(c) != 0:
         raise ValueError("the C kernel refused its arguments (code widths, lengths or group sizes)")
-    out = value_codec.unmix(out_o)
-    if out_ox is not None:
-        out = out + out_ox
-    return out / out_l.unsqueeze(-1)
+    return out
 
 
 def bucket_pack(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tensor, bits: int):
