@@ -102,6 +102,49 @@ class TurboQuantMSE(Codec):
         self._check_query(q, codes)
         return torch.matmul(self.rotation.apply(q.float()), self.rotated(codes).transpose(-1, -2))
 
+    # -- kernel views: keys scored and values mixed in the rotated basis ------------------------
+    def _packed(self):
+        from qjl.codecs.views import PackedCodes
+
+        return PackedCodes("codes", self.bits, self.rotation.out_dim, self._centroids)
+
+    def score_view(self):
+        """One term: ``norm * <Pi q, c[idx]>`` (:meth:`inner_product`)."""
+        from qjl.codecs.views import KeyTerm, ScoreView
+
+        return ScoreView((KeyTerm(self._packed(), "norm"),))
+
+    def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
+        """q: [..., dim] -> [Pi q] ([..., n] float32)."""
+        return [self.rotation.apply(q.float())]
+
+    def quantize_view(self):
+        """Normalize, rotate, Lloyd-Max cell, pack (norm correction as configured)."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        return QuantizeView((ProjectQuantize(self.rotation, self.bits, "codes", "norm", self.norm_dtype, self._boundaries,
+                                             self._centroids, normalize=True, correct_norm=self.correct_norm),))
+
+    def mix_view(self):
+        """One group, scale ``norm``, no zero point; rows mixed in the rotated basis (see :meth:`unmix`)."""
+        from qjl.codecs.views import MixView
+
+        return MixView(self._packed(), self.rotation.out_dim, "norm", None, rotated=True)
+
+    def unmix(self, o: torch.Tensor) -> torch.Tensor:
+        """o: [..., n] mixed rotated rows -> ``Pi^T o`` [..., dim]."""
+        return self.rotation.inverse(o.float())
+
+    @property
+    def centroids(self) -> torch.Tensor:
+        """The Lloyd-Max codebook [2**bits] float32 (code v stands for ``centroids[v]``)."""
+        return self._centroids
+
+    @property
+    def boundaries(self) -> torch.Tensor:
+        """The cell boundaries [2**bits - 1] float32 (code = number of boundaries below a coordinate)."""
+        return self._boundaries
+
     def bit_budget(self) -> BitBudget:
         return BitBudget(self.dim, {"codes": 8 * packed_size(self.rotation.out_dim, self.bits),
                                     "norm": torch.finfo(self.norm_dtype).bits})

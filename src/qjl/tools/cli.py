@@ -153,14 +153,14 @@ def _generate(args) -> int:
 def _bench(args) -> int:
     import torch
 
-    from qjl.tools.bench import main_bench
+    from qjl.tools.bench import PARTS, main_bench
 
     torch.set_grad_enabled(False)
     out = Path(args.out) / time.strftime("bench-%Y%m%d-%H%M%S")
     parts = tuple(args.parts.split(","))
-    bad = set(parts) - {"attention", "quantize", "e2e"}
+    bad = set(parts) - set(PARTS)
     if bad:
-        raise SystemExit(f"--parts: unknown part(s) {sorted(bad)}; choose from attention,quantize,e2e")
+        raise SystemExit(f"--parts: unknown part(s) {sorted(bad)}; choose from {','.join(PARTS)}")
     try:
         contexts = tuple(int(c) for c in args.contexts.split(","))
     except ValueError:
@@ -255,7 +255,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     p = add("bench", help="decode attention, quantization and end-to-end decoding speed, side by side")
-    p.add_argument("--parts", default="attention,quantize,e2e", help="comma list of attention,quantize,e2e")
+    p.add_argument("--parts", default="attention,quantize,e2e",
+                   help="comma list of attention,quantize,e2e,vllm")
     p.add_argument("--contexts", default="1024,4096,16384,65536", help="context lengths for decode attention")
     p.add_argument("--repeats", type=int, default=7, help="timed calls per method (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
