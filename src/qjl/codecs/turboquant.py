@@ -2,7 +2,7 @@ r"""TurboQuant (arXiv:2504.19874; seed 003): rotation + Lloyd-Max, and its unbia
 
 ``TurboQuantMSE``: store ``||x||`` and, for the rotated unit vector
 ``y = Pi x / ||x||`` (a uniform point of S^{n-1}), the index of the nearest
-centroid of the Lloyd-Max codebook of one sphere coordinate (:mod:`qjl.lloyd_max`)
+centroid of the Lloyd-Max codebook of one sphere coordinate (:mod:`qjl.core.lloyd_max`)
 for each of its n coordinates.  ``x_hat = ||x|| Pi^T c[idx]``.  For a unit vector
 the expected distortion is ``D_mse = n * C(f, b)``: 0.3609, 0.1160, 0.0340, 0.00931
 at n = 128 and b = 1..4.  Seed 003's table prints 0.030 at b = 3; the Lloyd-Max

@@ -1,7 +1,7 @@
 """One ``qjl eval`` run: methods x texts x contexts under :mod:`qjl.tools.evaluate`'s protocol, passkey
 retrieval, memory, the worst held-out text per method, and a run directory (config.json, metrics.json).
 
-Reproducibility: torch and numba run with a fixed number of threads (``EvalPlan.threads``, default 2), so a
+Reproducibility: torch (and the C kernel, which follows it) runs with a fixed number of threads (``EvalPlan.threads``, default 2), so a
 machine of one kind repeats every number exactly; under another thread count float sums split differently,
 which flips a few codes (issue #10 saw `tq-k3v2` at KL 0.0254 / +1.90% on one machine, 0.0255 / +1.83% on
 another; ``benchmarks/thread_tolerance.py`` measures the spread).
@@ -96,18 +96,9 @@ class _Progress:
 
 
 def fix_threads(n: int) -> None:
-    """Run torch (and the C kernel, which follows torch) and numba (the CPU quantization passes) on ``n``
-    threads: reproducible float sums, and no oversubscription on a shared machine."""
-    import os
-    import sys
-
+    """Run torch (and the C kernel, which follows torch) on ``n`` threads: reproducible float sums, and no
+    oversubscription on a shared machine."""
     torch.set_num_threads(n)
-    if "numba" in sys.modules:
-        import numba
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    else:
-        os.environ["NUMBA_NUM_THREADS"] = str(n)
 
 
 def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_tokenizer=None) -> dict:
