@@ -85,7 +85,7 @@ class QJLConfig:
         exact_dtype: storage of the exact window and sinks: None (the model's dtype), "fp16" or "bf16".
         seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
         kernel: attention/quantization kernels (:mod:`qjl.kernels`): "auto" (default: Triton on
-            CUDA, the C (or numba) kernel on CPU, for the codecs they cover), "cpu", "triton" or "torch"
+            CUDA, the C kernel on CPU, for the codecs they cover), "cpu", "triton" or "torch"
             (the reference path).  Every kernel computes the same attention up to float error.
     """
 
