@@ -46,14 +46,8 @@ def _num_layers() -> int | None:
 
 
 def decode_fn(settings: VLLMSettings):
-    """The function that serves decode rows: a paged kernel from :mod:`qjl.kernels` when it exists and
-    ``decode="auto"``, else :func:`.paged.paged_decode_reference` (same signature)."""
-    if settings.decode == "auto":
-        from ... import kernels
-
-        fast = getattr(kernels, "paged_decode", None)
-        if fast is not None:
-            return fast
+    """The function that serves decode rows: :func:`.paged.paged_decode_reference` (the paged kernel of
+    :mod:`qjl.kernels` has another signature and is not wired in yet)."""
     return paged_decode_reference
 
 
