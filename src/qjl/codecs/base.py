@@ -206,6 +206,27 @@ class Codec(abc.ABC):
     def bit_budget(self) -> BitBudget:
         """Every stored bit, per vector and per sequence."""
 
+    # -- what kernels read (qjl.codecs.views); None: no kernel reads this codec ------------------
+    def score_view(self):
+        """The key-score terms a kernel reads (:class:`qjl.codecs.views.ScoreView`), or None."""
+        return None
+
+    def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
+        """q: [..., dim] float32 -> one tensor [..., length_i] per term of :meth:`score_view`."""
+        raise TypeError(f"{type(self).__name__} declares no score view")
+
+    def quantize_view(self):
+        """The projection passes a quantize kernel runs (:class:`qjl.codecs.views.QuantizeView`), or None."""
+        return None
+
+    def mix_view(self):
+        """The value layout a kernel mixes (:class:`qjl.codecs.views.MixView`), or None."""
+        return None
+
+    def unmix(self, o: torch.Tensor) -> torch.Tensor:
+        """Rows mixed in the basis of :meth:`mix_view` [..., length] -> [..., dim] float32."""
+        raise TypeError(f"{type(self).__name__} declares no mix view")
+
     def inner_product(self, q: torch.Tensor, codes: Codes) -> torch.Tensor:
         """q: [..., t, dim], codes lead [..., n] -> [..., t, n] float32 (via dequantize)."""
         self._check_query(q, codes)

@@ -179,6 +179,47 @@ class OutlierQJL(Codec):
         shape = k_out.shape[:-1]
         return (k_in * mask).scatter(-1, idx.unsqueeze(-2).expand(*shape, self.n_outliers), k_out)
 
+    # -- kernel view: the inlier sketch, plus the outlier sketch when there are outlier channels ----
+    def score_view(self):
+        """One term per sketch; the query maps read the per-sequence ``outlier_idx``."""
+        from qjl.codecs.views import KeyTerm, PackedCodes, ScoreView
+
+        inl = self.inlier.score_view()
+        if self.outlier is None:
+            return inl
+        out = KeyTerm(PackedCodes("outlier_signs", 1, self.outlier.sketch_dim, torch.tensor([-1.0, 1.0])),
+                      "outlier_norm")
+        return ScoreView((inl.terms[0], out), ("outlier_idx",))
+
+    def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
+        """q: [..., R, dim], shared {"outlier_idx": [..., n_outliers]} -> [c S q_in, c_o S_o q[idx]]."""
+        if self.outlier is None:
+            return self.inlier.score_queries(q)
+        if not shared or "outlier_idx" not in shared:
+            raise ValueError("shared must hold the codes' outlier_idx for a codec with outlier channels")
+        q_in, q_out, _ = self._split(q.float(), shared["outlier_idx"].long())
+        return self.inlier.score_queries(q_in) + self.outlier.score_queries(q_out)
+
+    def quantize_view(self):
+        """The inlier sketch over x with the outlier channels zeroed, the outlier sketch over x[outlier_idx]."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        if self.outlier is None:
+            return self.inlier.quantize_view()
+        inl = ProjectQuantize(self.inlier, 1, "signs", "norm", self.inlier.norm_dtype, channels="inliers")
+        out = ProjectQuantize(self.outlier, 1, "outlier_signs", "outlier_norm", self.outlier.norm_dtype,
+                              channels="outliers")
+        return QuantizeView((inl, out), "outlier_idx")
+
+    @property
+    def idx_dtype(self) -> torch.dtype:
+        """Storage dtype of ``outlier_idx``."""
+        return self._idx_dtype
+
+    def check_outlier_idx(self, idx, lead_seq: tuple) -> torch.Tensor:
+        """``idx`` checked (integer, in range, no repeats) and broadcast to ``lead_seq + (n_outliers,)``."""
+        return self._check_idx(idx, lead_seq)
+
     def bit_budget(self) -> BitBudget:
         budget = self.inlier.bit_budget()
         if self.outlier is None:

@@ -192,6 +192,23 @@ class QJLSketch(Codec):
         signs = unpack_signs(codes.fields["signs"])
         return self.project_t(signs) * (self.scale * codes.fields["norm"].float()).unsqueeze(-1)
 
+    # -- kernel view: sign bits as 1-bit codes of the centroids (-1, +1) -------------------------
+    def score_view(self):
+        """One term: ``norm * <c S q, sign>`` (Eq. 4, :meth:`inner_product`)."""
+        from qjl.codecs.views import KeyTerm, PackedCodes, ScoreView
+
+        return ScoreView((KeyTerm(PackedCodes("signs", 1, self.sketch_dim, torch.tensor([-1.0, 1.0])), "norm"),))
+
+    def quantize_view(self):
+        """Project with S, sign, pack; the norm of x."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        return QuantizeView((ProjectQuantize(self, 1, "signs", "norm", self.norm_dtype),))
+
+    def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
+        """q: [..., dim] -> [c S q] ([..., sketch_dim] float32, the estimator's constant included)."""
+        return [self.project(q.float()) * self.scale]
+
     def bit_budget(self) -> BitBudget:
         norm_bits = torch.finfo(self.norm_dtype).bits
         return BitBudget(self.dim, {"signs": self.sketch_dim, "norm": norm_bits})

@@ -108,6 +108,17 @@ class TokenwiseQuantizer(Codec):
         x = codes.fields["zero"].float().unsqueeze(-1) + qg * codes.fields["scale"].float().unsqueeze(-1)
         return x.flatten(-2)[..., : self.dim]
 
+    # -- kernel view: integer codes with per-group scale and zero point ----------------------------
+    def mix_view(self):
+        """``v = zero[g] + scale[g] * code`` (centroids 0 .. 2**bits - 1); the identity :meth:`unmix`."""
+        from qjl.codecs.views import MixView, PackedCodes
+
+        cent = torch.arange(1 << self.bits, dtype=torch.float32)
+        return MixView(PackedCodes("codes", self.bits, self.dim, cent), self.group_size, "scale", "zero")
+
+    def unmix(self, o: torch.Tensor) -> torch.Tensor:
+        return o.float()
+
     def bit_budget(self) -> BitBudget:
         sb = torch.finfo(self.scale_dtype).bits
         return BitBudget(self.dim, {"codes": 8 * packed_size(self.dim, self.bits),

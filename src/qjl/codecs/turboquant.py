@@ -2,7 +2,7 @@ r"""TurboQuant (arXiv:2504.19874; seed 003): rotation + Lloyd-Max, and its unbia
 
 ``TurboQuantMSE``: store ``||x||`` and, for the rotated unit vector
 ``y = Pi x / ||x||`` (a uniform point of S^{n-1}), the index of the nearest
-centroid of the Lloyd-Max codebook of one sphere coordinate (:mod:`qjl.lloyd_max`)
+centroid of the Lloyd-Max codebook of one sphere coordinate (:mod:`qjl.core.lloyd_max`)
 for each of its n coordinates.  ``x_hat = ||x|| Pi^T c[idx]``.  For a unit vector
 the expected distortion is ``D_mse = n * C(f, b)``: 0.3609, 0.1160, 0.0340, 0.00931
 at n = 128 and b = 1..4.  Seed 003's table prints 0.030 at b = 3; the Lloyd-Max
@@ -116,6 +116,49 @@ class TurboQuantMSE(Codec):
         """Rotate the query once, score against centroids: q: [..., t, dim] -> [..., t, n]."""
         self._check_query(q, codes)
         return torch.matmul(self.rotation.apply(q.float()), self.rotated(codes).transpose(-1, -2))
+
+    # -- kernel views: keys scored and values mixed in the rotated basis ------------------------
+    def _packed(self):
+        from qjl.codecs.views import PackedCodes
+
+        return PackedCodes("codes", self.bits, self.rotation.out_dim, self._centroids)
+
+    def score_view(self):
+        """One term: ``norm * <Pi q, c[idx]>`` (:meth:`inner_product`)."""
+        from qjl.codecs.views import KeyTerm, ScoreView
+
+        return ScoreView((KeyTerm(self._packed(), "norm"),))
+
+    def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
+        """q: [..., dim] -> [Pi q] ([..., n] float32)."""
+        return [self.rotation.apply(q.float())]
+
+    def quantize_view(self):
+        """Normalize, rotate, Lloyd-Max cell, pack (norm correction as configured)."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        return QuantizeView((ProjectQuantize(self.rotation, self.bits, "codes", "norm", self.norm_dtype, self._boundaries,
+                                             self._centroids, normalize=True, correct_norm=self.correct_norm),))
+
+    def mix_view(self):
+        """One group, scale ``norm``, no zero point; rows mixed in the rotated basis (see :meth:`unmix`)."""
+        from qjl.codecs.views import MixView
+
+        return MixView(self._packed(), self.rotation.out_dim, "norm", None, rotated=True)
+
+    def unmix(self, o: torch.Tensor) -> torch.Tensor:
+        """o: [..., n] mixed rotated rows -> ``Pi^T o`` [..., dim]."""
+        return self.rotation.inverse(o.float())
+
+    @property
+    def centroids(self) -> torch.Tensor:
+        """The Lloyd-Max codebook [2**bits] float32 (code v stands for ``centroids[v]``)."""
+        return self._centroids
+
+    @property
+    def boundaries(self) -> torch.Tensor:
+        """The cell boundaries [2**bits - 1] float32 (code = number of boundaries below a coordinate)."""
+        return self._boundaries
 
     def bit_budget(self) -> BitBudget:
         return BitBudget(self.dim, {"codes": 8 * packed_size(self.rotation.out_dim, self.bits),

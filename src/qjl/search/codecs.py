@@ -1,0 +1,157 @@
+r"""The codecs an index can hold, as (encode, per-query tables) pairs for the LUT scan.
+
+Each wraps a codec of the family and says how its estimate splits into segments
+(:mod:`qjl.search.scan`):
+
+* ``tq-mse``: :class:`qjl.TurboQuantMSE` as in the paper, ``<q, x_hat> = ||x|| <Pi q, c[idx]>``.
+* ``tq-mse-rn``: the same codes with the RaBitQ-style per-vector renormalisation
+  (``correct_norm=True``): the stored factor is ``||x|| / <u, u_hat>`` instead of ``||x||``
+  (``u = Pi x / ||x||``, ``u_hat = c[idx]``), so the estimate is ``<q, u_hat> ||x|| / <u, u_hat>``,
+  RaBitQ's estimator (Gao & Long 2024, Eq. 13) with TurboQuant's codebook.  Same bits.
+* ``tq-prod``: :class:`qjl.TurboQuantProd` (b-1 bit MSE + QJL of the residual, two norms).
+* ``qjl``: :class:`qjl.QJLSketch` with ``bits * dim`` sign bits (rounded up to a byte).
+* ``polar``: :class:`qjl.PolarQuant` with ``bits`` per angle at every level: its estimate is not a
+  sum over coordinates, so it is scored by dequantization (torch only, slow).
+
+Every stored byte counts: codes plus one float16 factor per segment (the norms).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codecs.polarquant import PolarQuant
+from ..codecs.sketch import QJLSketch
+from ..codecs.turboquant import TurboQuantMSE, TurboQuantProd
+from ..core.validation import check_fits
+from .encode import encode_lloyd_max
+from .scan import Layout, Segment
+
+__all__ = ["SearchCodec", "make_search_codec", "CODEC_NAMES"]
+
+CODEC_NAMES = ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar")
+
+
+def _mse_table(codec: TurboQuantMSE, q: torch.Tensor) -> torch.Tensor:
+    """q: [nq, d] -> [nq, n, 2**bits]: (Pi q)_j * c[v]."""
+    cents = torch.tensor(codec.codebook.centroids, dtype=torch.float32)
+    return codec.rotation.apply(q.float()).unsqueeze(-1) * cents
+
+
+def _sign_table(sketch: QJLSketch, q: torch.Tensor) -> torch.Tensor:
+    """q: [nq, d] -> [nq, m, 2]: (S q)_j * (-1, +1) (a set bit is a non-negative projection)."""
+    return sketch.project(q.float()).unsqueeze(-1) * torch.tensor([-1.0, 1.0])
+
+
+class SearchCodec:
+    """One codec, seen by the index.
+
+    ``encode(x [n, d] float32) -> (codes [n, stride] uint8, factors [nseg, n] float16)``;
+    ``tables(q [nq, d]) -> list of [nq, n_coords, 2**bits]`` (None for torch-only codecs);
+    ``score(q [nq, d], codes, factors) -> [nq, n]`` the reference estimate (any codec).
+    """
+
+    def __init__(self, name: str, dim: int, bits: int, seed: int = 0):
+        if name not in CODEC_NAMES:
+            raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {name!r}")
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 4:
+            raise ValueError(f"bits must be an int in 1..4, got {bits!r}")
+        self.name, self.dim, self.bits, self.seed = name, dim, bits, seed
+        if name in ("tq-mse", "tq-mse-rn"):
+            self.codec = TurboQuantMSE(dim, bits, "haar", seed, "fp16", correct_norm=name == "tq-mse-rn")
+            n = self.codec.rotation.out_dim
+            self.layout = Layout((Segment(0, (n * bits + 7) // 8, bits, n),), (n * bits + 7) // 8)
+        elif name == "tq-prod":
+            self.codec = TurboQuantProd(dim, bits, rotation="haar", seed=seed)
+            m = self.codec.qjl.sketch_dim
+            segs = [Segment(0, m // 8, 1, m)]
+            if self.codec.mse is not None:
+                n, b = self.codec.mse.rotation.out_dim, bits - 1
+                segs.insert(0, Segment(0, (n * b + 7) // 8, b, n))
+                segs[1] = Segment(segs[0].nbytes, m // 8, 1, m)
+            self.layout = Layout(tuple(segs), sum(s.nbytes for s in segs))
+        elif name == "qjl":
+            m = -(-bits * dim // 8) * 8
+            self.codec = QJLSketch(dim, m, "orthogonal", seed)
+            self.layout = Layout((Segment(0, m // 8, 1, m),), m // 8)
+        else:
+            self.codec = PolarQuant(dim, bits, "haar", seed)
+            self.layout = None
+            self._fields = [f"level{i}" for i in range(self.codec.levels)]
+            self._sizes = [self.codec.bit_budget().per_vector[f] // 8 for f in self._fields]
+
+    def __repr__(self):
+        return f"SearchCodec({self.name!r}, dim={self.dim}, bits={self.bits}, seed={self.seed})"
+
+    @property
+    def stride(self) -> int:
+        return self.layout.stride if self.layout is not None else sum(self._sizes)
+
+    @property
+    def nseg(self) -> int:
+        return len(self.layout.segments) if self.layout is not None else 1
+
+    def bytes_per_vector(self) -> int:
+        """Code bytes plus the float16 factors."""
+        return self.stride + 2 * self.nseg
+
+    def _encode_mse(self, x: torch.Tensor):
+        """TurboQuantMSE.quantize with the bucket + pack step in C (codes bit-exact with it)."""
+        codec = self.codec
+        norm = torch.linalg.vector_norm(x, dim=-1)
+        check_fits("norm of x", norm, torch.float16)
+        y = codec.rotation.apply(x / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1))
+        codes, dot = encode_lloyd_max(y.contiguous(), codec.codebook, codec.bits)
+        if codec.correct_norm:
+            norm = norm / torch.where(dot > 0, dot, torch.ones_like(dot))
+            check_fits("corrected norm of x", norm, torch.float16)
+        return codes, norm.half().unsqueeze(0)
+
+    def encode(self, x: torch.Tensor):
+        """x: [n, dim] float32 (finite) -> (codes [n, stride] uint8, factors [nseg, n] float16)."""
+        if self.name in ("tq-mse", "tq-mse-rn"):
+            return self._encode_mse(x.float())
+        c = self.codec.quantize(x.float()).fields
+        if self.name == "qjl":
+            return c["signs"], (c["norm"].float() * self.codec.scale).half().unsqueeze(0)
+        if self.name == "tq-prod":
+            res = (c["res_norm"].float() * self.codec.qjl.scale).half()
+            if self.codec.mse is None:
+                return c["signs"], res.unsqueeze(0)
+            return torch.cat([c["codes"], c["signs"]], 1), torch.stack([c["norm"].half(), res])
+        return torch.cat([c[f] for f in self._fields], 1), c["norm"].half().unsqueeze(0)
+
+    def tables(self, q: torch.Tensor):
+        if self.name in ("tq-mse", "tq-mse-rn"):
+            return [_mse_table(self.codec, q)]
+        if self.name == "qjl":
+            return [_sign_table(self.codec, q)]
+        if self.name == "tq-prod":
+            signs = _sign_table(self.codec.qjl, q)
+            return [signs] if self.codec.mse is None else [_mse_table(self.codec.mse, q), signs]
+        return None
+
+    def score(self, q: torch.Tensor, codes: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+        """Reference estimate through the codec itself: q [nq, d], codes [n, stride] -> [nq, n]."""
+        from ..codecs.base import Codes
+
+        lead = (codes.shape[0],)
+        if self.name in ("tq-mse", "tq-mse-rn"):
+            c = Codes(lead, {"codes": codes, "norm": factors[0]})
+        elif self.name == "qjl":
+            c = Codes(lead, {"signs": codes, "norm": (factors[0].float() / self.codec.scale)})
+        elif self.name == "tq-prod":
+            res = factors[-1].float() / self.codec.qjl.scale
+            if self.codec.mse is None:
+                c = Codes(lead, {"signs": codes, "res_norm": res})
+            else:
+                nb = self.layout.segments[0].nbytes
+                c = Codes(lead, {"codes": codes[:, :nb], "norm": factors[0], "signs": codes[:, nb:], "res_norm": res})
+        else:
+            parts = torch.split(codes, self._sizes, dim=1)
+            c = Codes(lead, {**dict(zip(self._fields, parts)), "norm": factors[0]})
+        return self.codec.inner_product(q.float(), c)
+
+
+def make_search_codec(name: str, dim: int, bits: int, seed: int = 0) -> SearchCodec:
+    return SearchCodec(name, dim, bits, seed)

@@ -1,0 +1,332 @@
+"""A vector index over qjl's codecs: flat (no training) or IVF, top-k by inner product, cosine or L2.
+
+Storage, every byte counted by :meth:`Index.nbytes`: codes ``[n, stride]`` uint8 (for the fast scan:
+the same bytes in blocks of 32 vectors, :mod:`qjl.search.fastscan`, padded to 32), one float16
+factor per segment (norms), a float16 norm for ``metric='l2'``, int64 ids, the IVF centroids
+and list offsets, and, with ``rerank > 0``, the float32 vectors used to re-score a shortlist of
+``rerank * k`` candidates exactly.  Rows are kept sorted by IVF list, so a probe is a range.
+
+Scores: ``'ip'`` returns estimated ``<q, x>``; ``'cosine'`` normalises vectors and queries
+first; ``'l2'`` ranks by ``2 <q, x> - ||x||^2`` and returns estimated squared distances
+``||q||^2 - 2 <q, x> + ||x||^2``.  Every method validates all its input before it changes
+anything, so a failed call leaves the index as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..core.validation import check_vectors
+from . import scan as _scan
+from .codecs import CODEC_NAMES, SearchCodec
+from .fastscan import fastscan, fastscan_ok, from_blocks, nibble_tables, to_blocks
+from .ivf import assign, kmeans, probe
+
+__all__ = ["IndexConfig", "Index", "METRICS"]
+
+METRICS = ("ip", "cosine", "l2")
+_QBATCH = 256  # queries scored per kernel call (tables of one batch: <= 256 x lut_size floats)
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """dim; codec (see :mod:`qjl.search.codecs`); bits per coordinate 1..4; metric; nlist (0: flat);
+    rerank (0: off; else shortlist rerank * k candidates re-scored with stored float32 vectors); seed;
+    center: encode ``x - c`` with ``c`` the mean of the first batch added (one pass, no iterations;
+    ``<q, x> = <q, c> + <q, x - c>``): embeddings share a large common component (all-MiniLM-L6-v2:
+    ``||mean|| ~ 0.31`` for unit vectors) that otherwise takes bits from what tells vectors apart.
+    With ``metric='l2'`` the norms are those of ``x - c`` and queries are centered too."""
+
+    dim: int
+    codec: str = "tq-mse-rn"
+    bits: int = 4
+    metric: str = "ip"
+    nlist: int = 0
+    rerank: int = 0
+    seed: int = 0
+    center: bool = False
+    fastscan: bool = True
+
+    def __post_init__(self):
+        for name in ("dim", "nlist", "rerank", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "dim" else 0):
+                raise ValueError(f"{name} must be an int >= {1 if name == 'dim' else 0}, got {v!r}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 4:
+            raise ValueError(f"bits must be an int in 1..4, got {self.bits!r}")
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {self.codec!r}")
+        for name in ("center", "fastscan"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.metric not in METRICS:
+            raise ValueError(f"metric must be one of {list(METRICS)}, got {self.metric!r}")
+
+
+class Index:
+    """See the module docstring.  ``Index(IndexConfig(...))`` or ``Index.create(dim, **fields)``."""
+
+    def __init__(self, config: IndexConfig):
+        if not isinstance(config, IndexConfig):
+            raise TypeError(f"config must be an IndexConfig, got {type(config).__name__}")
+        self.config = config
+        self.codec = SearchCodec(config.codec, config.dim, config.bits, config.seed)
+        # fast scan: 1/2/4-bit single-factor codes ranked by inner product (no per-vector term to add),
+        # stored in blocks of 32 vectors (fastscan.to_blocks)
+        self.fast = config.fastscan and fastscan_ok(self.codec.layout) and config.metric != "l2"
+        self.codes = self._store(torch.empty(0, self.codec.stride, dtype=torch.uint8))
+        self.factors = torch.empty(self.codec.nseg, 0, dtype=torch.float16)
+        self.norms = torch.empty(0, dtype=torch.float16) if config.metric == "l2" else None
+        self.ids = torch.empty(0, dtype=torch.int64)
+        self.vectors = torch.empty(0, config.dim) if config.rerank else None
+        self.centroids = None
+        self.center_vec = None  # [dim] float32 with config.center, set by the first add
+        self.offsets = torch.zeros(max(config.nlist, 1) + 1, dtype=torch.int64)
+        self.train_seconds = 0.0
+        self.next_id = 0
+
+    @classmethod
+    def create(cls, dim: int, **fields) -> "Index":
+        return cls(IndexConfig(dim, **fields))
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    @property
+    def is_trained(self) -> bool:
+        return self.config.nlist == 0 or self.centroids is not None
+
+    def _prep(self, name: str, x) -> torch.Tensor:
+        check_vectors(name, x, self.config.dim, min_ndim=2)
+        if x.ndim != 2:
+            raise ValueError(f"{name} must be [n, {self.config.dim}], got shape {tuple(x.shape)}")
+        x = x.float()
+        if self.config.metric == "cosine":
+            x = torch.nn.functional.normalize(x, dim=1)
+        return x
+
+    # -- building ---------------------------------------------------------------------
+    def train(self, x: torch.Tensor, iters: int = 10) -> float:
+        """IVF only: k-means on ``x: [n, dim]``; returns (and keeps in ``train_seconds``) its time."""
+        if self.config.nlist == 0:
+            raise ValueError("a flat index (nlist=0) needs no training")
+        if len(self):
+            raise ValueError("train before adding vectors")
+        x = self._prep("x", x)
+        t0 = time.perf_counter()
+        self.centroids = kmeans(x, self.config.nlist, iters, self.config.seed)
+        self.train_seconds = time.perf_counter() - t0
+        return self.train_seconds
+
+    def add(self, x: torch.Tensor, ids=None) -> torch.Tensor:
+        """x: [n, dim] float; ids: [n] int64 (default: consecutive from the largest seen) -> the ids."""
+        if not self.is_trained:
+            raise ValueError("this IVF index is not trained: call train(x) first")
+        x = self._prep("x", x)
+        n = x.shape[0]
+        if ids is None:
+            ids = torch.arange(self.next_id, self.next_id + n, dtype=torch.int64)
+        else:
+            if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.shape != (n,):
+                raise TypeError(f"ids must be an int64 tensor of shape [{n}], got "
+                                f"{getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
+            ids = ids.long()
+            if ids.unique().numel() != n:
+                raise ValueError("ids holds duplicate values")
+            if bool(torch.isin(ids, self.ids).any()):
+                raise ValueError(f"ids already in the index: {ids[torch.isin(ids, self.ids)][:5].tolist()}")
+        center = self.center_vec
+        if self.config.center and center is None and n:
+            center = x.mean(0)
+        codes, factors = self.codec.encode(x if center is None else x - center)
+        new = {"codes": codes, "factors": factors, "ids": ids, "center_vec": center,
+               "norms": None if self.norms is None else torch.linalg.vector_norm(x if center is None else x - center, dim=1).half(),
+               "vectors": None if self.vectors is None else x}
+        lists = assign(x, self.centroids) if self.config.nlist else torch.zeros(n, dtype=torch.int64)
+        self._merge(new, lists)
+        self.next_id = max(self.next_id, int(ids.max()) + 1) if n else self.next_id
+        return ids
+
+    def _store(self, rows: torch.Tensor) -> torch.Tensor:
+        return to_blocks(rows) if self.fast else rows
+
+    def row_codes(self) -> torch.Tensor:
+        """The codes as rows ``[n, stride]`` uint8, whatever the storage layout."""
+        return from_blocks(self.codes, len(self)) if self.fast else self.codes
+
+    def set_row_codes(self, rows: torch.Tensor) -> None:
+        """Replace the codes (rows ``[n, stride]`` uint8, one per stored id; used by persistence)."""
+        if rows.dtype != torch.uint8 or rows.shape != (len(self), self.codec.stride):
+            raise ValueError(f"rows must be uint8 [{len(self)}, {self.codec.stride}], got {rows.dtype} {tuple(rows.shape)}")
+        self.codes = self._store(rows)
+
+    def _lists(self) -> torch.Tensor:
+        counts = self.offsets.diff()
+        return torch.repeat_interleave(torch.arange(counts.numel()), counts)
+
+    def _merge(self, new: dict, lists: torch.Tensor) -> None:
+        """Append rows, keep them sorted by list; all fields are computed before any is assigned."""
+        all_lists = torch.cat([self._lists(), lists])
+        order = torch.sort(all_lists, stable=True).indices
+        out = {"codes": self._store(torch.cat([self.row_codes(), new["codes"]])[order]),
+               "factors": torch.cat([self.factors, new["factors"]], 1)[:, order],
+               "ids": torch.cat([self.ids, new["ids"]])[order], "center_vec": new["center_vec"]}
+        for name in ("norms", "vectors"):
+            if getattr(self, name) is not None:
+                out[name] = torch.cat([getattr(self, name), new[name]])[order]
+        counts = torch.bincount(all_lists, minlength=self.offsets.numel() - 1)
+        out["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        for name, value in out.items():
+            setattr(self, name, value)
+
+    def remove(self, ids) -> int:
+        """Remove the vectors with these ids (unknown ids are ignored); returns how many went."""
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ids must be an integer tensor, got {type(ids).__name__}")
+        keep = ~torch.isin(self.ids, ids.long().reshape(-1))
+        removed = int((~keep).sum())
+        if removed:
+            lists = self._lists()[keep]
+            counts = torch.bincount(lists, minlength=self.offsets.numel() - 1)
+            out = {"codes": self._store(self.row_codes()[keep]), "factors": self.factors[:, keep], "ids": self.ids[keep],
+                   "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])}
+            for name in ("norms", "vectors"):
+                if getattr(self, name) is not None:
+                    out[name] = getattr(self, name)[keep]
+            for name, value in out.items():
+                setattr(self, name, value)
+        return removed
+
+    # -- searching --------------------------------------------------------------------
+    def search(self, q: torch.Tensor, k: int, nprobe: int = 8, threads: int = 0, backend: str = "auto"):
+        """q: [nq, dim] -> (scores [nq, k] float32, ids [nq, k] int64), best first.
+
+        ``scores`` are inner products ('ip'/'cosine') or squared distances ('l2', ascending).
+        ``nprobe`` lists are scanned in an IVF index; ``backend``: 'auto' (C kernel where built),
+        'c', 'torch' (the reference scan; also what 'polar' always uses), 'triton' (the Triton scan on
+        the index's device: a GPU, or the CPU under ``TRITON_INTERPRET=1``)."""
+        q = self._prep("q", q)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a positive int, got {k!r}")
+        if k > len(self):
+            raise ValueError(f"k={k} is larger than the index ({len(self)} vectors)")
+        if isinstance(nprobe, bool) or not isinstance(nprobe, int) or nprobe < 1:
+            raise ValueError(f"nprobe must be a positive int, got {nprobe!r}")
+        if backend not in ("auto", "c", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'c', 'torch' or 'triton', got {backend!r}")
+        kk = min(len(self), k * self.config.rerank) if self.config.rerank else k
+        l2, c = self.config.metric == "l2", self.center_vec
+        qs = q - c if (l2 and c is not None) else q  # L2 is translation invariant: scan in centered space
+        ranges = self._ranges(q, nprobe)
+        scores, rows = [], []
+        for s in range(0, q.shape[0], _QBATCH):
+            sc, rw = self._scan(qs[s:s + _QBATCH], ranges[s:s + _QBATCH], kk, threads, backend)
+            scores.append(sc)
+            rows.append(rw)
+        scores, rows = torch.cat(scores), torch.cat(rows)
+        if c is not None and not l2:  # the scan estimated <q, x - c>
+            scores = scores + (q @ c).unsqueeze(1)
+        if self.config.rerank:
+            scores, rows = self._rerank(q, rows, k)
+            qs = q
+        ids = torch.where(rows >= 0, self.ids[rows.clamp(min=0)], torch.full_like(rows, -1))
+        if l2:
+            scores = (qs * qs).sum(1, keepdim=True) - scores
+        return scores, ids
+
+    def _ranges(self, q: torch.Tensor, nprobe: int) -> torch.Tensor:
+        if self.config.nlist == 0:
+            return torch.tensor([[[0, len(self)]]], dtype=torch.int64).expand(q.shape[0], 1, 2).contiguous()
+        lists = probe(q, self.centroids, nprobe, self.config.metric)  # [nq, nprobe]
+        return torch.stack([self.offsets[lists], self.offsets[lists + 1]], dim=-1).contiguous()
+
+    def _add_term(self):
+        return None if self.norms is None else -(self.norms.float() ** 2)
+
+    def _scan(self, q, ranges, k, threads, backend):
+        factors = self.factors.float()
+        scale = 2.0 if self.config.metric == "l2" else 1.0  # rank by 2<q,x> - ||x||^2
+        if self.codec.layout is None:
+            return self._scan_dense(q, ranges, k, factors, scale)
+        if backend == "torch":  # the reference LUT scan, chunked over the vectors
+            return self._scan_dense(q, ranges, k, factors, scale) if len(self) > 65536 else _scan.scan_torch(
+                self.row_codes(), self.codec.layout, factors, self._add_term(),
+                _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)]), ranges, k)
+        tables = [scale * t for t in self.codec.tables(q)]
+        if backend == "triton":
+            from ..kernels.triton.scan import scan_triton
+
+            luts = _scan.build_luts(self.codec.layout, tables)
+            return scan_triton(self.row_codes(), self.codec.layout, factors, self._add_term(), luts, ranges, k)
+        if backend == "c" and not _scan.c_available():
+            raise RuntimeError("backend='c' asked but the C scan could not be built")
+        if self.fast:
+            lutf = nibble_tables(self.codec.layout.segments[0], tables[0])
+            return fastscan(self.codes, len(self), factors[0], lutf, ranges, k, max(4 * k, 64), threads)
+        luts = _scan.build_luts(self.codec.layout, tables)
+        return _scan.scan(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k, threads)
+
+    def _scan_dense(self, q, ranges, k, factors, scale):
+        """Reference path: the codec's own estimate for every vector in range (chunked), then top-k."""
+        best_s = torch.full((q.shape[0], k), -float("inf"))
+        best_i = torch.full((q.shape[0], k), -1, dtype=torch.int64)
+        add = self._add_term()
+        rows_all = self.row_codes()
+        for s in range(0, len(self), 16384):
+            e = min(len(self), s + 16384)
+            sc = scale * self.codec.score(q, rows_all[s:e], self.factors[:, s:e])
+            if add is not None:
+                sc = sc + add[s:e]
+            rows = torch.arange(s, e)
+            inside = ((rows >= ranges[..., :1]) & (rows < ranges[..., 1:])).any(1)  # [nq, chunk]
+            sc = torch.where(inside, sc, torch.tensor(-float("inf")))
+            cat_s, cat_i = torch.cat([best_s, sc], 1), torch.cat([best_i, rows.expand(q.shape[0], -1)], 1)
+            top = torch.topk(cat_s, k, dim=1)
+            best_s, best_i = top.values, cat_i.gather(1, top.indices)
+        return best_s, torch.where(torch.isfinite(best_s), best_i, torch.full_like(best_i, -1))
+
+    def _rerank(self, q, rows, k):
+        vec = self.vectors[rows.clamp(min=0)]  # [nq, kk, dim]
+        exact = torch.einsum("qd,qkd->qk", q, vec)
+        if self.config.metric == "l2":
+            exact = 2 * exact - (vec * vec).sum(-1)
+        exact = torch.where(rows >= 0, exact, torch.tensor(-float("inf")))
+        top = torch.topk(exact, k, dim=1)
+        return top.values, rows.gather(1, top.indices)
+
+    # -- accounting -------------------------------------------------------------------
+    def nbytes(self) -> dict:
+        """Bytes held, by component (ids and IVF structures included)."""
+        out = {"codes": self.codes.numel(), "factors": 2 * self.factors.numel(), "ids": 8 * self.ids.numel()}
+        if self.norms is not None:
+            out["norms"] = 2 * self.norms.numel()
+        if self.vectors is not None:
+            out["rerank_vectors"] = 4 * self.vectors.numel()
+        if self.center_vec is not None:
+            out["center"] = 4 * self.center_vec.numel()
+        if self.centroids is not None:
+            out["centroids"] = 4 * self.centroids.numel()
+            out["list_offsets"] = 8 * self.offsets.numel()
+        return out
+
+    def bits_per_dim(self, with_ids: bool = False) -> float:
+        """Per-vector bits / dim: codes + factors (+ norms, + rerank vectors)(+ ids)."""
+        per = self.codec.bytes_per_vector() + (2 if self.norms is not None else 0)
+        per += 4 * self.config.dim if self.vectors is not None else 0
+        per += 8 if with_ids else 0
+        return 8 * per / self.config.dim
+
+    # -- persistence (qjl.search.persist) ------------------------------------------------
+    def save(self, path) -> None:
+        from .persist import save_index
+
+        save_index(self, path)
+
+    @classmethod
+    def load(cls, path) -> "Index":
+        from .persist import load_index
+
+        return load_index(path)
