@@ -12,7 +12,7 @@ import torch
 from qjl.integrations.transformers.attention import patch_attention
 from qjl.cache.config import CodecSpec
 from qjl.cache.presets import PRESETS
-from qjl.tools.evaluate import EvalSetup, evaluate_method, load_text_ids
+from qjl.tools.evaluate import DEFAULT_TEXT, EvalSetup, evaluate_method, load_text_ids
 from qjl.tools.models import load_model
 
 
@@ -26,8 +26,8 @@ def main():
     model, tok = load_model()
     patch_attention(model)
     setup = EvalSetup()
-    ids = load_text_ids(tok, "/usr/share/common-licenses/GPL-3", setup.context + setup.score + 1)
-    ref_m, ref = evaluate_method(model, tok, ids, setup, None)
+    ids = load_text_ids(tok, DEFAULT_TEXT, setup.tokens)[0]
+    ref_m, ref = evaluate_method(model, ids, setup, None)
     base = PRESETS["tq-paper-k4v3"]  # the paper's TurboQuant_mse keys, 3-bit uniform values, no sinks
     corrected = CodecSpec("turboquant_mse", {"bits": 4, "correct_norm": True})
     five = CodecSpec("turboquant_mse", {"bits": 5, "correct_norm": True})
@@ -43,7 +43,7 @@ def main():
         runs += [("5-bit keys, first half", replace(PRESETS["tq-k4v3"], layer_overrides=first)),
                  ("5-bit keys, deeper half", PRESETS["tq-k45v3"])]
     for label, cfg in runs:
-        r, _ = evaluate_method(model, tok, ids, setup, cfg, ref)
+        r, _ = evaluate_method(model, ids, setup, cfg, ref)
         print(f"{label:30s} bits {r['compressed_bits']:.3f}  KL {r['kl']:.4f}  "
               f"ppl {100 * (r['ppl'] / ref_m['ppl'] - 1):+.2f}%  top1 {100 * r['top1']:.1f}%", flush=True)
 

@@ -47,12 +47,12 @@ def main():
     torch.set_grad_enabled(False)
     model, tok = load_model()
     patch_attention(model)
-    setup = EvalSetup(passkey_trials=0)
-    ids = load_text_ids(tok, DEFAULT_TEXT, setup.context + setup.score + 1)
-    ref_m, ref = evaluate_method(model, tok, ids, setup, None)
+    setup = EvalSetup()
+    ids = load_text_ids(tok, DEFAULT_TEXT, setup.tokens)[0]
+    ref_m, ref = evaluate_method(model, ids, setup, None)
     for name in names:
         cfg = CANDIDATES[name]
-        m, _ = evaluate_method(model, tok, ids, setup, cfg, ref)
+        m, _ = evaluate_method(model, ids, setup, cfg, ref)
         x = memory_at(model, ids, cfg, 4096)["x_vs_fp16"]
         dppl = 100 * (m["ppl"] / ref_m["ppl"] - 1)
         print(f"{name:14s} bits {m.get('compressed_bits', m['bits_per_value']):.3f}  KL {m['kl']:.4f}  "

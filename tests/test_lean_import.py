@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 HEAVY = ("torch", "transformers", "numba", "triton", "vllm", "faiss")
 
@@ -27,7 +26,6 @@ def test_import_qjl_loads_nothing_heavy_and_writes_nothing(tmp_path):
     assert r["files"] == [], f"import qjl wrote {r['files']}"
 
 
-@pytest.mark.xfail(strict=True, reason="presets still trial-build their codecs at construction (#10 item 4)")
 def test_public_names_load_on_first_use(tmp_path):
     """The lazy names resolve to the real objects; the presets module builds no codec and writes no file."""
     r = _run("import json, sys, qjl; from qjl.cache import presets; "

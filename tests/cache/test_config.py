@@ -53,7 +53,7 @@ def test_invalid_configurations():
 def test_defaults():
     from qjl.cache.presets import DEFAULT_PRESET
 
-    assert QJLConfig() == PRESETS["tq-k4v3"]
+    assert QJLConfig() == PRESETS[DEFAULT_PRESET] == PRESETS["tq-k45v3"]
     assert DEFAULT_PRESET in PRESETS
 
 
@@ -67,3 +67,62 @@ def test_late_key_codec_for_deeper_layers():
     with pytest.raises(ValueError, match="late_fraction"):
         QJLConfig(late_key=late, late_fraction=0)
     assert PRESETS["tq-k45v3"].bits_per_value(64, num_layers=30)["kv"] == pytest.approx(4.0)
+
+
+def test_default_config_is_the_default_preset_and_hashable():
+    """QJLConfig() is DEFAULT_PRESET (#10.6); configs are hashable and cannot change after validation (#11.6)."""
+    from qjl.cache.presets import DEFAULT_PRESET
+
+    assert QJLConfig() == QJLConfig.preset(DEFAULT_PRESET)
+    assert hash(QJLConfig()) == hash(PRESETS[DEFAULT_PRESET])
+    assert len({QJLConfig(), QJLConfig(), QJLConfig(residual_length=64)}) == 2
+    assert len({cfg for cfg in PRESETS.values()}) == len(PRESETS)
+    spec = CodecSpec("turboquant_mse", {"bits": 4})
+    with pytest.raises(TypeError):
+        spec.params["bits"] = 12  # read-only: a spec cannot bypass its validation
+    cfg = QJLConfig(layer_overrides={1: {"key": spec}})
+    with pytest.raises(TypeError):
+        cfg.layer_overrides[2] = {"key": spec}
+    assert hash(cfg) == hash(QJLConfig(layer_overrides={1: {"key": CodecSpec("turboquant_mse", {"bits": 4})}}))
+
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: QJLConfig(layer_overrides=[1, 2]), TypeError, "layer_overrides must be a dict"),
+    (lambda: CodecSpec("uniform", None), TypeError, "params of codec 'uniform' must be a dict"),
+    (lambda: QJLConfig(seed=2 ** 70), ValueError, r"seed must be an int in \[0, 2\*\*62\)"),
+    (lambda: QJLConfig(seed=-1), ValueError, "seed"),
+    (lambda: CodecSpec("qjl", per_dim={"sketch_dim": float("nan")}), ValueError, "finite positive"),
+    (lambda: CodecSpec("turboquant_mse", per_dim={"bits": 0.05}), ValueError, "per_dim.*not allowed"),
+    (lambda: QJLConfig(late_fraction=True), ValueError, "late_fraction"),
+    (lambda: QJLConfig(compress_sliding="yes"), TypeError, "compress_sliding must be a bool"),
+    (lambda: QJLConfig(smooth_keys=1), TypeError, "smooth_keys must be a bool"),
+    (lambda: QJLConfig(residual_length=1.5), TypeError, "residual_length must be an int"),
+    (lambda: QJLConfig(key="turboquant_mse"), TypeError, "key must be a qjl.CodecSpec"),
+    (lambda: QJLConfig(late_key=CodecSpec("turboquant_mse", {"bits": 9})), ValueError, "bits must be in 1..8"),
+    (lambda: CodecSpec("qjl"), ValueError, "needs parameter"),
+    (lambda: CodecSpec(3), ValueError, "codec must be one of"),
+])
+def test_unclear_errors_are_named(make, error, match):
+    """Issue #11.6: every bad input is a ValueError/TypeError naming the argument and what is allowed."""
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_model_dependent_checks():
+    """What needs the head dimension or the layer count fails in check_model, before any token."""
+    QJLConfig().check_model(64, 30)
+    with pytest.raises(ValueError, match="layer_overrides name layer"):
+        QJLConfig(layer_overrides={40: {"key": CodecSpec("turboquant_mse")}}).check_model(64, 30)
+    with pytest.raises(ValueError, match="cannot serve head_dim=8"):
+        QJLConfig(key=CodecSpec("turboquant_mse", {"rotation": "hadamard"})).check_model(8, 2)
+
+
+def test_auto_config():
+    cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=64, queries=32)
+    assert cfg.allocation.bits_per_value == 3.0 and cfg.allocation.queries == 32 and cfg.residual_length == 64
+    assert cfg.bits_per_value(64)["kv"] == 3.0 and "auto widths" in cfg.describe(64)
+    hash(cfg)
+    with pytest.raises(ValueError, match="bits_per_value"):
+        QJLConfig.auto(bits_per_value=0)
+    with pytest.raises(TypeError, match="key_candidates"):
+        QJLConfig.auto(bits_per_value=3.0, key_candidates=("turboquant_mse",))

@@ -46,3 +46,56 @@ def test_unknown_name_and_parameters():
     with pytest.raises(ValueError, match="bits"):
         make_codec("uniform", 64, bits=0)
     assert "bits_per_level" in codec_parameters("polarquant")
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+@pytest.mark.parametrize("shape", [(0, 64), (2, 3, 0, 64), (0, 3, 8, 64)])
+def test_empty_input_gives_empty_codes(name, shape):
+    """0 vectors: empty codes, an empty reconstruction and empty scores (issue #11.4)."""
+    codec = make_codec(name, 64, **PARAMS[name])
+    if name == "kivi" and shape[-2] % 8:
+        pytest.skip("kivi codes whole groups of tokens")
+    codes = codec.quantize(torch.randn(*shape))
+    lead = shape[:-1] if name != "kivi" else (*shape[:-2], shape[-2] // 8)
+    per_sequence = sum(t.numel() * t.element_size() for t in codes.shared.values())  # e.g. outlier channels
+    assert codes.lead == lead and codes.nbytes() == per_sequence
+    assert codec.dequantize(codes).shape == shape
+    if len(shape) > 2:
+        q = torch.randn(*shape[:-2], 5, 64)
+        assert codec.inner_product(q, codes).shape == (*shape[:-2], 5, shape[-2])
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_foreign_or_missing_codes_are_named(name):
+    """dequantize(None) and codes of another codec raise TypeError/ValueError naming the codec (#11.6)."""
+    codec = make_codec(name, 64, **PARAMS[name])
+    with pytest.raises(TypeError, match="codes must be a qjl.Codes"):
+        codec.dequantize(None)
+    other = "uniform" if name != "uniform" else "turboquant_mse"
+    foreign = make_codec(other, 64, **PARAMS[other]).quantize(torch.randn(2, 32, 64))
+    with pytest.raises(ValueError, match="codes were not produced by"):
+        codec.dequantize(foreign)
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_declared_parameters_match_the_signature(name):
+    """Every keyword parameter is declared (checked without building) and nothing else."""
+    assert sorted(CODECS[name].params) == sorted(codec_parameters(name))
+
+
+@pytest.mark.parametrize("name,params,match", [
+    ("turboquant_mse", {"bits": 0}, "bits must be in 1..8"),
+    ("turboquant_mse", {"bits": 3.0}, "bits must be an int"),
+    ("turboquant_mse", {"correct_norm": "yes"}, "correct_norm must be a bool"),
+    ("turboquant_mse", {"norm_dtype": "fp4"}, "norm_dtype must be one of"),
+    ("turboquant_mse", {"seed": 2 ** 70}, "seed must be an int in"),
+    ("qjl", {"sketch_dim": 100}, "multiple of 8"),
+    ("qjl", {"sketch_dim": 64, "n_outliers": 4}, "needs outlier_sketch_dim"),
+    ("polarquant", {"bits_per_level": ()}, "bits_per_level"),
+    ("uniform", {"group_size": 0}, "group_size must be >= 1"),
+])
+def test_structural_checks_name_the_parameter(name, params, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        CODECS[name].check_params(params)
+    with pytest.raises((TypeError, ValueError), match=match):
+        make_codec(name, 64, **{"sketch_dim": 64, **params} if name == "qjl" else params)

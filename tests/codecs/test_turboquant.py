@@ -199,3 +199,18 @@ def test_fp8_is_for_norms_only():
 
     with pytest.raises(ValueError, match="scale_dtype"):
         TokenwiseQuantizer(64, 2, scale_dtype="fp8")
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_norm_limit_is_a_guarantee(bits):
+    """Vectors with norm up to norm_limit() quantize without overflow (fp8 norms, norm correction on):
+    the worst case of <u, u_hat> is a vector along one rotated axis, scaled to the limit."""
+    codec = TurboQuantMSE(64, bits, seed=3, norm_dtype="fp8", correct_norm=True)
+    limit = codec.norm_limit()
+    assert 0 < limit < 448
+    x = torch.cat([torch.randn(200, 64), codec.rotation.inverse(torch.eye(64))])
+    x = x / x.norm(dim=-1, keepdim=True) * limit * 0.999
+    codec.quantize(x)  # must not raise
+    codec.check_storable(x)
+    with pytest.raises(ValueError, match="norm_dtype"):
+        codec.check_storable(torch.randn(3, 64) * 1000)

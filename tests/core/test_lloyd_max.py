@@ -67,7 +67,7 @@ def test_level1_is_uniform_grid():
 
 
 def test_disk_cache_round_trip(tmp_path, monkeypatch):
-    import qjl.lloyd_max as lm
+    import qjl.core.lloyd_max as lm
 
     monkeypatch.setenv("QJL_CACHE_DIR", str(tmp_path))
     book = lm._cached("sphere-d40-b2", lambda: lm.lloyd_max(*sphere_pdf(40), 2))

@@ -1,24 +1,27 @@
-"""Shared cases for the kernel tests: codec pairs, random codes, and the reference partial."""
+"""Shared cases for the kernel tests: codec pairs, codes in contiguous and paged layouts, the reference."""
 
 import torch
 
-from qjl import kernels
 from qjl.codecs.outliers import OutlierQJL
 from qjl.codecs.sketch import QJLSketch
-from qjl.codecs.turboquant import TurboQuantMSE
 from qjl.codecs.tokenwise import TokenwiseQuantizer
+from qjl.codecs.turboquant import TurboQuantMSE
+from qjl.kernels.paged import PagedField
+from qjl.kernels.reference import paged_decode_reference
 
 
 def codec_pair(name: str, d: int):
     """(key codec, value codec) by a short name."""
     if name == "tq3-tq2":
-        return TurboQuantMSE(d, 3, seed=1, correct_norm=True), TurboQuantMSE(d, 2, seed=2)
+        return TurboQuantMSE(d, 3, seed=1, correct_norm=True), TurboQuantMSE(d, 2, seed=2, norm_dtype="fp8")
     if name == "tq4-uni3":
         return TurboQuantMSE(d, 4, seed=1), TokenwiseQuantizer(d, 3, group_size=32)
     if name == "tq5-tq3":
         return TurboQuantMSE(d, 5, seed=1), TurboQuantMSE(d, 3, seed=2)
     if name == "tq1-uni4":
         return TurboQuantMSE(d, 1, seed=1), TokenwiseQuantizer(d, 4, group_size=32)
+    if name == "tq8-tq6":
+        return TurboQuantMSE(d, 8, seed=1, norm_dtype="bf16"), TurboQuantMSE(d, 6, seed=2, norm_dtype="fp32")
     if name == "qjl-uni2":
         return QJLSketch(d, 2 * d, "gaussian", seed=3), TokenwiseQuantizer(d, 2, group_size=32)
     if name == "qjl-outliers-uni2":
@@ -28,30 +31,54 @@ def codec_pair(name: str, d: int):
     raise ValueError(name)
 
 
-PAIRS = ["tq3-tq2", "tq4-uni3", "tq5-tq3", "tq1-uni4", "qjl-uni2", "qjl-outliers-uni2", "qjl-hadamard-tq2"]
+PAIRS = ["tq3-tq2", "tq4-uni3", "tq5-tq3", "tq1-uni4", "tq8-tq6", "qjl-uni2", "qjl-outliers-uni2", "qjl-hadamard-tq2"]
 
 
-def case(name: str, b: int, h: int, rows: int, d: int, n: int, seed: int = 0, masked: bool = True):
-    """Codes of n random tokens, query rows, a padding bias; returns (parts, value part, bias [B, N])."""
-    g = torch.Generator().manual_seed(seed)
-    kc, vc = codec_pair(name, d)
-    k = torch.randn(b, h, n, d, generator=g) * (1 + torch.rand(d, generator=g) * 3)  # uneven channels
-    v = torch.randn(b, h, n, d, generator=g)
-    q = torch.randn(b, h, rows, d, generator=g) * 0.3
-    parts = kernels.key_parts(kc, kc.quantize(k), q)
-    vp = kernels.value_part(vc, vc.quantize(v))
-    bias = None
-    if masked and b > 1:
-        bias = torch.zeros(b, n)
-        bias[-1, : n // 3] = float("-inf")  # left padding of the last row
-    return parts, vp, bias
+def fields_of(codes) -> dict:
+    """Contiguous codes [B, H, N, ...] as paged fields (one block per sequence)."""
+    out = {n: PagedField.of(t) for n, t in codes.fields.items()}
+    out.update({n: PagedField.of(t, shared=True) for n, t in codes.shared.items()})
+    return out
 
 
-def normalized(partial, vp):
-    m, l_, o = partial
-    out = o / l_.unsqueeze(-1)
-    return vp.post(out) if vp.post is not None else out
+class Case:
+    """Codes of n random tokens per (sequence, KV head), query rows, and the arguments of paged_decode."""
+
+    def __init__(self, name, b=2, h=2, rows=3, d=64, n=101, seed=0, masked=True, n_exact=0, ragged=False):
+        g = torch.Generator().manual_seed(seed)
+        self.kc, self.vc = codec_pair(name, d)
+        self.k = torch.randn(b, h, n, d, generator=g) * (1 + torch.rand(d, generator=g) * 3)  # uneven channels
+        self.v = torch.randn(b, h, n, d, generator=g)
+        self.q = torch.randn(b, h, rows, d, generator=g) * 0.3
+        self.kcodes, self.vcodes = self.kc.quantize(self.k), self.vc.quantize(self.v)
+        self.kf, self.vf = fields_of(self.kcodes), fields_of(self.vcodes)
+        self.block_table = torch.arange(b, dtype=torch.int32)[:, None]
+        self.block_size = n
+        self.start = torch.zeros(b, dtype=torch.int32)
+        self.end = torch.full((b,), n, dtype=torch.int32)
+        if ragged and b > 1:
+            self.start[1], self.end[1] = 3, n - n // 3
+        self.bias = None
+        if masked and b > 1:
+            self.bias = torch.zeros(b, n)
+            self.bias[-1, : n // 3] = float("-inf")  # left padding of the last sequence
+        self.exact = None
+        if n_exact:
+            xk, xv = torch.randn(b, h, n_exact, d, generator=g), torch.randn(b, h, n_exact, d, generator=g)
+            xb = torch.zeros(b, h, rows, n_exact)
+            xb[..., min(rows - 1, 1), n_exact // 2:] = float("-inf")  # a causal-like per-row mask
+            self.exact = (xk, xv, xb)
+
+    def args(self):
+        return (self.q, self.kc, self.kf, self.vc, self.vf, self.block_table, self.block_size, self.start, self.end)
+
+    def reference(self):
+        return paged_decode_reference(*self.args(), exact=self.exact, code_bias=self.bias)
 
 
-def reference(parts, vp, bias):
-    return kernels.decode_partial("torch", parts, vp, bias)
+def close(got, want, tol):
+    """Attention outputs within ``tol`` of the output scale (fp32 sums in another order)."""
+    assert got.shape == want.shape
+    assert torch.isfinite(got).all()
+    err = (got - want).abs().max().item()
+    assert err <= tol * want.abs().max().item(), err

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 import qjl
 from qjl import CodecSpec, QJLCache, QJLConfig
 from qjl.integrations.transformers.layer import QJLCacheLayer
+from cache_state import same, state
 from tiny_models import tiny_model
 
 torch.set_grad_enabled(False)
@@ -84,7 +85,7 @@ def test_chunked_prefill():
     model = _patched("qwen2")
     ids = _prompt(48)
     # with the whole prompt inside the exact window, chunking changes nothing
-    wide = QJLConfig(residual_length=64)
+    wide = QJLConfig(residual_length=64, exact_dtype=None)
     one = model(ids, past_key_values=QJLCache(model, wide)).logits
     cache = QJLCache(model, wide)
     parts = [model(ids[:, s:s + 16], past_key_values=cache).logits for s in range(0, 48, 16)]
@@ -96,18 +97,29 @@ def test_chunked_prefill():
     assert cache.layers[0].store.key_codes is not None
 
 
-def test_padded_batch_equals_rows_alone():
-    model = _patched("llama")
-    a, b = _prompt(40, seed=2)[0], _prompt(28, seed=3)[0]
-    pad = torch.zeros(12, dtype=torch.long)
-    batch = torch.stack([a, torch.cat([pad, b])])
-    mask = torch.stack([torch.ones(40), torch.cat([torch.zeros(12), torch.ones(28)])]).long()
-    cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4)
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                         past_key_values=QJLCache(model, cfg))
+NEAR_LOSSLESS = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 8}), value=CodecSpec("turboquant_mse", {"bits": 8}),
+                          residual_length=8, flush_block=1, sink_tokens=4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_padded_batch_equals_rows_alone(arch):
+    """#11.7: sinks are each row's first real tokens (read from the attention mask), so a left-padded batch
+    generates what each row generates alone, token for token, for 64 tokens.  flush_block=1 keeps the
+    code/window split of every row where it is alone (with larger blocks the split follows the padded
+    length: a tiny difference, not a different token order)."""
+    model = _patched(arch)
+    a, b = _prompt(40, seed=2)[0], _prompt(27, seed=3)[0]
+    batch = torch.stack([a, torch.cat([torch.zeros(13, dtype=torch.long), b])])
+    mask = torch.stack([torch.ones(40), torch.cat([torch.zeros(13), torch.ones(27)])]).long()
+    cache = QJLCache(model, NEAR_LOSSLESS)
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=64, do_sample=False, past_key_values=cache)
+    store = cache.layers[0].store
+    assert store.slot_order is not None and store.n_codes > 0
+    assert torch.equal(store.row_start.cpu(), torch.tensor([0, 13]))
     for row, ids in enumerate((a, b)):
-        alone = model.generate(ids[None], max_new_tokens=6, do_sample=False, past_key_values=QJLCache(model, cfg))
-        assert torch.equal(out[row, -6:], alone[0, -6:])
+        alone = model.generate(ids[None], max_new_tokens=64, do_sample=False,
+                               past_key_values=QJLCache(model, NEAR_LOSSLESS))
+        assert torch.equal(out[row, -64:], alone[0, -64:]), (row, out[row, -64:], alone[0, -64:])
 
 
 def test_crop_then_continue_equals_never_seen():
@@ -161,10 +173,12 @@ def test_nbytes_by_hand():
     heads, d = 2, 64
     key_code = heads * 20 * (64 * 4 // 8 + 2)  # 4-bit indices + fp16 norm per token
     value_code = heads * 20 * (64 * 2 // 8 + 2 * 2 * 2)  # 2-bit codes + fp16 scale and zero per group of 32
-    exact = 2 * heads * (2 + 9) * d * 4  # keys and values, fp32
+    exact = 2 * heads * (2 + 9) * d * 2  # keys and values at fp16 (exact_dtype "half": fp16 for an fp32 model)
     r = cache.memory_report()
     assert r["key_code_bytes"] == 3 * key_code and r["value_code_bytes"] == 3 * value_code
-    assert r["exact_bytes"] == 3 * exact and cache.nbytes() == 3 * (key_code + value_code + exact)
+    assert r["exact_bytes"] == 3 * exact and r["other_bytes"] == 3 * 8  # each row's first real position (int64)
+    assert r["smoothing_bytes"] == 3 * heads * d * 4  # key smoothing (on by default): fp32 mean per KV head
+    assert cache.nbytes() == 3 * (key_code + value_code + exact + 8 + heads * d * 4)
     assert r["key_bits"] == 8 * key_code / (heads * 20 * d)
 
 
@@ -229,7 +243,7 @@ def test_long_prefill_is_scored_in_query_chunks(monkeypatch):
     model = _patched("llama")
     ids = _prompt(70)
     ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
-    got = model(ids, past_key_values=QJLCache(model, QJLConfig(residual_length=128))).logits
+    got = model(ids, past_key_values=QJLCache(model, QJLConfig(residual_length=128, exact_dtype=None))).logits
     assert torch.allclose(got, ref, atol=1e-5)
     # and with compressed history, chunked equals unchunked
     cfgs = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4, kernel="torch")
@@ -260,7 +274,7 @@ def test_sdpa_path_for_chunks_equals_reference(spec, monkeypatch):
     outs = {}
     for kernel in ("auto", "torch"):
         cfg = QJLConfig(key=spec, value=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4,
-                        kernel=kernel)
+                        kernel=kernel, exact_dtype=None)
         cache = QJLCache(model, cfg)
         first = model(batch[:, :24], attention_mask=mask[:, :24], past_key_values=cache).logits
         outs[kernel] = torch.cat([first, model(batch[:, 24:], attention_mask=mask, past_key_values=cache).logits], 1)
@@ -288,3 +302,111 @@ def test_fp8_value_norms_are_held_and_counted_as_8_bits():
     ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits[:, -1]
     got = model(ids, past_key_values=QJLCache(model, cfg)).logits[:, -1]  # prefill: exact up to the fp16 window
     assert torch.allclose(got, ref, atol=5e-3)
+
+
+def _cache_state(cache):
+    return [state(layer.store) for layer in cache.layers]
+
+
+def test_forward_that_raises_leaves_every_layer_unchanged(monkeypatch):
+    """A rejected update in layer 2 undoes layers 0 and 1 of the same forward (#11.2): the lengths agree
+    and the cache equals what it was; the next forward works."""
+    model = _patched("llama")
+    cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
+    ids = _prompt(30)
+    model(ids, past_key_values=cache)
+    before = _cache_state(cache)
+    store = cache.layers[2].store
+    real = store.append
+
+    def bad_append(k, v):
+        return real(k, v.masked_fill(torch.ones_like(v, dtype=torch.bool), float("nan")))
+
+    monkeypatch.setattr(store, "append", bad_append)
+    with pytest.raises(ValueError, match="NaN"):
+        model(_prompt(3, seed=4), past_key_values=cache)
+    assert [layer.get_seq_length() for layer in cache.layers] == [30, 30, 30]
+    assert all(same(x, y) for x, y in zip(_cache_state(cache), before))
+    monkeypatch.undo()
+    model(_prompt(3, seed=4), past_key_values=cache)
+    assert [layer.get_seq_length() for layer in cache.layers] == [33, 33, 33]
+
+
+def test_kivi_crop_is_all_or_nothing_across_layers():
+    """#11.3: a crop that would cut into a KIVI group raises before any layer is cut."""
+    model = _patched("llama")
+    cfg = QJLConfig(key=CodecSpec("kivi", {"bits": 4, "group_size": 4}), value=CodecSpec("uniform", {"bits": 4}),
+                    residual_length=8, flush_block=4, sink_tokens=0)
+    cache = QJLCache(model, cfg)
+    model(_prompt(30), past_key_values=cache)
+    model(_prompt(1), past_key_values=cache)  # flushes the prompt: 20 tokens in codes, 11 in the window
+    assert cache.layers[0].store.n_codes == 20
+    with pytest.raises(ValueError, match="multiple of 4"):
+        cache.crop(-13)
+    assert [layer.get_seq_length() for layer in cache.layers] == [31, 31, 31]
+    cache.crop(-15)
+    assert [layer.get_seq_length() for layer in cache.layers] == [16, 16, 16]
+
+
+def test_memory_report_is_readable_and_honest():
+    """#11.1/#10.10: bytes by part (storage held), the model's own cache and fp16 beside it, a table."""
+    model = _patched("llama")
+    cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
+    model(_prompt(60), past_key_values=cache)
+    model(_prompt(1), past_key_values=cache)
+    r = cache.memory_report()
+    assert r["key_code_bytes"] > 0
+    parts = ("key_code_bytes", "value_code_bytes", "exact_bytes", "smoothing_bytes", "other_bytes",
+             "uncompressed_layer_bytes")
+    assert r["bytes"] == sum(r[p] for p in parts) == cache.nbytes()
+    assert r["baseline_bytes"] == 3 * 2 * 2 * 61 * 64 * 4  # DynamicCache: 3 layers, K+V, 2 heads, fp32
+    assert r["compression_vs_baseline"] == pytest.approx(r["baseline_bytes"] / r["bytes"])
+    assert r["fp16_bytes"] == r["baseline_bytes"] // 2
+    text = str(cache.memory_report())
+    assert "model's own cache" in text and "key codes" in text and "layers 0:" in text
+    assert dict(r)["tokens"] == 61
+
+
+def test_sliding_layers_count_against_the_models_own_cache():
+    """Exact sliding layers are what the model would hold anyway: the headline ratio is >= 1 here."""
+    model = _patched("gemma3")
+    cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
+    model(_prompt(80), past_key_values=cache)
+    model(_prompt(1), past_key_values=cache)
+    r = cache.memory_report()
+    assert r["uncompressed_layer_bytes"] > 0 and r["compression_vs_baseline"] > 1
+
+
+def test_key_smoothing_refused_with_softcapping():
+    """#14.1: smoothing is not exact under logit softcapping: turned off with a warning for such models."""
+    import transformers as tf
+
+    cfg = tf.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, attn_logit_softcapping=50.0)
+    model = tf.Gemma2ForCausalLM(cfg).eval()
+    qjl.patch_attention(model)
+    with pytest.warns(UserWarning, match="softcapping"):
+        cache = QJLCache(model, QJLConfig(smooth_keys=True, residual_length=8, flush_block=4))
+    assert not cache.qjl_config.smooth_keys
+    model(_prompt(30), past_key_values=cache)
+    layer = next(layer for layer in cache.layers if isinstance(layer, QJLCacheLayer))
+    layer.store.config = QJLConfig(smooth_keys=True)
+    with pytest.raises(ValueError, match="softcapping"):
+        layer.attend(torch.randn(1, 2, 1, 32), None, 1.0, softcap=50.0)
+
+
+def test_auto_widths_from_the_prompt():
+    """#14.2: widths chosen at the end of prefill, within the budget, reported; generation runs."""
+    model = _patched("llama")
+    cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0)
+    cache = QJLCache(model, cfg)
+    out = model.generate(_prompt(60), max_new_tokens=5, do_sample=False, past_key_values=cache)
+    assert out.shape[1] == 65
+    widths = cache.memory_report()["widths"]
+    assert sorted(widths) == [0, 1, 2]
+    bits = [cache.layers[i].store.key_codec.bit_budget().amortized(4096)
+            + cache.layers[i].store.value_codec.bit_budget().amortized(4096) for i in range(3)]
+    assert sum(bits) / 6 <= 3.0
+    again = QJLCache(model, cfg)
+    model.generate(_prompt(60), max_new_tokens=5, do_sample=False, past_key_values=again)
+    assert again.memory_report()["widths"] == widths  # deterministic

@@ -1,7 +1,8 @@
 """Triton kernels on the CPU through TRITON_INTERPRET=1 (set in conftest.py), against the references.
 
 Codes must be bit-exact; attention within a stated tolerance.  Shapes are small: the
-interpreter runs every program in Python.
+interpreter runs every program in Python.  The paged decode kernel reads the same vLLM-like pools as the
+CPU kernel's tests (:mod:`paged_pool`).
 """
 
 import os
@@ -9,19 +10,22 @@ import os
 import pytest
 import torch
 
-from kernel_cases import PAIRS, case, codec_pair, normalized, reference
+from kernel_cases import PAIRS, Case, close, codec_pair
+from paged_pool import paged_pool
 
 triton = pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():  # pragma: no cover
     pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from qjl import kernels  # noqa: E402
-from qjl.kernels.triton import kernels as tk  # noqa: E402
+from qjl.kernels.triton import launch as tk  # noqa: E402
 from qjl.codecs.outliers import OutlierQJL  # noqa: E402
 from qjl.codecs.sketch import QJLSketch  # noqa: E402
 from qjl.codecs.turboquant import TurboQuantMSE  # noqa: E402
 
 TOL = 2e-5  # attention output, relative to its largest entry (fp32 sums in another order)
+
+assert codec_pair  # the cases' codec pairs are shared with the CPU kernel tests
 
 
 def _x(shape, dtype, seed=0):
@@ -89,21 +93,27 @@ def test_pack_matrix_packs_like_pack_bits():
 
 
 @pytest.mark.parametrize("name", PAIRS)
-def test_decode_every_codec(name):
-    parts, vp, bias = case(name, b=2, h=1, rows=3, d=64, n=37)
-    got = tk.decode_partial(parts, vp, bias, splits=2)
-    want = reference(parts, vp, bias)
-    a, b = normalized(got, vp), normalized(want, vp)
-    assert torch.allclose(a, b, atol=TOL * b.abs().max().item(), rtol=0)
+def test_paged_decode_every_codec(name):
+    c = Case(name, b=2, h=1, rows=3, d=64, n=37, n_exact=4, ragged=True)
+    close(tk.paged_decode(*c.args(), exact=c.exact, code_bias=c.bias, splits=2), c.reference(), TOL)
 
 
-@pytest.mark.parametrize("d,rows", [(64, 1), (128, 3), (128, 4), (256, 8), (64, 8)])
-def test_decode_head_dims_gqa_and_ragged_lengths(d, rows):
-    parts, vp, bias = case("tq3-tq2", b=2, h=2, rows=rows, d=d, n=45, seed=d + rows)  # 45: not a block multiple
-    got = tk.decode_partial(parts, vp, bias, block_n=16, splits=2)
-    want = reference(parts, vp, bias)
-    a, b = normalized(got, vp), normalized(want, vp)
-    assert torch.allclose(a, b, atol=TOL * b.abs().max().item(), rtol=0)
+@pytest.mark.parametrize("d,rows", [(64, 1), (128, 4), (256, 8), (64, 9)])
+def test_paged_decode_head_dims_gqa_and_ragged_lengths(d, rows):
+    c = Case("tq3-tq2", b=2, h=2, rows=rows, d=d, n=45, seed=d + rows)  # 45: not a block multiple
+    close(tk.paged_decode(*c.args(), code_bias=c.bias, block_n=16, splits=2), c.reference(), TOL)
+
+
+@pytest.mark.parametrize("name", ["tq4-uni3", "qjl-outliers-uni2"])
+def test_paged_decode_from_a_shuffled_pool(name):
+    c = Case(name, b=2, h=2, rows=4, n=29, n_exact=3, ragged=True)
+    shared = {}
+    if c.kcodes.shared:
+        shared = {n: t.unsqueeze(2).expand(*t.shape[:2], 5, *t.shape[2:]) for n, t in c.kcodes.shared.items()}
+    kf, table = paged_pool(dict(c.kcodes.fields), shared, None, 7, seed=2)
+    vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, 7, seed=2)
+    got = tk.paged_decode(c.q, c.kc, kf, c.vc, vf, table, 7, c.start, c.end, exact=c.exact, code_bias=c.bias)
+    close(got, c.reference(), TOL)
 
 
 def test_cache_with_triton_kernel_matches_torch_path():
@@ -127,13 +137,9 @@ def test_cache_with_triton_kernel_matches_torch_path():
     assert torch.allclose(outs["cpu"], outs["torch"], atol=1e-4)
 
 
-def test_codec_pair_names_are_known():
-    with pytest.raises(ValueError):
-        codec_pair("nope", 64)
-
-
 def test_quantize_refuses_codecs_it_does_not_cover():
     from qjl.codecs.kivi import KIVIKeys
 
     with pytest.raises(TypeError, match="codec"):
         kernels.quantize(KIVIKeys(64, 2), torch.randn(1, 32, 64))
+    assert not kernels.can_quantize(KIVIKeys(64, 2)) and kernels.can_quantize(TurboQuantMSE(64, 2))

@@ -9,7 +9,10 @@ from qjl.tools import bench
 
 def test_attention_and_quantize_rows(tmp_path):
     torch.set_grad_enabled(False)
-    rows = bench.run_attention(contexts=(300,), layers=("smollm2-135m",), presets=("tq-k3v2",), repeats=1, warmup=0)
+    bw = bench.measure_bandwidth(mib=8, repeats=1, warmup=0)
+    assert bw["copy_gbps"] > 0 and bw["read_gbps"] > 0
+    rows = bench.run_attention(contexts=(300,), layers=("smollm2-135m",), presets=("tq-k3v2",), repeats=1, warmup=0,
+                               bandwidth_gbps=bw["copy_gbps"])
     methods = {r["method"] for r in rows}
     assert {"sdpa-fp32 (enable_gqa)", "sdpa-fp32 (rows)", "sdpa-bf16 (rows)", "kivi-k2v2 dequant+sdpa"} <= methods
     ours = [r for r in rows if r["method"].startswith("tq-k3v2")]
@@ -19,6 +22,7 @@ def test_attention_and_quantize_rows(tmp_path):
     assert 0 < ours[0]["bytes"] < fp32["bytes"] / 2  # bytes held (128-token fp16 window included): smaller
     for r in rows:
         assert r["ms"] > 0 and abs(r["x_vs_sdpa_fp32_rows"] - fp32["ms"] / r["ms"]) < 1e-9
+        assert abs(r["roofline"] - r["bytes"] / r["ms"] / 1e6 / bw["copy_gbps"]) < 1e-9
     q = bench.run_quantize(tokens=256, layer="smollm2-135m", repeats=1, warmup=0)
     assert q["quantize_over_attention"] == q["quantize_ms"] / q["prefill_attention_ms"]
     bench.plot_bench(rows, tmp_path / "bench.png")
@@ -37,3 +41,5 @@ def test_bad_arguments_are_named():
         bench.run_quantize(tokens=64, layer="nope")
     with pytest.raises(ValueError, match="methods"):
         bench.run_e2e(context=64, methods=("static",))
+    with pytest.raises(ValueError, match="parts"):
+        bench.main_bench(None, (64,), 1, 0, 64, 1, parts=("speed",))

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow,
 
 def test_default_preset_answers_like_full_precision():
     import qjl
-    from qjl.tools.evaluate import passkey_prompts
+    from qjl.tools.passkey import passkey_prompts
     from qjl.tools.models import load_model
 
     model, tok = load_model()
@@ -34,9 +34,10 @@ def test_tiny_chunked_eval(tmp_path):
 
     from qjl.tools.cli import main
 
-    assert main(["eval", "--context", "256", "--score", "64", "--passkey", "0", "--memory-tokens", "512",
+    assert main(["eval", "--contexts", "256", "--score", "64", "--passkey", "0", "--memory-tokens", "512",
                  "--methods", "tq-k4v3", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "metrics.json").read_text())["results"]
-    assert res["full precision"]["kl"] == 0.0 and res["full precision"]["top1"] == 1.0
-    assert 0 < res["tq-k4v3"]["kl"] < 0.1 and res["tq-k4v3"]["top1"] > 0.8
+    ref, ours = res["full precision"]["texts"]["gpl-3"]["256"], res["tq-k4v3"]["texts"]["gpl-3"]["256"]
+    assert ref["kl"] == 0.0 and ref["top1"] == 1.0
+    assert 0 < ours["kl"] < 0.1 and ours["top1"] > 0.8
     assert res["tq-k4v3"]["memory_at"]["x_vs_fp16"] > 1.0

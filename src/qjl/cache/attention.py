@@ -2,10 +2,11 @@
 
 Three paths, all the same attention up to float error:
 
-* **kernel** (the C kernel on CPU, Triton on CUDA; ``config.kernel``): decode steps (at most
-  ``MAX_KERNEL_ROWS`` query rows per KV head, a mask that is the same for every row over the
-  codes, no softcap) score and mix the codes inside the kernel, merged exactly with the sinks
-  and the window;
+* **kernel** (:func:`qjl.kernels.paged_decode`: the C kernel on CPU, Triton on CUDA;
+  ``config.kernel``): decode steps (at most ``MAX_KERNEL_ROWS`` query rows per KV head, a mask that
+  is the same for every row over the codes, no softcap) score and mix the codes inside the kernel --
+  the same paged core vLLM calls, with one block per sequence -- merged exactly with the sinks and
+  the window in the same call;
 * **SDPA**: other forwards with a kernel backend (prefill, long chunks, codecs the kernels do not
   read) run torch SDPA over sinks + dequantized codes + window;
 * **reference** (``kernel="torch"``, and softcapped models): every part scored with the codecs'
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qjl import kernels
+from qjl.kernels.paged import PagedField
 
 __all__ = ["attend", "MAX_KERNEL_ROWS", "QUERY_CHUNK"]
 
@@ -107,39 +109,35 @@ def _attend_sdpa(store, query: torch.Tensor, attention_mask, scaling: float) -> 
     return out.transpose(1, 2)
 
 
-def _code_bias(attention_mask, n_sink: int, n_codes: int):
-    """The mask over the codes as one [B, N] additive row, None when it masks nothing, or False
-    when it differs between rows or heads (then another path is used)."""
-    if attention_mask is None:
-        return None
-    sl = attention_mask[..., n_sink:n_sink + n_codes]
-    if sl.shape[1] != 1 or (sl.shape[2] > 1 and not bool((sl == sl[:, :, :1]).all())):
-        return False
-    row = _additive(sl[:, 0, 0])
-    return None if not bool(row.any()) else row.contiguous()
+def _fields(codes) -> dict:
+    """A store's contiguous codes ([B, H, N, ...] per field) as paged fields: one block per sequence."""
+    out = {n: PagedField.of(t) for n, t in codes.fields.items()}
+    out.update({n: PagedField.of(t, shared=True) for n, t in codes.shared.items()})
+    return out
 
 
 def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: int, t: int):
-    """Codes through the kernel, sinks + window exactly, merged: -> [B, t, H_q, D] float32 or None."""
+    """Codes through the paged decode core (one block per sequence), sinks + window exactly, in one
+    call: -> [B, t, H_q, D] float32, or None when the mask over the codes differs between rows or heads."""
     b, hkv, rows, d = qg.shape
     n_sink, n_codes = store.n_sink, store.n_codes
-    bias = _code_bias(attention_mask, n_sink, n_codes)
-    if bias is False:
-        return None
-    qs = qg * scaling
-    parts = kernels.key_parts(store.key_codec, store.key_codes, qs)
-    vp = kernels.value_part(store.value_codec, store.value_codes)
     keys, values = _joined(store.sink_k, store.keys), _joined(store.sink_v, store.values)
     ne = keys.shape[-2]
-    bias_x = None
+    bias = bias_x = None
     if attention_mask is not None:
-        mx = _additive(torch.cat([attention_mask[..., :n_sink], attention_mask[..., n_sink + n_codes:]], dim=-1))
-        # [B, 1|H_q, t, n] -> rows of KV head groups [B * H_kv, g*t, n]
-        bias_x = (mx.expand(b, hq, t, -1).reshape(b * hkv, rows, ne) if mx.shape[1] != 1
-                  else mx.expand(b, 1, t, -1).repeat(1, hkv, hq // hkv, 1).reshape(b * hkv, rows, ne))
-    exact = (qs.reshape(b * hkv, rows, d), keys.reshape(b * hkv, ne, d), values.reshape(b * hkv, ne, d), bias_x)
-    _, l_tot, o_c, o_x = kernels.decode_partial(store.backend, parts, vp, bias, exact=exact)
-    if vp.post is not None:
-        o_c = vp.post(o_c)
-    out = (o_c + o_x) / l_tot.unsqueeze(-1)
+        mask = _additive(attention_mask)  # [B, 1|H_q, t, L]
+        codes = mask[..., n_sink:n_sink + n_codes]
+        if mask.shape[1] != 1 or (t > 1 and not bool((codes == codes[:, :, :1]).all())):
+            return None
+        bias = codes[:, 0, 0]  # [B, N]: the same for every head and row
+        mx = torch.cat([mask[..., :n_sink], mask[..., n_sink + n_codes:]], dim=-1)  # [B, 1, t, n_x]
+        # row g * t + i of KV head h is query head h * g + g' at new token i: broadcast over heads (and the group)
+        bias_x = mx if t == 1 else mx.unsqueeze(2).expand(b, 1, hq // hkv, t, ne).reshape(b, 1, rows, ne)
+    block_table = torch.zeros(b, 1, dtype=torch.int32) + torch.arange(b, dtype=torch.int32)[:, None]
+    start = torch.zeros(b, dtype=torch.int32)
+    end = torch.full((b,), n_codes, dtype=torch.int32)
+    out = kernels.paged_decode(qg * scaling, store.key_codec, _fields(store.key_codes), store.value_codec,
+                               _fields(store.value_codes), block_table.to(qg.device), max(n_codes, 1),
+                               start.to(qg.device), end.to(qg.device), exact=(keys, values, bias_x), code_bias=bias,
+                               backend=store.backend)
     return out.reshape(b, hq, t, d).transpose(1, 2)

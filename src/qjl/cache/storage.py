@@ -1,11 +1,27 @@
 """What one compressed layer holds: exact sinks, codes, and an exact recent window.
 
-Tokens of one layer, in order: ``sink_tokens`` exact sinks, then codes (keys and values
-through their codecs), then the ``residual_length`` (+ < ``flush_block``) most recent tokens
-in full precision.  :meth:`LayerStore.append` first moves the window's overflow into codes
-(in blocks), then appends the new tokens to the window, so a forward pass attends to
-compressed history + exact recent tokens + itself, and the prompt is attended exactly during
+Tokens of one layer, in slot order: ``sink_tokens`` exact sinks (each row's own first real tokens,
+:mod:`qjl.cache.padding`), then codes (keys and values through their codecs), then the
+``residual_length`` (+ < ``flush_block``) most recent tokens in full precision.  :meth:`LayerStore.append`
+adds new tokens to the window; :meth:`LayerStore.flush` (at the next append, or right after the attention
+of a forward that brought a long prompt) moves the window's overflow into sinks and, in whole blocks, into
+codes.  So a forward
+attends to compressed history + exact recent tokens + itself, and the prompt is attended exactly during
 prefill.  Codes are only ever appended (from the original keys), never re-quantized.
+
+Guarantees (issue #11):
+
+* every tensor is the store's own (copied in, never a view of a caller's tensor); :meth:`nbytes` counts
+  the storage held, capacity included (:mod:`qjl.cache.buffers`);
+* :meth:`append` validates everything it receives first -- shapes, matching key/value token counts,
+  floating dtype, finite values, vectors the codecs and the exact dtype can store -- and either applies
+  completely or raises leaving the store unchanged; :meth:`snapshot`/:meth:`restore` let a cache undo a
+  whole forward across layers;
+* :meth:`check_crop` / :meth:`check_select` validate before anything changes, so a cache can make
+  ``crop`` and ``reorder`` all-or-nothing across layers.
+
+Key smoothing (``config.smooth_keys``, :mod:`qjl.cache.smoothing`): ``mu`` is fit once, before the
+first flush or at the first attention, and subtracted from every key the store holds.
 
 This module knows nothing of any framework; attention over a store is :mod:`qjl.cache.attention`,
 the transformers cache layer is :mod:`qjl.integrations.transformers.layer`.
@@ -16,15 +32,25 @@ from __future__ import annotations
 import torch
 
 from qjl import kernels
+from qjl.cache import checks, padding
+from qjl.cache.buffers import CodeBuffer, TokenBuffer, storage_bytes
+from qjl.cache.smoothing import channel_mean
 from qjl.codecs.base import Codes
-from qjl.codecs.kivi import KIVIKeys
-from qjl.codecs.outliers import OutlierQJL
+from qjl.core.validation import STORAGE_DTYPES
 
-__all__ = ["LayerStore"]
+__all__ = ["LayerStore", "EAGER_FLUSH", "exact_storage"]
+
+# A window overflowing by more than this many tokens (a prompt, a long chunk) is flushed right after the
+# attention that read it, so the prompt is not held at full precision; smaller overflows (decode steps,
+# speculative candidates that may be cropped again) wait for the next append, as a crop expects.
+EAGER_FLUSH = 512
 
 
-def _cat(a, b, dim=-2):
-    return b if a is None else torch.cat([a, b], dim=dim)
+def exact_storage(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The exact window's dtype: "half" is the model's dtype if 16-bit, else fp16; None the model's dtype."""
+    if name == "half":
+        return model_dtype if model_dtype.itemsize == 2 else torch.float16
+    return STORAGE_DTYPES.get(name, model_dtype)
 
 
 class LayerStore:
@@ -38,156 +64,290 @@ class LayerStore:
 
     def __init__(self, layer_idx: int, config, num_layers: int | None = None):
         self.layer_idx, self.config = layer_idx, config
-        self.key_spec, self.value_spec = config.specs(layer_idx, num_layers)
+        self.key_spec, self.value_spec = config.specs(layer_idx, num_layers) if config.allocation is None else (None, None)
         self.reset()
 
     def reset(self) -> None:
-        self.keys = self.values = None  # the exact recent window
-        self.sink_k = self.sink_v = None
-        self.key_codes = self.value_codes = None
-        self.outlier_idx = None
         self.is_initialized = False
+        self.key_codec = self.value_codec = None
+        self.exact_only = False  # a layer kept exact (an allocation choice): never flushed to codes
+        self.kernel_ok = False  # the kernels read this layer's codecs
+        self._wk = self._wv = None  # the exact recent window (TokenBuffer)
+        self.sink_k = self.sink_v = None
+        self._kc, self._vc = CodeBuffer(), CodeBuffer()
+        self.key_fit = None  # the key codec's per-sequence fit (e.g. outlier channels), from the first block
+        self.mu = None  # key smoothing: [B, H, D] float32
+        self.row_start = None  # [B]: first real position of each row (left padding)
+        self.slot_order = None  # [B, P]: slot -> position of the first P slots when rows are padded
+        self.pads = None  # [B]: padding tokens of each row (when slot_order is set)
+        self.sinks_done = False
+        self.auto_stats = None  # what the width allocation measured on this layer (qjl.cache.allocation)
+        self.candidates = None  # (key codecs, value codecs) the allocation chooses from
 
     def __repr__(self):
-        return f"LayerStore({self.layer_idx}, key={self.key_spec.name}, value={self.value_spec.name})"
+        k = self.key_spec.name if self.key_spec else "auto"
+        v = self.value_spec.name if self.value_spec else "auto"
+        return f"LayerStore({self.layer_idx}, key={k}, value={v})"
 
+    # -- codecs --------------------------------------------------------------------------------
     def initialize(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Build the codecs for these head sizes and pick the kernel backend for their device."""
+        """Record the dtype, device and head sizes; build the codecs (unless widths are still to be chosen)."""
         self.dtype, self.device = key_states.dtype, key_states.device
-        d = key_states.shape[-1]
-        seed = self.config.seed + 1000 * self.layer_idx
-        self.key_codec = self.key_spec.build(d, seed)
-        self.value_codec = self.value_spec.build(value_states.shape[-1], seed + 1)
-        names = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-        self.exact_dtype = names.get(self.config.exact_dtype, key_states.dtype)
+        self.batch, self.heads, _, self.key_dim = key_states.shape
+        self.value_dim = value_states.shape[-1]
+        self.exact_dtype = exact_storage(self.config.exact_dtype, key_states.dtype)
+        self._wk, self._wv = TokenBuffer(self.exact_dtype), TokenBuffer(self.exact_dtype)
         self.backend = kernels.pick_backend(key_states.device, self.config.kernel)
-        self.kernel_ok = self.backend != "torch" and kernels.supports(self.key_codec, self.value_codec)
+        if self.key_spec is not None:
+            self.assign(self.key_spec, self.value_spec)
+        else:  # widths chosen later (qjl.cache.allocation): every candidate must be able to hold the tokens
+            from qjl.cache.allocation import candidate_codecs
+
+            self.candidates = candidate_codecs(self.config, self.layer_idx, self.key_dim, self.value_dim)
         self.is_initialized = True
 
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Flush the window's overflow into codes, then append new ``[B, H_kv, t, D]`` keys/values."""
-        if not self.is_initialized:
-            self.initialize(key_states, value_states)
-        self.flush()
-        self.keys = _cat(self.keys, key_states.to(self.exact_dtype))
-        self.values = _cat(self.values, value_states.to(self.exact_dtype))
+    def assign(self, key_spec, value_spec, codecs: tuple | None = None) -> None:
+        """Use these codecs (None, None: keep the layer exact); before any token is flushed.  ``codecs``:
+        the codecs already built from these specs with this layer's seeds (else they are built here)."""
+        if self._kc.n:
+            raise RuntimeError(f"layer {self.layer_idx} already holds codes: its codecs cannot change")
+        self.key_spec, self.value_spec = key_spec, value_spec
+        self.exact_only = key_spec is None
+        self._wk.spare = self._wv.spare = self.exact_only  # a layer kept whole grows geometrically
+        if key_spec is None:
+            self.key_codec = self.value_codec = None
+            self.kernel_ok = False
+            return
+        seed = self.config.seed + 1000 * self.layer_idx
+        self.key_codec, self.value_codec = codecs or (key_spec.build(self.key_dim, seed),
+                                                       value_spec.build(self.value_dim, seed + 1))
+        self.kernel_ok = self.backend != "torch" and kernels.supports(self.key_codec, self.value_codec)
 
-    # -- lengths ------------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Widths not chosen yet (``config.allocation``): nothing can be flushed."""
+        return self.is_initialized and self.key_codec is None and not self.exact_only
+
+    # -- views and lengths ------------------------------------------------------------------------
+    @property
+    def keys(self):
+        """The exact window [B, H, n, D] (a view of the store's buffer), or None before the first token."""
+        return None if self._wk is None else self._wk.view()
+
+    @property
+    def values(self):
+        return None if self._wv is None else self._wv.view()
+
+    @property
+    def key_codes(self) -> Codes | None:
+        return self._kc.view()
+
+    @property
+    def value_codes(self) -> Codes | None:
+        return self._vc.view()
+
     @property
     def n_sink(self) -> int:
-        return 0 if self.sink_k is None else self.sink_k.shape[-2]
+        return 0 if self.sink_k is None else self.sink_k.shape[2]
+
+    @property
+    def n_window(self) -> int:
+        return 0 if self._wk is None else self._wk.n
 
     @property
     def n_codes(self) -> int:
         """Tokens held as codes."""
-        if self.key_codes is None:
-            return 0
-        n = self.key_codes.lead[-1]
-        return n * self.key_codec.group_size if isinstance(self.key_codec, KIVIKeys) else n
+        return self._kc.n * (self.key_codec.tokens_per_code if self.key_codec is not None else 1)
 
     def seq_length(self) -> int:
-        if not self.is_initialized:
-            return 0
-        return self.n_sink + self.n_codes + (0 if self.keys is None else self.keys.shape[-2])
+        return self.n_sink + self.n_codes + self.n_window if self.is_initialized else 0
 
     @property
     def batch_size(self) -> int:
-        return self.keys.shape[0]
+        return self.batch
+
+    # -- update -------------------------------------------------------------------------------
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append new keys/values ``[B, H_kv, t, D]`` to the window: all of them, or (on error) none.
+
+        Checked first (:func:`qjl.cache.checks.check_states`): shapes, matching token counts, dtype,
+        finite values, vectors the codecs and the exact dtype can store."""
+        checks.check_shapes(self, key_states, value_states)
+        snap = self.snapshot()
+        try:
+            if not self.is_initialized:
+                self.initialize(key_states, value_states)
+            if key_states.shape[2] == 0:
+                return
+            checks.check_values(self, key_states, value_states)
+            self.flush()  # an overflow left by a forward without attention through this store
+            k = key_states if self.mu is None else key_states.float() - self.mu.unsqueeze(2)
+            self._wk.append(k)
+            self._wv.append(value_states)
+        except BaseException:
+            self.restore(snap)
+            raise
+
+    def before_attention(self, attention_mask) -> None:
+        """First forward: read each row's first real token from the mask, fit the key mean."""
+        if self.row_start is None:
+            self.row_start = padding.row_starts(attention_mask, self.batch, self.device)
+        if self.config.smooth_keys and self.mu is None:
+            self.fit_mean()
+
+    def fit_mean(self) -> None:
+        """Key smoothing: mu from the window's keys (each row's real tokens), subtracted from all of them."""
+        w = self._wk.view()
+        self.mu = channel_mean(w, self.row_start)
+        self._wk.replace((w.float() - self.mu.unsqueeze(2)).to(self.exact_dtype))
+
+    def after_attention(self) -> None:
+        """Flush now if the window overflows by more than ``EAGER_FLUSH`` tokens (else at the next append)."""
+        if self.n_window > self.config.residual_length + self.config.flush_block + EAGER_FLUSH:
+            self.flush()
+
+    def slot_mask(self, attention_mask):
+        """The mask in slot order (sinks of padded rows first): [B, 1|H, t, L]."""
+        return padding.remap_mask(attention_mask, self.slot_order)
 
     # -- compression -------------------------------------------------------------------------
     def flush(self) -> None:
-        """Move the window's overflow to sinks, then (in whole blocks) to codes."""
-        if self.keys is None:
+        """Move the window's overflow to sinks (once), then (in whole blocks) to codes."""
+        if not self.is_initialized or self.n_window <= self.config.residual_length or self.pending:
             return
-        overflow = self.keys.shape[-2] - self.config.residual_length
-        if overflow <= 0:
+        if self.config.smooth_keys and self.mu is None:
+            self.fit_mean()
+        if not self.sinks_done and not self._form_sinks():
             return
-        to_sink = min(overflow, self.config.sink_tokens - self.n_sink)
-        if to_sink > 0:
-            self.sink_k = _cat(self.sink_k, self.keys[..., :to_sink, :])
-            self.sink_v = _cat(self.sink_v, self.values[..., :to_sink, :])
-            self.keys, self.values = self.keys[..., to_sink:, :], self.values[..., to_sink:, :]
-            overflow -= to_sink
-        n = overflow // self.config.flush_block * self.config.flush_block
+        if self.exact_only:
+            return
+        block = self.config.flush_block
+        n = (self.n_window - self.config.residual_length) // block * block
         if n <= 0:
             return
-        key_codes, value_codes = self.encode(self.keys[..., :n, :], self.values[..., :n, :])
-        self.key_codes = self._append_codes(self.key_codes, key_codes)
-        self.value_codes = self._append_codes(self.value_codes, value_codes)
-        self.keys, self.values = self.keys[..., n:, :].contiguous(), self.values[..., n:, :].contiguous()
+        wk, wv = self._wk.view(), self._wv.view()
+        if self.key_fit is None:
+            self.key_fit = self.key_codec.fit(self._without_padding(wk[:, :, :n]))
+        key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit)
+        value_codes = self._quantize(self.value_codec, wv[:, :, :n])
+        self._kc.append(key_codes)
+        self._vc.append(value_codes)
+        self._wk.replace(wk[:, :, n:])
+        self._wv.replace(wv[:, :, n:])
+
+    def _form_sinks(self) -> bool:
+        """Each row's first ``sink_tokens`` real tokens become its sinks (False: not enough tokens yet)."""
+        s, n = self.config.sink_tokens, self.n_window
+        starts = self.row_start if self.row_start is not None else torch.zeros(self.batch, dtype=torch.long)
+        starts = starts.to(self.device).clamp(max=max(n - s, 0))
+        order = padding.sink_order(starts, s)
+        if n < (s if order is None else order.shape[1]):
+            return False
+        wk, wv = padding.to_slots(self._wk.view(), order), padding.to_slots(self._wv.view(), order)
+        if order is not None:
+            self.slot_order, self.pads = order, starts
+        if s:
+            self.sink_k, self.sink_v = wk[:, :, :s].clone(), wv[:, :, :s].clone()
+        self._wk.replace(wk[:, :, s:])
+        self._wv.replace(wv[:, :, s:])
+        self.sinks_done = True
+        return True
+
+    def _without_padding(self, block: torch.Tensor) -> torch.Tensor:
+        """The first flushed block with each row's padding slots (just after its sinks) zeroed."""
+        return block if self.slot_order is None or self.n_codes else padding.zero_padding(block, self.pads)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """Codes of keys and values ``[B, H_kv, n, D]`` with this layer's codecs and kernels (not stored)."""
-        return self._quantize_keys(k), self._quantize(self.value_codec, v)
+        fit = self.key_fit if self.key_fit is not None else self.key_codec.fit(k)
+        return self._quantize(self.key_codec, k, *fit), self._quantize(self.value_codec, v)
 
-    def _quantize(self, codec, x: torch.Tensor, *idx) -> Codes:
+    def _quantize(self, codec, x: torch.Tensor, *fit) -> Codes:
         if self.backend == "triton" and kernels.can_quantize(codec):
-            return kernels.quantize(codec, x, *idx)
-        if self.backend == "cpu" and kernels.can_quantize_cpu(codec):
+            return kernels.quantize(codec, x, *fit)
+        if self.backend == "cpu" and not fit and kernels.can_quantize_cpu(codec):
             return kernels.quantize_cpu(codec, x)
-        return codec.quantize(x, *idx)
+        return codec.quantize(x, *fit)
 
-    def _quantize_keys(self, k: torch.Tensor) -> Codes:
-        if isinstance(self.key_codec, OutlierQJL) and self.key_codec.n_outliers:
-            if self.outlier_idx is None:  # chosen once per layer and KV head, from the first flushed tokens
-                self.outlier_idx = self.key_codec.select_outliers(k)
-            return self._quantize(self.key_codec, k, self.outlier_idx)
-        return self._quantize(self.key_codec, k)
+    # -- undo ----------------------------------------------------------------------------------
+    def snapshot(self):
+        """Everything needed to undo the next operations (buffers are only written beyond their state)."""
+        bufs = {n: getattr(self, n).state() for n in ("_wk", "_wv", "_kc", "_vc") if getattr(self, n) is not None}
+        return dict(self.__dict__), bufs
 
-    @staticmethod
-    def _append_codes(codes, new: Codes) -> Codes:
-        return new if codes is None else Codes.cat([codes, new], dim=-1)
+    def restore(self, snap) -> None:
+        attrs, bufs = snap
+        self.__dict__.clear()
+        self.__dict__.update(attrs)
+        for name, state in bufs.items():
+            getattr(self, name).restore(state)
+
+    # -- crop / select ------------------------------------------------------------------------------
+    def check_crop(self, n: int) -> None:
+        checks.check_crop(self, n)
+
+    def crop(self, n: int) -> None:
+        """Drop the last ``n`` tokens (window first, then codes, then sinks); checked first."""
+        self.check_crop(n)
+        if n == 0 or not self.is_initialized:
+            return
+        r = min(n, self.n_window)
+        self._wk.n -= r
+        self._wv.n -= r
+        n -= r
+        c = min(n, self.n_codes)
+        if c:
+            self._kc.truncate(self._kc.n - c // (self.key_codec.tokens_per_code if self.key_codec else 1))
+            self._vc.truncate(self._vc.n - c)
+            n -= c
+        if n:  # back into the sinks (no row is padded here): what is left of them becomes the window again
+            keep_k, keep_v = self.sink_k[:, :, : self.n_sink - n], self.sink_v[:, :, : self.n_sink - n]
+            self._wk.replace(keep_k)
+            self._wv.replace(keep_v)
+            self.sink_k = self.sink_v = None
+            self.sinks_done = False
+
+    def check_select(self, index: torch.Tensor) -> torch.Tensor:
+        return checks.check_index(self, index)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Reindex the batch axis of everything held (beam search, batch selection)."""
+        index = self.check_select(index)
+        if not self.is_initialized:
+            return
+        index = index.to(self.device)
+        sel = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        for buf in (self._wk, self._wv):
+            buf.replace(sel(buf.view()))
+        self.sink_k, self.sink_v = sel(self.sink_k), sel(self.sink_v)
+        self._kc.select(index)
+        self._vc.select(index)
+        self.mu, self.row_start, self.slot_order = sel(self.mu), sel(self.row_start), sel(self.slot_order)
+        self.pads = sel(self.pads)
+        if self.key_fit is not None:
+            self.key_fit = tuple(sel(t) for t in self.key_fit)
+        self.batch = index.numel()
 
     # -- bookkeeping ------------------------------------------------------------------------------
-    def _tensors(self):
-        return [t for t in (self.keys, self.values, self.sink_k, self.sink_v) if t is not None]
+    def parts(self) -> dict:
+        """Tensors held, by part (the window and sinks are 'exact'; 'smoothing' is mu)."""
+        return {"key_codes": self._kc.tensors(), "value_codes": self._vc.tensors(),
+                "exact": [*(self._wk.tensors() if self._wk else []), *(self._wv.tensors() if self._wv else []),
+                          self.sink_k, self.sink_v],
+                "smoothing": [self.mu], "fit": list(self.key_fit or ()) + [self.row_start, self.slot_order, self.pads]}
 
     def nbytes(self) -> dict:
-        exact = sum(t.numel() * t.element_size() for t in self._tensors())
-        kc = self.key_codes.nbytes() if self.key_codes is not None else 0
-        vc = self.value_codes.nbytes() if self.value_codes is not None else 0
-        return {"key_codes": kc, "value_codes": vc, "exact": exact}
+        """Bytes of storage held by part (each storage counted once, capacity included)."""
+        seen, out = set(), {}
+        for part, tensors in self.parts().items():
+            sizes = storage_bytes(tensors)
+            out[part] = sum(b for ptr, b in sizes.items() if ptr not in seen)
+            seen |= set(sizes)
+        return out
 
     def counts(self) -> dict:
         """Stored coordinates by part: compressed tokens and exact (sink + window) tokens."""
         if not self.is_initialized:
             return {"compressed": 0, "exact": 0}
-        b, h, _, d = self.keys.shape
-        exact = sum(t.shape[-2] for t in (self.keys, self.sink_k) if t is not None)
-        return {"compressed": b * h * d * self.n_codes, "exact": b * h * d * exact}
-
-    def select(self, index: torch.Tensor) -> None:
-        """Reindex the batch axis of everything held (beam search, batch selection)."""
-        if not self.is_initialized:
-            return
-        sel = lambda t: None if t is None else t.index_select(0, index.to(t.device))  # noqa: E731
-        self.keys, self.values = sel(self.keys), sel(self.values)
-        self.sink_k, self.sink_v = sel(self.sink_k), sel(self.sink_v)
-        self.outlier_idx = sel(self.outlier_idx)
-        for name in ("key_codes", "value_codes"):
-            codes = getattr(self, name)
-            if codes is not None:
-                setattr(self, name, codes.index_select(0, index.to(codes.fields[next(iter(codes.fields))].device)))
-
-    def crop(self, n: int) -> None:
-        """Drop the last ``n`` tokens (window first, then codes, then sinks)."""
-        if n == 0 or not self.is_initialized:
-            return
-        if n > self.seq_length():
-            raise ValueError(f"cannot crop {n} tokens from a layer holding {self.seq_length()}")
-        r = min(n, self.keys.shape[-2])
-        self.keys, self.values = self.keys[..., : self.keys.shape[-2] - r, :], self.values[..., : self.values.shape[-2] - r, :]
-        n -= r
-        c = min(n, self.n_codes)
-        if c:
-            unit = self.key_codec.group_size if isinstance(self.key_codec, KIVIKeys) else 1
-            if c % unit:
-                raise ValueError(f"cannot crop {c} tokens from KIVI codes grouped by {unit}: crop whole groups")
-            keep_k = self.key_codes.lead[-1] - c // unit
-            self.key_codes = self.key_codes.narrow(-1, 0, keep_k) if keep_k else None
-            keep_v = self.value_codes.lead[-1] - c
-            self.value_codes = self.value_codes.narrow(-1, 0, keep_v) if keep_v else None
-            n -= c
-        if n:
-            keep = self.sink_k.shape[-2] - n
-            self.sink_k, self.sink_v = self.sink_k[..., :keep, :], self.sink_v[..., :keep, :]
+        per_token = self.batch * self.heads * self.key_dim
+        return {"compressed": per_token * self.n_codes, "exact": per_token * (self.n_sink + self.n_window)}

@@ -148,10 +148,51 @@ class Codes:
 
 
 class Codec(abc.ABC):
-    """Base class: see the module docstring for the contract."""
+    """Base class: see the module docstring for the contract.
+
+    Besides the four operations, a codec declares what a cache needs from it:
+
+    * ``params``: its keyword parameters (:mod:`qjl.codecs.params`), checked without building anything;
+    * ``tokens_per_code``: tokens one code covers along the vector axis (KIVI's token groups; 1 otherwise);
+      a cache flushes and crops in multiples of it;
+    * ``fit(x)``: per-sequence parameters chosen once from the first vectors a cache stores (QJL's outlier
+      channels), passed back to every later ``quantize(x, *fit)``; ``()`` when there are none;
+    * ``norm_limit()`` / ``check_storable(x)``: which vectors its stored fields can represent, so a cache
+      refuses a vector when it arrives rather than failing when the vector is flushed later.
+    """
 
     name: str = "codec"
     dim: int
+    params: dict = {}
+
+    @classmethod
+    def check_params(cls, params, per_dim=None) -> dict:
+        """Structural check of keyword parameters (and per-head-dim ratios), without building the codec.
+
+        Returns the normalized parameters; raises ``ValueError``/``TypeError`` naming the parameter.
+        """
+        import inspect
+
+        from qjl.codecs.params import FrozenDict, check_params
+
+        out = check_params(cls.name, cls.params, params, FrozenDict() if per_dim is None else per_dim)
+        given = set(out) | set(per_dim or ())
+        sig = inspect.signature(cls.__init__)
+        missing = [n for n, p in sig.parameters.items()
+                   if n not in ("self", "dim") and p.default is inspect.Parameter.empty and n not in given]
+        if missing:
+            raise ValueError(f"codec {cls.name!r} needs parameter(s) {missing} (in params, or per_dim for sizes "
+                             "that scale with head_dim)")
+        return out
+
+    @property
+    def tokens_per_code(self) -> int:
+        """Tokens covered by one code along the vector axis (1: one code per vector)."""
+        return 1
+
+    def fit(self, x: torch.Tensor) -> tuple:
+        """Per-sequence parameters from ``x: [..., n, dim]`` for ``quantize(x, *fit)`` (none by default)."""
+        return ()
 
     @abc.abstractmethod
     def quantize(self, x: torch.Tensor) -> Codes:
@@ -165,11 +206,67 @@ class Codec(abc.ABC):
     def bit_budget(self) -> BitBudget:
         """Every stored bit, per vector and per sequence."""
 
+    # -- what kernels read (qjl.codecs.views); None: no kernel reads this codec ------------------
+    def score_view(self):
+        """The key-score terms a kernel reads (:class:`qjl.codecs.views.ScoreView`), or None."""
+        return None
+
+    def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
+        """q: [..., dim] float32 -> one tensor [..., length_i] per term of :meth:`score_view`."""
+        raise TypeError(f"{type(self).__name__} declares no score view")
+
+    def quantize_view(self):
+        """The projection passes a quantize kernel runs (:class:`qjl.codecs.views.QuantizeView`), or None."""
+        return None
+
+    def mix_view(self):
+        """The value layout a kernel mixes (:class:`qjl.codecs.views.MixView`), or None."""
+        return None
+
+    def unmix(self, o: torch.Tensor) -> torch.Tensor:
+        """Rows mixed in the basis of :meth:`mix_view` [..., length] -> [..., dim] float32."""
+        raise TypeError(f"{type(self).__name__} declares no mix view")
+
     def inner_product(self, q: torch.Tensor, codes: Codes) -> torch.Tensor:
         """q: [..., t, dim], codes lead [..., n] -> [..., t, n] float32 (via dequantize)."""
         self._check_query(q, codes)
         k_hat = self.dequantize(codes)
         return torch.matmul(q.float(), k_hat.transpose(-1, -2))
+
+    def norm_limit(self) -> float | None:
+        """The largest ``||x||`` every vector of which ``quantize`` stores without overflow, or None if
+        no such guarantee is known (then :meth:`check_storable` quantizes to find out)."""
+        return None
+
+    def check_storable(self, x: torch.Tensor, name: str = "x", *fit) -> None:
+        """Raise ``ValueError`` if ``quantize(x, *fit)`` would refuse a vector of ``x: [..., dim]`` (a norm,
+        scale or zero point beyond its storage dtype).  Cheap when every norm is within :meth:`norm_limit`;
+        otherwise the vectors beyond it are quantized (exactly what a later flush would do)."""
+        if x.numel() == 0:
+            return
+        norms = torch.linalg.vector_norm(x.float(), dim=-1)
+        limit = self.norm_limit()
+        over = norms > limit if limit is not None else torch.ones_like(norms, dtype=torch.bool)
+        if not bool(over.any()):
+            return
+        try:
+            if fit or x.ndim < 2 or self.tokens_per_code > 1:
+                self.quantize(x, *fit)
+            else:
+                self.quantize(x[over])
+        except ValueError as e:
+            worst = float(norms.max())
+            raise ValueError(f"{name}: a vector of norm {worst:.4g} cannot be stored by {self!r} ({e}); give the "
+                             f"codec a wider norm_dtype (or scale_dtype), e.g. 'fp16' or 'fp32' instead of 'fp8'") from None
+
+    def _check_codes(self, codes, *fields: str, kind: str | None = None) -> None:
+        """``codes`` must be a :class:`Codes` holding ``fields`` (else a TypeError/ValueError naming this codec)."""
+        if not isinstance(codes, Codes):
+            raise TypeError(f"codes must be a qjl.Codes, got {type(codes).__name__}")
+        missing = [f for f in fields if f not in codes.fields]
+        if missing:
+            raise ValueError(f"codes were not produced by a {kind or type(self).__name__} (they hold fields "
+                             f"{sorted(codes.fields)}, not {missing})")
 
     def _check_query(self, q: torch.Tensor, codes: Codes) -> None:
         from qjl.core.validation import check_vectors

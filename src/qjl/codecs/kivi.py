@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from qjl.core.validation import check_bits, check_positive_int, check_vectors, storage_dtype
 from qjl.codecs.base import BitBudget, Codec, Codes
+from qjl.codecs.params import Param, choice, integer
+from qjl.core.validation import STORAGE_DTYPES, check_positive_int, check_vectors, storage_dtype
 from qjl.core.packing import pack_bits, packed_size, unpack_bits
 from qjl.codecs.tokenwise import minmax_quantize
 
@@ -35,12 +36,30 @@ class KIVIKeys(Codec):
     """
 
     name = "kivi"
+    params = {"bits": Param(integer(1, 8)), "group_size": Param(integer(1)),
+              "scale_dtype": Param(choice(*STORAGE_DTYPES, *STORAGE_DTYPES.values()))}
 
     def __init__(self, dim: int, bits: int = 2, group_size: int = 32, scale_dtype="fp16"):
         self.dim = check_positive_int("dim", dim)
-        self.bits = check_bits("bits", bits)
-        self.group_size = check_positive_int("group_size", group_size)
+        self.check_params(dict(bits=bits, group_size=group_size, scale_dtype=scale_dtype))
+        self.bits, self.group_size = bits, group_size
         self.scale_dtype = storage_dtype("scale_dtype", scale_dtype)
+
+    @property
+    def tokens_per_code(self) -> int:
+        """One code holds a group of ``group_size`` tokens (per channel scales and zero points)."""
+        return self.group_size
+
+    def norm_limit(self) -> float:
+        """``|x_i| <= ||x||``: with ``||x|| <= max / 2`` every zero point and every range (hence scale) of a
+        group fits the scale dtype."""
+        return torch.finfo(self.scale_dtype).max / 2
+
+    def check_storable(self, x: torch.Tensor, name: str = "x", *fit) -> None:
+        """Entries beyond half the scale dtype's range are refused (groups form only when flushed)."""
+        if x.numel() and bool((x.float().abs() > self.norm_limit()).any()):
+            raise ValueError(f"{name}: entries beyond {self.norm_limit():g} cannot be stored by {self!r} (scale "
+                             f"dtype {self.scale_dtype}); use scale_dtype='fp32'")
 
     def __repr__(self):
         return f"KIVIKeys(dim={self.dim}, bits={self.bits}, group_size={self.group_size})"
@@ -59,8 +78,11 @@ class KIVIKeys(Codec):
 
     def dequantize(self, codes: Codes) -> torch.Tensor:
         """Codes with lead [..., n/G] -> [..., n, dim] float32."""
-        if not isinstance(codes, Codes) or "codes" not in codes.fields or "scale" not in codes.fields:
-            raise ValueError("codes were not produced by KIVIKeys")
+        self._check_codes(codes, "codes", "scale", "zero", kind="KIVIKeys")
+        c, sc = codes.fields["codes"], codes.fields["scale"]
+        if c.ndim != sc.ndim + 1 or sc.shape[-1] != self.dim or c.shape[-1] != packed_size(self.dim, self.bits):
+            raise ValueError(f"codes were not produced by {self!r} (codes {tuple(c.shape)}, scale {tuple(sc.shape)}: "
+                             f"expected [..., n/G, G, {packed_size(self.dim, self.bits)}] and [..., n/G, {self.dim}])")
         q = unpack_bits(codes.fields["codes"], self.bits, self.dim, torch.uint8).float()  # [..., n/G, G, d]
         x = codes.fields["zero"].float().unsqueeze(-2) + q * codes.fields["scale"].float().unsqueeze(-2)
         return x.flatten(-3, -2)

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from qjl.core.validation import check_positive_int, check_vectors
 from qjl.codecs.base import BitBudget, Codec, Codes
-from qjl.codecs.sketch import DEFAULT_HADAMARD_ROUNDS, QJLSketch
+from qjl.codecs.params import Param, choice, integer, multiple_of_8, seed as seed_param
+from qjl.codecs.sketch import DEFAULT_HADAMARD_ROUNDS, KINDS, QJLSketch
+from qjl.core.validation import NORM_DTYPES, check_positive_int, check_vectors
 
 __all__ = ["OutlierQJL", "derive_seed"]
 
@@ -51,21 +52,32 @@ class OutlierQJL(Codec):
     """
 
     name = "qjl"
+    params = {"sketch_dim": Param(multiple_of_8(), per_dim=True), "n_outliers": Param(integer(0)),
+              "outlier_sketch_dim": Param(multiple_of_8(0), per_dim=True), "kind": Param(choice(*KINDS)),
+              "seed": Param(seed_param), "norm_dtype": Param(choice(*NORM_DTYPES, *NORM_DTYPES.values())),
+              "hadamard_rounds": Param(integer(1))}
+
+    @classmethod
+    def check_params(cls, params, per_dim=None) -> dict:
+        out = super().check_params(params, per_dim)
+        if out.get("n_outliers", 0) and not out.get("outlier_sketch_dim") and "outlier_sketch_dim" not in (per_dim or {}):
+            raise ValueError(f"codec 'qjl' with n_outliers={out['n_outliers']} needs outlier_sketch_dim >= 8 "
+                             "(a multiple of 8, in params or per_dim)")
+        return out
 
     def __init__(self, dim: int, sketch_dim: int, n_outliers: int = 0, outlier_sketch_dim: int = 0,
                  kind: str = "orthogonal", seed: int = 0, norm_dtype="fp16",
                  hadamard_rounds: int = DEFAULT_HADAMARD_ROUNDS):
         check_positive_int("dim", dim)
-        self.n_outliers = check_positive_int("n_outliers", n_outliers, minimum=0)
+        self.check_params(dict(sketch_dim=sketch_dim, n_outliers=n_outliers, outlier_sketch_dim=outlier_sketch_dim,
+                               kind=kind, seed=seed, norm_dtype=norm_dtype, hadamard_rounds=hadamard_rounds))
+        self.n_outliers = n_outliers
         if n_outliers >= dim:
             raise ValueError(f"n_outliers must be < dim={dim}, got {n_outliers}")
         self.inlier = QJLSketch(dim, sketch_dim, kind, seed, norm_dtype, hadamard_rounds)
         self.dim = dim
         self.outlier = None
         if n_outliers:
-            check_positive_int("outlier_sketch_dim", outlier_sketch_dim)
-            if outlier_sketch_dim % 8:
-                raise ValueError(f"outlier_sketch_dim must be a multiple of 8, got {outlier_sketch_dim}")
             # a handful of channels: a dense sketch is tiny, and Hadamard is biased at small n
             outlier_kind = "orthogonal" if kind == "hadamard" else kind
             self.outlier = QJLSketch(n_outliers, outlier_sketch_dim, outlier_kind, derive_seed(seed, 1),
@@ -76,6 +88,16 @@ class OutlierQJL(Codec):
         out = self.outlier.sketch_dim if self.outlier else 0
         return (f"OutlierQJL(dim={self.dim}, sketch_dim={self.inlier.sketch_dim}, n_outliers={self.n_outliers}, "
                 f"outlier_sketch_dim={out}, kind={self.inlier.kind!r}, seed={self.inlier.seed})")
+
+    def fit(self, x: torch.Tensor) -> tuple:
+        """The outlier channels of each sequence, chosen once from its first vectors x: [..., n, dim]
+        -> (outlier_idx [..., n_outliers],), or () without outliers."""
+        return (self.select_outliers(x),) if self.n_outliers else ()
+
+    def norm_limit(self) -> float:
+        """Both stored norms (inlier and outlier parts) are at most ``||x||``."""
+        top = self.inlier.norm_limit()
+        return top if self.outlier is None else min(top, self.outlier.norm_limit())
 
     def select_outliers(self, x: torch.Tensor) -> torch.Tensor:
         """Channels of largest mean |x| over the vector axis. x: [..., n, dim] -> [..., n_outliers] (sorted)."""
@@ -126,6 +148,8 @@ class OutlierQJL(Codec):
         return Codes(lead, fields, {"outlier_idx": idx.to(self._idx_dtype)})
 
     def _parts(self, codes: Codes):
+        self._check_codes(codes, "signs", "norm", *(("outlier_signs", "outlier_norm") if self.outlier else ()),
+                          kind=repr(self))
         f = codes.fields
         inl = Codes(codes.lead, {"signs": f["signs"], "norm": f["norm"]})
         if self.outlier is None:
@@ -154,6 +178,47 @@ class OutlierQJL(Codec):
         k_out = self.outlier.dequantize(out)
         shape = k_out.shape[:-1]
         return (k_in * mask).scatter(-1, idx.unsqueeze(-2).expand(*shape, self.n_outliers), k_out)
+
+    # -- kernel view: the inlier sketch, plus the outlier sketch when there are outlier channels ----
+    def score_view(self):
+        """One term per sketch; the query maps read the per-sequence ``outlier_idx``."""
+        from qjl.codecs.views import KeyTerm, PackedCodes, ScoreView
+
+        inl = self.inlier.score_view()
+        if self.outlier is None:
+            return inl
+        out = KeyTerm(PackedCodes("outlier_signs", 1, self.outlier.sketch_dim, torch.tensor([-1.0, 1.0])),
+                      "outlier_norm")
+        return ScoreView((inl.terms[0], out), ("outlier_idx",))
+
+    def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
+        """q: [..., R, dim], shared {"outlier_idx": [..., n_outliers]} -> [c S q_in, c_o S_o q[idx]]."""
+        if self.outlier is None:
+            return self.inlier.score_queries(q)
+        if not shared or "outlier_idx" not in shared:
+            raise ValueError("shared must hold the codes' outlier_idx for a codec with outlier channels")
+        q_in, q_out, _ = self._split(q.float(), shared["outlier_idx"].long())
+        return self.inlier.score_queries(q_in) + self.outlier.score_queries(q_out)
+
+    def quantize_view(self):
+        """The inlier sketch over x with the outlier channels zeroed, the outlier sketch over x[outlier_idx]."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        if self.outlier is None:
+            return self.inlier.quantize_view()
+        inl = ProjectQuantize(self.inlier, 1, "signs", "norm", self.inlier.norm_dtype, channels="inliers")
+        out = ProjectQuantize(self.outlier, 1, "outlier_signs", "outlier_norm", self.outlier.norm_dtype,
+                              channels="outliers")
+        return QuantizeView((inl, out), "outlier_idx")
+
+    @property
+    def idx_dtype(self) -> torch.dtype:
+        """Storage dtype of ``outlier_idx``."""
+        return self._idx_dtype
+
+    def check_outlier_idx(self, idx, lead_seq: tuple) -> torch.Tensor:
+        """``idx`` checked (integer, in range, no repeats) and broadcast to ``lead_seq + (n_outliers,)``."""
+        return self._check_idx(idx, lead_seq)
 
     def bit_budget(self) -> BitBudget:
         budget = self.inlier.bit_budget()

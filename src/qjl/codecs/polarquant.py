@@ -20,11 +20,12 @@ import math
 
 import torch
 
-from qjl.core.validation import check_fits, check_positive_int, check_vectors, NORM_DTYPES, storage_dtype
 from qjl.codecs.base import BitBudget, Codec, Codes
+from qjl.codecs.params import Param, bits_sequence, choice, seed as seed_param
 from qjl.core.lloyd_max import bucket, polar_codebook
 from qjl.core.packing import pack_bits, packed_size, unpack_bits
-from qjl.core.rotation import Rotation
+from qjl.core.rotation import ROTATIONS, Rotation
+from qjl.core.validation import NORM_DTYPES, check_fits, check_positive_int, check_vectors, storage_dtype
 
 __all__ = ["PolarQuant", "polar_transform", "inverse_polar_transform"]
 
@@ -65,17 +66,18 @@ class PolarQuant(Codec):
     """
 
     name = "polarquant"
+    params = {"bits_per_level": Param(bits_sequence(1, 8)), "rotation": Param(choice(*ROTATIONS)),
+              "seed": Param(seed_param), "norm_dtype": Param(choice(*NORM_DTYPES, *NORM_DTYPES.values()))}
 
     def __init__(self, dim: int, bits_per_level=(4, 2), rotation: str = "haar", seed: int = 0, norm_dtype="fp16"):
         self.dim = check_positive_int("dim", dim)
         if dim < 2:
             raise ValueError(f"dim must be >= 2, got {dim}")
+        self.check_params(dict(bits_per_level=bits_per_level, rotation=rotation, seed=seed, norm_dtype=norm_dtype))
         self.rotation = Rotation(dim, rotation, seed, pad_pow2=True)
         n = self.rotation.out_dim
         self.levels = n.bit_length() - 1
         spec = [bits_per_level] if isinstance(bits_per_level, int) else list(bits_per_level)
-        if not spec or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8 for b in spec):
-            raise ValueError(f"bits_per_level must be an int in 1..8 or a non-empty sequence of them, got {bits_per_level!r}")
         self.bits = tuple(spec[min(i, len(spec) - 1)] for i in range(self.levels))
         self.books = [polar_codebook(level + 1, b) for level, b in enumerate(self.bits)]
         self._tables = [book.tensors() for book in self.books]
@@ -101,9 +103,11 @@ class PolarQuant(Codec):
         fields["norm"] = norm.to(self.norm_dtype)
         return Codes(tuple(x.shape[:-1]), fields)
 
+    def norm_limit(self) -> float:
+        return torch.finfo(self.norm_dtype).max
+
     def dequantize(self, codes: Codes) -> torch.Tensor:
-        if not isinstance(codes, Codes) or any(f"level{i}" not in codes.fields for i in range(self.levels)):
-            raise ValueError("codes were not produced by this PolarQuant")
+        self._check_codes(codes, *(f"level{i}" for i in range(self.levels)), "norm", kind=repr(self))
         angles = []
         for level, (cents, _) in enumerate(self._tables):
             packed = codes.fields[f"level{level}"]

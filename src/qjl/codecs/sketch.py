@@ -48,8 +48,9 @@ import math
 
 import torch
 
-from qjl.core.validation import check_choice, check_positive_int, check_vectors, check_fits, NORM_DTYPES, storage_dtype
 from qjl.codecs.base import BitBudget, Codec, Codes
+from qjl.codecs.params import Param, choice, integer, multiple_of_8, seed as seed_param
+from qjl.core.validation import NORM_DTYPES, check_fits, check_positive_int, check_vectors, storage_dtype
 from qjl.core.hadamard import hadamard_rotate, hadamard_rotate_t, next_pow2, random_signs
 from qjl.core.packing import pack_signs, unpack_signs
 
@@ -99,19 +100,18 @@ class QJLSketch(Codec):
     """
 
     name = "qjl"
+    params = {"sketch_dim": Param(multiple_of_8(), per_dim=True), "kind": Param(choice(*KINDS)),
+              "seed": Param(seed_param), "norm_dtype": Param(choice(*NORM_DTYPES, *NORM_DTYPES.values())),
+              "hadamard_rounds": Param(integer(1))}
 
     def __init__(self, dim: int, sketch_dim: int, kind: str = "orthogonal", seed: int = 0,
                  norm_dtype="fp16", hadamard_rounds: int = DEFAULT_HADAMARD_ROUNDS):
         self.dim = check_positive_int("dim", dim)
-        self.sketch_dim = check_positive_int("sketch_dim", sketch_dim)
-        if sketch_dim % 8:
-            raise ValueError(f"sketch_dim must be a multiple of 8 (bits are packed 8 per byte), got {sketch_dim}")
-        check_choice("kind", kind, KINDS)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        self.kind, self.seed = kind, seed
+        self.check_params(dict(sketch_dim=sketch_dim, kind=kind, seed=seed, norm_dtype=norm_dtype,
+                               hadamard_rounds=hadamard_rounds))
+        self.sketch_dim, self.kind, self.seed = sketch_dim, kind, seed
         self.norm_dtype = storage_dtype("norm_dtype", norm_dtype, NORM_DTYPES)
-        self.hadamard_rounds = check_positive_int("hadamard_rounds", hadamard_rounds)
+        self.hadamard_rounds = hadamard_rounds
         if kind == "hadamard" and next_pow2(dim) < _HADAMARD_MIN_N:
             raise ValueError(f"kind='hadamard' needs dim > {_HADAMARD_MIN_N // 2} (small Hadamard transforms are "
                              f"measurably biased); got dim={dim}: use kind='orthogonal'")
@@ -164,11 +164,12 @@ class QJLSketch(Codec):
         signs = pack_signs(self.project(xf))
         return Codes(tuple(x.shape[:-1]), {"signs": signs, "norm": norm.to(self.norm_dtype)})
 
-    def _check_codes(self, codes: Codes) -> None:
-        if not isinstance(codes, Codes):
-            raise TypeError(f"codes must be a qjl.Codes, got {type(codes).__name__}")
-        signs = codes.fields.get("signs")
-        if signs is None or "norm" not in codes.fields or signs.shape[-1] != self.sketch_dim // 8:
+    def norm_limit(self) -> float:
+        return torch.finfo(self.norm_dtype).max
+
+    def _check_codes(self, codes: Codes, *fields, kind=None) -> None:
+        super()._check_codes(codes, "signs", "norm", kind=f"QJLSketch with sketch_dim={self.sketch_dim}")
+        if codes.fields["signs"].shape[-1] != self.sketch_dim // 8:
             raise ValueError(f"codes were not produced by a QJLSketch with sketch_dim={self.sketch_dim}")
 
     def inner_product(self, q: torch.Tensor, codes: Codes) -> torch.Tensor:
@@ -190,6 +191,23 @@ class QJLSketch(Codec):
         self._check_codes(codes)
         signs = unpack_signs(codes.fields["signs"])
         return self.project_t(signs) * (self.scale * codes.fields["norm"].float()).unsqueeze(-1)
+
+    # -- kernel view: sign bits as 1-bit codes of the centroids (-1, +1) -------------------------
+    def score_view(self):
+        """One term: ``norm * <c S q, sign>`` (Eq. 4, :meth:`inner_product`)."""
+        from qjl.codecs.views import KeyTerm, PackedCodes, ScoreView
+
+        return ScoreView((KeyTerm(PackedCodes("signs", 1, self.sketch_dim, torch.tensor([-1.0, 1.0])), "norm"),))
+
+    def quantize_view(self):
+        """Project with S, sign, pack; the norm of x."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        return QuantizeView((ProjectQuantize(self, 1, "signs", "norm", self.norm_dtype),))
+
+    def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
+        """q: [..., dim] -> [c S q] ([..., sketch_dim] float32, the estimator's constant included)."""
+        return [self.project(q.float()) * self.scale]
 
     def bit_budget(self) -> BitBudget:
         norm_bits = torch.finfo(self.norm_dtype).bits

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from qjl.core.validation import check_bits, check_fits, check_positive_int, check_vectors, storage_dtype
 from qjl.codecs.base import BitBudget, Codec, Codes
+from qjl.codecs.params import Param, choice, integer
+from qjl.core.validation import STORAGE_DTYPES, check_fits, check_positive_int, check_vectors, storage_dtype
 from qjl.core.packing import pack_bits, packed_size, unpack_bits
 
 __all__ = ["TokenwiseQuantizer", "minmax_quantize"]
@@ -63,11 +64,14 @@ class TokenwiseQuantizer(Codec):
     """
 
     name = "uniform"
+    params = {"bits": Param(integer(1, 8)), "group_size": Param(integer(1)),
+              "scale_dtype": Param(choice(*STORAGE_DTYPES, *STORAGE_DTYPES.values()))}
 
     def __init__(self, dim: int, bits: int = 2, group_size: int = 32, scale_dtype="fp16"):
         self.dim = check_positive_int("dim", dim)
-        self.bits = check_bits("bits", bits)
-        self.group_size = min(check_positive_int("group_size", group_size), dim)
+        self.check_params(dict(bits=bits, group_size=group_size, scale_dtype=scale_dtype))
+        self.bits = bits
+        self.group_size = min(group_size, dim)
         self.groups = -(-dim // self.group_size)
         self.scale_dtype = storage_dtype("scale_dtype", scale_dtype)
 
@@ -85,17 +89,35 @@ class TokenwiseQuantizer(Codec):
         """x: [..., dim] -> Codes(codes [..., ceil(dim*bits/8)] uint8, scale/zero [..., groups])."""
         check_vectors("x", x, self.dim)
         codes, scale, zero = minmax_quantize(self._grouped(x.float()), self.bits, self.scale_dtype)
-        codes = codes.reshape(*codes.shape[:-2], -1)[..., : self.dim]
+        codes = codes.flatten(-2)[..., : self.dim]
         return Codes(tuple(x.shape[:-1]), {"codes": pack_bits(codes, self.bits), "scale": scale, "zero": zero})
+
+    def norm_limit(self) -> float:
+        """``|x_i| <= ||x||``: with ``||x|| <= max / 2`` every zero point and range (hence scale) fits."""
+        return torch.finfo(self.scale_dtype).max / 2
 
     def dequantize(self, codes: Codes) -> torch.Tensor:
         """Codes lead [...] -> [..., dim] float32."""
-        if not isinstance(codes, Codes) or "codes" not in codes.fields or "scale" not in codes.fields:
-            raise ValueError("codes were not produced by a TokenwiseQuantizer")
+        self._check_codes(codes, "codes", "scale", "zero", kind="TokenwiseQuantizer")
+        c, sc = codes.fields["codes"], codes.fields["scale"]
+        if c.ndim != sc.ndim or sc.shape[-1] != self.groups or c.shape[-1] != packed_size(self.dim, self.bits):
+            raise ValueError(f"codes were not produced by {self!r} (codes {tuple(c.shape)}, scale {tuple(sc.shape)}: "
+                             f"expected [..., {packed_size(self.dim, self.bits)}] and [..., {self.groups}])")
         q = unpack_bits(codes.fields["codes"], self.bits, self.dim, torch.uint8).float()
         qg = self._grouped(q)
         x = codes.fields["zero"].float().unsqueeze(-1) + qg * codes.fields["scale"].float().unsqueeze(-1)
-        return x.reshape(*x.shape[:-2], -1)[..., : self.dim]
+        return x.flatten(-2)[..., : self.dim]
+
+    # -- kernel view: integer codes with per-group scale and zero point ----------------------------
+    def mix_view(self):
+        """``v = zero[g] + scale[g] * code`` (centroids 0 .. 2**bits - 1); the identity :meth:`unmix`."""
+        from qjl.codecs.views import MixView, PackedCodes
+
+        cent = torch.arange(1 << self.bits, dtype=torch.float32)
+        return MixView(PackedCodes("codes", self.bits, self.dim, cent), self.group_size, "scale", "zero")
+
+    def unmix(self, o: torch.Tensor) -> torch.Tensor:
+        return o.float()
 
     def bit_budget(self) -> BitBudget:
         sb = torch.finfo(self.scale_dtype).bits

@@ -2,7 +2,7 @@ r"""TurboQuant (arXiv:2504.19874; seed 003): rotation + Lloyd-Max, and its unbia
 
 ``TurboQuantMSE``: store ``||x||`` and, for the rotated unit vector
 ``y = Pi x / ||x||`` (a uniform point of S^{n-1}), the index of the nearest
-centroid of the Lloyd-Max codebook of one sphere coordinate (:mod:`qjl.lloyd_max`)
+centroid of the Lloyd-Max codebook of one sphere coordinate (:mod:`qjl.core.lloyd_max`)
 for each of its n coordinates.  ``x_hat = ||x|| Pi^T c[idx]``.  For a unit vector
 the expected distortion is ``D_mse = n * C(f, b)``: 0.3609, 0.1160, 0.0340, 0.00931
 at n = 128 and b = 1..4.  Seed 003's table prints 0.030 at b = 3; the Lloyd-Max
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from qjl.core.validation import check_bits, check_fits, check_positive_int, check_vectors, NORM_DTYPES, storage_dtype
 from qjl.codecs.base import BitBudget, Codec, Codes
-from qjl.core.lloyd_max import bucket, sphere_codebook
 from qjl.codecs.outliers import derive_seed
+from qjl.codecs.params import Param, boolean, choice, integer, multiple_of_8, optional, seed as seed_param
+from qjl.codecs.sketch import KINDS, QJLSketch
+from qjl.core.lloyd_max import bucket, sphere_codebook
 from qjl.core.packing import pack_bits, packed_size, unpack_bits
-from qjl.core.rotation import Rotation
-from qjl.codecs.sketch import QJLSketch
+from qjl.core.rotation import ROTATIONS, Rotation
+from qjl.core.validation import NORM_DTYPES, check_fits, check_positive_int, check_vectors, storage_dtype
 
 __all__ = ["TurboQuantMSE", "TurboQuantProd"]
 
@@ -49,11 +50,15 @@ class TurboQuantMSE(Codec):
     """
 
     name = "turboquant_mse"
+    params = {"bits": Param(integer(1, 8)), "rotation": Param(choice(*ROTATIONS)), "seed": Param(seed_param),
+              "norm_dtype": Param(choice(*NORM_DTYPES, *NORM_DTYPES.values())), "correct_norm": Param(boolean)}
 
     def __init__(self, dim: int, bits: int = 3, rotation: str = "haar", seed: int = 0, norm_dtype="fp16",
                  correct_norm: bool = False):
         self.dim = check_positive_int("dim", dim)
-        self.bits = check_bits("bits", bits)
+        self.check_params(dict(bits=bits, rotation=rotation, seed=seed, norm_dtype=norm_dtype,
+                               correct_norm=correct_norm))
+        self.bits = bits
         self.rotation = Rotation(dim, rotation, seed)
         n = self.rotation.out_dim
         if n < 3:
@@ -61,9 +66,8 @@ class TurboQuantMSE(Codec):
         self.codebook = sphere_codebook(n, bits)
         self._centroids, self._boundaries = self.codebook.tensors()
         self.norm_dtype = storage_dtype("norm_dtype", norm_dtype, NORM_DTYPES)
-        if not isinstance(correct_norm, bool):
-            raise TypeError(f"correct_norm must be a bool, got {type(correct_norm).__name__}")
         self.correct_norm = correct_norm
+        self._cos_floor = None
 
     def __repr__(self):
         return f"TurboQuantMSE(dim={self.dim}, bits={self.bits}, rotation={self.rotation.kind!r}, seed={self.rotation.seed})"
@@ -83,10 +87,21 @@ class TurboQuantMSE(Codec):
             check_fits("corrected norm of x", norm, self.norm_dtype)
         return Codes(tuple(x.shape[:-1]), {"codes": pack_bits(idx, self.bits), "norm": norm.to(self.norm_dtype)})
 
+    def norm_limit(self) -> float:
+        """Norms up to the norm dtype's max are stored; with ``correct_norm`` the stored norm is
+        ``||x|| / <u, u_hat>``, and ``<u, u_hat> = sum_i u_i c(u_i) >= min_k c_k / t_k`` over the codebook's
+        positive cells (upper edge t_k, the last one ending at 1): each term is ``>= u_i^2 c_k / t_k``."""
+        top = torch.finfo(self.norm_dtype).max
+        if not self.correct_norm:
+            return top
+        if self._cos_floor is None:
+            c, t = self.codebook.centroids, (*self.codebook.boundaries, 1.0)
+            self._cos_floor = min(ck / tk for ck, tk in zip(c, t) if ck > 0 and tk > 0)
+        return top * self._cos_floor
+
     def rotated(self, codes: Codes) -> torch.Tensor:
         """The reconstruction in the rotated basis, ``||x|| c[idx]``: [..., n] float32."""
-        if not isinstance(codes, Codes) or "codes" not in codes.fields or "norm" not in codes.fields:
-            raise ValueError("codes were not produced by a TurboQuantMSE")
+        self._check_codes(codes, "codes", "norm", kind="TurboQuantMSE")
         packed = codes.fields["codes"]
         n = self.rotation.out_dim
         if packed.shape[-1] != packed_size(n, self.bits):
@@ -101,6 +116,49 @@ class TurboQuantMSE(Codec):
         """Rotate the query once, score against centroids: q: [..., t, dim] -> [..., t, n]."""
         self._check_query(q, codes)
         return torch.matmul(self.rotation.apply(q.float()), self.rotated(codes).transpose(-1, -2))
+
+    # -- kernel views: keys scored and values mixed in the rotated basis ------------------------
+    def _packed(self):
+        from qjl.codecs.views import PackedCodes
+
+        return PackedCodes("codes", self.bits, self.rotation.out_dim, self._centroids)
+
+    def score_view(self):
+        """One term: ``norm * <Pi q, c[idx]>`` (:meth:`inner_product`)."""
+        from qjl.codecs.views import KeyTerm, ScoreView
+
+        return ScoreView((KeyTerm(self._packed(), "norm"),))
+
+    def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
+        """q: [..., dim] -> [Pi q] ([..., n] float32)."""
+        return [self.rotation.apply(q.float())]
+
+    def quantize_view(self):
+        """Normalize, rotate, Lloyd-Max cell, pack (norm correction as configured)."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        return QuantizeView((ProjectQuantize(self.rotation, self.bits, "codes", "norm", self.norm_dtype, self._boundaries,
+                                             self._centroids, normalize=True, correct_norm=self.correct_norm),))
+
+    def mix_view(self):
+        """One group, scale ``norm``, no zero point; rows mixed in the rotated basis (see :meth:`unmix`)."""
+        from qjl.codecs.views import MixView
+
+        return MixView(self._packed(), self.rotation.out_dim, "norm", None, rotated=True)
+
+    def unmix(self, o: torch.Tensor) -> torch.Tensor:
+        """o: [..., n] mixed rotated rows -> ``Pi^T o`` [..., dim]."""
+        return self.rotation.inverse(o.float())
+
+    @property
+    def centroids(self) -> torch.Tensor:
+        """The Lloyd-Max codebook [2**bits] float32 (code v stands for ``centroids[v]``)."""
+        return self._centroids
+
+    @property
+    def boundaries(self) -> torch.Tensor:
+        """The cell boundaries [2**bits - 1] float32 (code = number of boundaries below a coordinate)."""
+        return self._boundaries
 
     def bit_budget(self) -> BitBudget:
         return BitBudget(self.dim, {"codes": 8 * packed_size(self.rotation.out_dim, self.bits),
@@ -119,11 +177,17 @@ class TurboQuantProd(Codec):
     """
 
     name = "turboquant_prod"
+    params = {"bits": Param(integer(1, 9)),  # the MSE stage takes bits - 1 <= 8
+              "sketch_dim": Param(optional(multiple_of_8()), per_dim=True), "qjl_kind": Param(choice(*KINDS)),
+              "rotation": Param(choice(*ROTATIONS)), "seed": Param(seed_param),
+              "norm_dtype": Param(choice(*NORM_DTYPES, *NORM_DTYPES.values()))}
 
     def __init__(self, dim: int, bits: int = 3, sketch_dim: int | None = None, qjl_kind: str = "orthogonal",
                  rotation: str = "haar", seed: int = 0, norm_dtype="fp16"):
         self.dim = check_positive_int("dim", dim)
-        self.bits = check_bits("bits", bits, maximum=9)  # the MSE stage takes bits - 1 <= 8
+        self.check_params(dict(bits=bits, sketch_dim=sketch_dim, qjl_kind=qjl_kind, rotation=rotation, seed=seed,
+                               norm_dtype=norm_dtype))
+        self.bits = bits
         self.mse = TurboQuantMSE(dim, bits - 1, rotation, seed, norm_dtype) if bits > 1 else None
         sketch_dim = -(-dim // 8) * 8 if sketch_dim is None else sketch_dim
         self.qjl = QJLSketch(dim, sketch_dim, qjl_kind, derive_seed(seed, 2), norm_dtype)
@@ -145,10 +209,19 @@ class TurboQuantProd(Codec):
         fields = dict(fields, signs=res.fields["signs"], res_norm=res.fields["norm"])
         return Codes(tuple(x.shape[:-1]), fields)
 
+    def norm_limit(self) -> float | None:
+        """The MSE stage stores ``||x||``; the residual's norm is at most ``||x|| (1 + ||c[idx]||)`` with
+        ``||c[idx]|| <= sqrt(n) max|c|``."""
+        top = min(torch.finfo(self.qjl.norm_dtype).max, torch.finfo(self.mse.norm_dtype).max if self.mse else
+                  float("inf"))
+        if self.mse is None:
+            return top
+        c_max = max(abs(c) for c in self.mse.codebook.centroids)
+        return top / (1.0 + self.mse.rotation.out_dim ** 0.5 * c_max)
+
     def _split(self, codes: Codes):
+        self._check_codes(codes, "signs", "res_norm", kind="TurboQuantProd")
         f = codes.fields
-        if "signs" not in f or "res_norm" not in f:
-            raise ValueError("codes were not produced by a TurboQuantProd")
         res = Codes(codes.lead, {"signs": f["signs"], "norm": f["res_norm"]})
         mse = Codes(codes.lead, {"codes": f["codes"], "norm": f["norm"]}) if self.mse is not None else None
         return mse, res

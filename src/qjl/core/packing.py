@@ -30,7 +30,7 @@ def _pack_bool(bits: torch.Tensor) -> torch.Tensor:
     pad = (-length) % 8
     if pad:
         bits = torch.nn.functional.pad(bits, (0, pad))
-    grouped = bits.reshape(*bits.shape[:-1], -1, 8).to(torch.uint8)
+    grouped = bits.reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8).to(torch.uint8)
     weights = _BIT_WEIGHTS.to(bits.device)
     return (grouped * weights).sum(dim=-1, dtype=torch.uint8)
 
@@ -39,7 +39,7 @@ def _unpack_bool(packed: torch.Tensor, length: int) -> torch.Tensor:
     """packed: [..., nbytes] uint8 -> [..., length] bool."""
     weights = _BIT_WEIGHTS.to(packed.device)
     bits = (packed.unsqueeze(-1) & weights) != 0
-    return bits.reshape(*packed.shape[:-1], -1)[..., :length]
+    return bits.flatten(-2)[..., :length]
 
 
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
@@ -83,11 +83,11 @@ def _pack_words(values: torch.Tensor, bits: int) -> torch.Tensor:
     v = values.to(torch.int64)
     if pad:
         v = torch.nn.functional.pad(v, (0, pad))
-    v = v.reshape(*v.shape[:-1], -1, 8)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // 8, 8)
     shifts = torch.arange(0, 8 * bits, bits, device=v.device)
     word = (v << shifts).sum(dim=-1, keepdim=True)  # [..., L/8, 1] < 2^(8 bits) <= 2^56
     out = (word >> torch.arange(0, 8 * bits, 8, device=v.device)) & 0xFF  # [..., L/8, bits]
-    return out.to(torch.uint8).reshape(*v.shape[:-2], -1)[..., : packed_size(length, bits)]
+    return out.to(torch.uint8).flatten(-2)[..., : packed_size(length, bits)]
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, length: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -107,13 +107,13 @@ def unpack_bits(packed: torch.Tensor, bits: int, length: int, dtype: torch.dtype
     if 8 % bits == 0:  # whole codes per byte: shift and mask in uint8
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-        return codes.reshape(*packed.shape[:-1], -1)[..., :length].to(dtype)
+        return codes.flatten(-2)[..., :length].to(dtype)
     nbytes = packed.shape[-1]
     pad = (-nbytes) % bits
     p = packed.to(torch.int64)
     if pad:
         p = torch.nn.functional.pad(p, (0, pad))
-    p = p.reshape(*p.shape[:-1], -1, bits)
+    p = p.reshape(*p.shape[:-1], p.shape[-1] // bits, bits)
     word = (p << torch.arange(0, 8 * bits, 8, device=p.device)).sum(dim=-1, keepdim=True)
     codes = (word >> torch.arange(0, 8 * bits, bits, device=p.device)) & ((1 << bits) - 1)
-    return codes.reshape(*p.shape[:-2], -1)[..., :length].to(dtype)
+    return codes.flatten(-2)[..., :length].to(dtype)

@@ -12,6 +12,8 @@ vector is a point of S^{n-1}.  ``inverse(apply(x)) == x`` up to float error.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qjl.core.validation import check_choice, check_positive_int
@@ -27,6 +29,14 @@ def haar_matrix(generator: torch.Generator, n: int) -> torch.Tensor:
     g = torch.randn(n, n, generator=generator, dtype=torch.float64)
     q, r = torch.linalg.qr(g)
     return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+
+
+@functools.lru_cache(maxsize=512)
+def _seeded_haar(n: int, seed: int) -> torch.Tensor:
+    """The float32 Haar matrix of (n, seed), built once per process: a cache builds the same rotations for
+    every layer of every new cache, and the width allocation builds each layer's candidates with one seed.
+    Read-only: callers never modify it."""
+    return haar_matrix(torch.Generator().manual_seed(seed), n).float()
 
 
 class Rotation:
@@ -46,11 +56,11 @@ class Rotation:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         self.kind, self.seed = kind, seed
-        gen = torch.Generator().manual_seed(seed)
         if kind == "haar":
             self.out_dim = next_pow2(dim) if pad_pow2 else dim
-            self._matrix = haar_matrix(gen, self.out_dim).float()  # [n, n]
+            self._matrix = _seeded_haar(self.out_dim, seed)  # [n, n], shared by rotations of one seed
         else:
+            gen = torch.Generator().manual_seed(seed)
             self.out_dim = next_pow2(dim)
             if self.out_dim < 32:
                 raise ValueError(f"rotation='hadamard' needs dim > 16 (small Hadamard transforms are far from "

@@ -66,6 +66,5 @@ def check_fits(name: str, values: torch.Tensor, dtype: torch.dtype) -> None:
     clipped (fp8 saturates)."""
     if values.numel() and bool((values.float().abs() > torch.finfo(dtype).max).any()):
         raise ValueError(
-            f"{name} overflows its storage dtype {dtype} (max {torch.finfo(dtype).max:g}); "
-            "choose a wider dtype"
+            f"{name} overflows its storage dtype {dtype} (max {torch.finfo(dtype).max:g})"
         )

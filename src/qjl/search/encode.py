@@ -20,7 +20,7 @@ def _check(y, codebook):
     if not isinstance(y, torch.Tensor) or y.dtype != torch.float32 or y.ndim != 2:
         raise TypeError(f"y must be a float32 [n, dim] tensor, got {getattr(y, 'dtype', type(y).__name__)}")
     if not isinstance(codebook, Codebook):
-        raise TypeError(f"codebook must be a qjl.lloyd_max.Codebook, got {type(codebook).__name__}")
+        raise TypeError(f"codebook must be a qjl.core.lloyd_max.Codebook, got {type(codebook).__name__}")
 
 
 def encode_lloyd_max_torch(y: torch.Tensor, codebook: Codebook, bits: int):

@@ -1,21 +1,28 @@
 """``qjl bench``: decode attention, quantization and end-to-end decoding, side by side.
 
 Everything is timed in one run on this machine, as medians over ``repeats`` after
-``warmup`` calls, and reported as ratios against the baselines measured beside it:
+``warmup`` calls, and reported as ratios against the baselines measured beside it.  The run first
+measures the machine's memory bandwidth (a large copy, :func:`measure_bandwidth`); every decode row
+shows its effective GB/s (bytes the method reads per call / time) and that as a fraction of the
+measured bandwidth (the roofline of a bandwidth-bound decode).  Parts (:data:`PARTS`):
 
 1. **decode attention** of one layer (one new token) at several context lengths, for a
    Llama-3-8B layer (32 query heads, 8 KV heads, head_dim 128) and the embedded model's
    layer (9 / 3 / 64): torch SDPA over fp32 and bf16 caches (two ways: ``enable_gqa=True`` as
    transformers calls it, and the GQA group folded into query rows, the faster one here),
-   KIVI-style dequantize-then-SDPA, and :func:`qjl.cache.attention.attend` with the kernel the
-   cache picks (the C or numba kernel on CPU, Triton on CUDA) for the presets ``tq-k3v2`` (<= 3.2 bits),
-   ``qjl-paper`` and the default ``tq-k45v3`` (its early-layer codecs);  the layer holds the
-   context as codes + its exact window, as in generation.  Effective GB/s = bytes held / time.
+   KIVI-style dequantize-then-SDPA (contexts up to 16k: it is two orders slower), and
+   :func:`qjl.cache.attention.attend` with the kernel the cache picks (:func:`qjl.kernels.paged_decode`:
+   the C kernel on CPU, Triton on CUDA) for the presets ``tq-k3v2`` (<= 3.2 bits), ``qjl-paper`` and the
+   default ``tq-k45v3`` (its early-layer codecs); the layer holds the context as codes + its exact
+   window, as in generation.
 2. **quantization**: compressing the keys and values of an 8k-token prefill of the Llama
    layer, against a plain copy of the same tensors and against the prefill's causal attention.
 3. **end to end**: the embedded model with an 8k-token prompt (prefilled in chunks), then
    greedy decoding: tokens/s of the decode and peak RSS (each cache in its own process),
    ``QJLCache`` (default preset) against transformers' ``DynamicCache``.
+
+4. **vllm** (wired by the vLLM integration): throughput at a fixed KV-cache space, native attention
+   against the presets; runs ``qjl.integrations.vllm.bench.run_bench(log=...)`` when that module exists.
 
 Output: a table, ``bench.json`` and ``bench.png`` (time against context, one line per method).
 """
@@ -29,10 +36,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LAYERS", "run_attention", "run_quantize", "run_e2e", "plot_bench", "main_bench"]
+__all__ = ["LAYERS", "PARTS", "measure_bandwidth", "run_attention", "run_quantize", "run_e2e", "plot_bench",
+           "main_bench"]
 
 LAYERS = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 PRESETS = ("tq-k3v2", "qjl-paper", "tq-k45v3")
+PARTS = ("attention", "quantize", "e2e", "vllm")
+KIVI_MAX_CONTEXT = 16384
+
+
+def measure_bandwidth(mib: int = 512, repeats: int = 7, warmup: int = 2) -> dict:
+    """Memory bandwidth of this machine now: ``copy_`` of a ``mib`` MiB float32 buffer on torch's threads
+    (STREAM convention: bytes read + bytes written per second), and a read-only ``sum`` of the same buffer."""
+    n = mib * 2**20 // 4
+    a = torch.ones(n)
+    b = torch.empty_like(a)
+    copy_ms = _median_ms(lambda: b.copy_(a), repeats, warmup)
+    read_ms = _median_ms(lambda: a.sum(), repeats, warmup)
+    return {"buffer_mib": mib, "copy_gbps": 2 * n * 4 / copy_ms / 1e6, "read_gbps": n * 4 / read_ms / 1e6,
+            "threads": torch.get_num_threads()}
 
 
 def _check_layers(layers) -> None:
@@ -74,8 +96,12 @@ def _kivi(k: torch.Tensor, v: torch.Tensor):
 
 
 def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smollm2-135m"), presets=PRESETS,
-                  repeats: int = 7, warmup: int = 2, kernel: str = "auto", progress=None) -> list:
-    """Rows {layer, context, method, ms, bytes, gbps, x_vs_sdpa_fp32, ...} (see the module doc)."""
+                  repeats: int = 7, warmup: int = 2, kernel: str = "auto", progress=None,
+                  bandwidth_gbps: float | None = None) -> list:
+    """Rows {layer, context, method, ms, bytes, gbps, roofline, x_vs_sdpa_fp32_gqa, x_vs_sdpa_fp32_rows}.
+
+    bytes: what the method reads per call (fp32/bf16 K and V; the codes, norms, sinks and window held);
+    gbps = bytes / time; roofline = gbps / ``bandwidth_gbps`` (None when no bandwidth is given)."""
     _check_layers(layers)
     if not contexts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in contexts):
         raise ValueError(f"contexts must be positive ints, got {contexts!r}")
@@ -98,13 +124,15 @@ def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smo
                 "sdpa-bf16 (rows)": (lambda: F.scaled_dot_product_attention(qb.view(1, hkv, g, d), kb, vb),
                                      2 * k.numel() * 2),
             }
-            kc, kcodes, vc, vcodes = _kivi(k, v)
+            kcodes = vcodes = None
+            if n <= KIVI_MAX_CONTEXT:
+                kc, kcodes, vc, vcodes = _kivi(k, v)
 
-            def kivi_sdpa():
-                kk, vv = kc.dequantize(kcodes), vc.dequantize(vcodes)
-                return F.scaled_dot_product_attention(q.view(1, hkv, g, d), kk, vv)
+                def kivi_sdpa():
+                    kk, vv = kc.dequantize(kcodes), vc.dequantize(vcodes)
+                    return F.scaled_dot_product_attention(q.view(1, hkv, g, d), kk, vv)
 
-            timed["kivi-k2v2 dequant+sdpa"] = (kivi_sdpa, kcodes.nbytes() + vcodes.nbytes())
+                timed["kivi-k2v2 dequant+sdpa"] = (kivi_sdpa, kcodes.nbytes() + vcodes.nbytes())
             from qjl.cache.attention import attend
 
             for preset in presets:
@@ -120,9 +148,10 @@ def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smo
             base_gqa = results["sdpa-fp32 (enable_gqa)"][0]
             base_rows = results["sdpa-fp32 (rows)"][0]
             for method, (ms, nbytes) in results.items():
+                gbps = nbytes / ms / 1e6
                 rows.append({"layer": name, "context": n, "method": method, "ms": ms, "bytes": nbytes,
-                             "gbps": nbytes / ms / 1e6, "x_vs_sdpa_fp32_gqa": base_gqa / ms,
-                             "x_vs_sdpa_fp32_rows": base_rows / ms})
+                             "gbps": gbps, "roofline": gbps / bandwidth_gbps if bandwidth_gbps else None,
+                             "x_vs_sdpa_fp32_gqa": base_gqa / ms, "x_vs_sdpa_fp32_rows": base_rows / ms})
             del k, v, kb, vb, timed, kcodes, vcodes
     return rows
 
@@ -272,34 +301,47 @@ def plot_bench(rows: list, path) -> None:
     save_figure(fig, axes, path)
 
 
+def _vllm_part(log):
+    """The vLLM throughput section: run by the vLLM integration's bench module where it exists."""
+    try:
+        from qjl.integrations.vllm import bench as vllm_bench
+    except ImportError as exc:
+        log(f"vllm: skipped ({type(exc).__name__}: {exc})")
+        return None
+    return vllm_bench.run_bench(log=log)
+
+
 def main_bench(out_dir: Path, contexts, repeats: int, warmup: int, e2e_context: int, e2e_tokens: int,
                parts=("attention", "quantize", "e2e"), kernel: str = "auto", log=print) -> dict:
     from qjl.tools.report import environment, format_table, write_json
 
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"parts must be among {PARTS}, got {sorted(unknown)}")
     env = environment()
-    try:
-        import numba
-
-        env["numba"] = numba.__version__
-        env["threads"] = numba.get_num_threads()
-    except ImportError:
-        pass
     import transformers
+
+    from qjl.kernels.cpu import launch as cpu_kernels
 
     env["transformers"] = transformers.__version__
     env["torch_threads"] = torch.get_num_threads()
     env["device"] = "cpu"
-    from qjl.kernels.cpu import launch as cpu_kernels
-
-    env["cpu_kernel"] = cpu_kernels.implementation()
+    env["cpu_kernel"] = f"{cpu_kernels.implementation()} ({cpu_kernels.simd_path()})"
     log("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     result = {"environment": env}
     if "attention" in parts:
-        rows = run_attention(contexts, repeats=repeats, warmup=warmup, kernel=kernel, progress=log)
+        bw = measure_bandwidth(repeats=repeats, warmup=warmup)
+        result["bandwidth"] = bw
+        log(f"memory bandwidth: copy {bw['copy_gbps']:.1f} GB/s (read + write), read {bw['read_gbps']:.1f} GB/s "
+            f"({bw['buffer_mib']} MiB, {bw['threads']} threads)")
+        rows = run_attention(contexts, repeats=repeats, warmup=warmup, kernel=kernel, progress=log,
+                             bandwidth_gbps=bw["copy_gbps"])
         result["attention"] = rows
         table = [[r["layer"], r["context"], r["method"], f"{r['ms']:.3f}", f"{r['bytes'] / 2**20:.1f}",
-                  f"{r['gbps']:.1f}", f"{r['x_vs_sdpa_fp32_gqa']:.2f}", f"{r['x_vs_sdpa_fp32_rows']:.2f}"] for r in rows]
-        log(format_table(["layer", "context", "method", "ms", "MiB read", "GB/s", "x sdpa-gqa", "x sdpa-rows"], table))
+                  f"{r['gbps']:.1f}", f"{100 * r['roofline']:.0f}%", f"{r['x_vs_sdpa_fp32_gqa']:.2f}",
+                  f"{r['x_vs_sdpa_fp32_rows']:.2f}"] for r in rows]
+        log(format_table(["layer", "context", "method", "ms", "MiB read", "GB/s", "of copy BW", "x sdpa-gqa",
+                          "x sdpa-rows"], table))
         plot_bench(rows, out_dir / "bench.png")
     if "quantize" in parts:
         qr = run_quantize(repeats=repeats, warmup=warmup, kernel=kernel)
@@ -319,7 +361,9 @@ def main_bench(out_dir: Path, contexts, repeats: int, warmup: int, e2e_context: 
                           for r in er]))
         same = sum(a == b for a, b in zip(er[0]["tokens"], er[-1]["tokens"]))
         log(f"greedy tokens identical to DynamicCache's: {same}/{len(er[0]['tokens'])}")
+    if "vllm" in parts:
+        result["vllm"] = _vllm_part(log)
+    out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "bench.json", result)
     log(f"wrote {out_dir / 'bench.json'}" + (f" and {out_dir / 'bench.png'}" if "attention" in parts else ""))
     return result
-

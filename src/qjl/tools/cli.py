@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from pathlib import Path
@@ -11,46 +12,8 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-def _qjl_table(result: dict) -> str:
-    from qjl.tools.report import format_table
-
-    rows = []
-    for r in result["rows"]:
-        tail = r["tail"]["0.2"]
-        att = r["attention"]
-        rows.append([
-            r["kind"], r["sketch_dim"],
-            f"{max(abs(z) for z in r['bias_se'].values()):.2f}",
-            f"{r['var_over_gaussian_theory']['q~k']:.3f}",
-            f"{r['rel_rmse']:.4f}",
-            f"{tail['empirical']:.4f}", f"{tail['printed_bound']:.4f}", f"{tail['corrected_bound']:.4f}",
-            f"{att['median_max_rel_err']:.3f}", f"{att['bound_3eps']:.3f}",
-        ])
-    headers = ["family", "m", "max|bias|/se", "var/theory", "rel RMSE", "P(err>0.2)", "L3.5 printed",
-               "L3.5 fixed", "attn err", "3eps"]
-    return format_table(headers, rows)
-
-
-def _codec_tables(result: dict) -> str:
-    from qjl.tools.report import format_table
-
-    tq = [[r["bits"], f"{r['d_mse']:.4f}", f"{r['d_mse_codebook']:.4f}", f"{r['d_mse_paper']:.3f}",
-           f"{r['d_mse_upper']:.4f}", f"{r['d_mse_lower']:.4f}", f"{r['d_prod_times_d']:.4f}",
-           f"{r['d_prod_theory_times_d']:.4f}", f"{r['d_prod_paper_times_d']:.3f}",
-           f"{r['d_prod_upper_times_d']:.4f}", f"{r['d_prod_lower_times_d']:.4f}"] for r in result["turboquant"]]
-    pq = [["/".join(map(str, p["bits_per_level"][:2])) + "/...", f"{p['angle_bits_per_coordinate']:.3f}",
-           f"{p['bits_per_coordinate_with_norm']:.3f}", f"{p['d_mse']:.4f}"] for p in result["polarquant"]]
-    return "\n".join([
-        format_table(["b", "D_mse", "Lloyd-Max", "seed003", "upper", "lower", "d*D_prod", "theory", "seed003",
-                      "upper", "lower"], tq),
-        "D_prod: Gaussian QJL sketch with k = d on the residual; theory (pi/2 - 1/d) * D_mse(b-1).",
-        "",
-        format_table(["PolarQuant levels", "angle bits/coord", "with fp32 norm", "D_mse"], pq),
-    ])
-
-
 def _stats(args) -> int:
-    from qjl.tools.report import environment, plot_codec_stats, plot_stats, write_json
+    from qjl.tools.report import codec_tables, environment, plot_codec_stats, plot_stats, qjl_table, write_json
     from qjl.tools.stats import StatsConfig, run_codec_stats, run_stats
 
     out = Path(args.out)
@@ -61,7 +24,7 @@ def _stats(args) -> int:
         result = run_stats(cfg, show_progress=not args.quiet)
         result.update(environment=env, seconds=round(time.time() - t0, 1))
         print(f"QJL estimator statistics: d={cfg.dim}, {cfg.seeds} seeds per setting")
-        print(_qjl_table(result))
+        print(qjl_table(result))
         print("var/theory: variance over the Gaussian-row formula (pi/2|q|^2|k|^2 - <q,k>^2)/m for q~k (<= 1 expected "
               "for orthogonal/hadamard). L3.5 printed: the paper's tail bound as printed; fixed: with E z^2 = pi/2.")
         write_json(out / "stats.json", result)
@@ -72,7 +35,7 @@ def _stats(args) -> int:
         result = run_codec_stats(dim=args.dim, vectors=args.vectors, show_progress=not args.quiet)
         result.update(environment=env, seconds=round(time.time() - t0, 1))
         print(f"TurboQuant / PolarQuant distortion: d={args.dim}, {result['vectors']} unit vectors, {result['seeds']} seeds")
-        print(_codec_tables(result))
+        print(codec_tables(result))
         write_json(out / "codecs.json", result)
         plot_codec_stats(result, out / "codecs.png")
         print(f"wrote {out / 'codecs.json'} and {out / 'codecs.png'}")
@@ -111,110 +74,93 @@ def _bits(args) -> int:
 
 
 def _eval(args) -> int:
-    import json
+    from qjl.tools.evalrun import EvalPlan, run_eval
+    from qjl.tools.methods import resolve_methods
+    from qjl.tools.models import check_model_name
+    from qjl.tools.report import eval_tables
+    from qjl.tools.texts import resolve_texts
 
-    import torch
-    from tqdm.auto import tqdm
-
-    from qjl.tools.evaluate import (EvalSetup, check_config_for_model, default_methods, evaluate_method, load_text_ids,
-                           memory_at, passkey_prompts, quality_vs_bits_plot)
-    from qjl.tools.models import load_model
-    from qjl.tools.report import environment, format_table, write_json
-
-    torch.set_grad_enabled(False)
-    setup = EvalSetup(context=args.context, score=args.score, chunk=args.chunk, passkey_trials=args.passkey)
-    methods = default_methods()
-    if args.methods:
-        unknown = [m for m in args.methods if m not in methods]
-        if unknown:
-            raise ValueError(f"--methods: unknown {unknown}; choose from {list(methods)}")
-        methods = {k: methods[k] for k in ["full precision", *args.methods] if k in methods}
-    model, tok = load_model(args.model)
-    from qjl.integrations.transformers.attention import patch_attention
-
-    patch_attention(model)
-    for cfg in methods.values():
-        if cfg is not None:
-            check_config_for_model(cfg, model)
-    ids = load_text_ids(tok, args.text, setup.context + setup.score + 1)
-    prompts = passkey_prompts(tok, setup.passkey_tokens, setup.passkey_trials) if setup.passkey_trials else None
-    results, reference = {}, None
-    for label, cfg in tqdm(methods.items(), desc="qjl eval", unit="method"):
-        m, logp = evaluate_method(model, tok, ids, setup, cfg, reference, prompts)
-        if args.memory_tokens:
-            m["memory_at"] = {"tokens": args.memory_tokens, **memory_at(model, ids, cfg, args.memory_tokens)}
-        if cfg is None:
-            reference = logp
-            m.update(kl=0.0, top1=1.0)
-        results[label] = m
-    rows = []
-    for label, m in results.items():
-        rows.append([label, f"{m.get('compressed_bits', m['bits_per_value']):.2f}", f"{m['key_bits']:.2f}",
-                     f"{m['value_bits']:.2f}", f"{m['kl']:.4f}", f"{m['ppl']:.3f}",
-                     f"{100 * (m['ppl'] / results['full precision']['ppl'] - 1):+.2f}%", f"{100 * m['top1']:.1f}",
-                     f"{m.get('passkey', '-')}/{m.get('passkey_trials', '-')}", f"{m['cache_bytes'] / 2**20:.2f}",
-                     f"{m['memory_at']['x_vs_fp16']:.2f}x" if "memory_at" in m else "-", f"{m['tokens_per_s']:.1f}"])
-    print(f"model {args.model}; text {args.text}: context {setup.context}, scored {setup.score} tokens in chunks "
-          f"of {setup.chunk}")
-    print(format_table(["method", "bits/val", "key", "value", "KL", "ppl", "dppl", "top1%", "passkey", "cache MB",
-                        f"x@{args.memory_tokens}", "tok/s"], rows))
-    print("bits/val: keys+values of the compressed part (codes, norms, scales, zero points, outlier indices); "
-          f"cache MB: every tensor held after scoring, exact tokens at their dtype; x@{args.memory_tokens}: fp16 bytes "
-          f"of {args.memory_tokens} tokens over the bytes this cache holds for them (exact window included).")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({"model": args.model, "text": args.text, **setup.__dict__,
-                                                 "methods": {k: (None if v is None else v.describe(
-                                                     model.config.head_dim, model.config.num_hidden_layers))
-                                                     for k, v in methods.items()}},
-                                                indent=2))
-    write_json(out / "metrics.json", {"results": results, "environment": environment()})
-    quality_vs_bits_plot(results, out / "quality_vs_bits.png")
-    print(f"wrote {out}/config.json, metrics.json, quality_vs_bits.png")
+    if args.all and args.methods:
+        raise ValueError("give --methods NAME ... or --all, not both")
+    # every name is checked here, before the model loads
+    plan = EvalPlan(methods=tuple(resolve_methods(args.methods, everything=args.all)),
+                    texts=tuple(resolve_texts(args.texts)), contexts=tuple(args.contexts), score=args.score,
+                    chunk=args.chunk, passkey_lengths=tuple(args.passkey_lengths), passkey_trials=args.passkey,
+                    memory_tokens=args.memory_tokens, model=args.model, threads=args.threads)
+    check_model_name(args.model)
+    t0 = time.time()
+    metrics = run_eval(plan, args.out, show_progress=not args.quiet)
+    print(f"model {args.model}; texts {', '.join(plan.texts)}; contexts {', '.join(map(str, plan.contexts))} "
+          f"(+{plan.score} scored in chunks of {plan.chunk}); {plan.threads} threads; {time.time() - t0:.0f} s")
+    print(eval_tables(metrics))
+    print(f"wrote {args.out}/config.json, {args.out}/metrics.json")
     return 0
 
 
+_SHORT_PROMPT_NOTE = ("the prompt and answer ({n} tokens) fit in the exact part of the cache ({sinks} sink + "
+                      "{window} recent tokens), so nothing is compressed yet: compression starts past {limit} "
+                      "tokens (try --prompt-file with a longer text, or the default prompt)")
+
+
+def _default_prompt() -> str:
+    from qjl.tools.texts import load_text
+
+    text, _ = load_text("licenses")
+    return ("Here is a software license.\n\n" + text[:6000].rsplit("\n\n", 1)[0]
+            + "\n\nIn two sentences: what does this license allow, and what does it require?")
+
+
 def _generate(args) -> int:
+    from qjl.cache.config import QJLConfig
+    from qjl.cache.presets import DEFAULT_PRESET
+    from qjl.tools.models import check_model_name
+
+    preset = args.preset or DEFAULT_PRESET
+    cfg = QJLConfig.preset(preset)  # a bad name fails here, before the model loads
+    check_model_name(args.model)
+    if args.prompt and args.prompt_file:
+        raise ValueError("give --prompt TEXT or --prompt-file PATH, not both")
+    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt or _default_prompt()
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+
     import torch
 
     from qjl.integrations.transformers.attention import patch_attention
     from qjl.integrations.transformers.cache import QJLCache
-    from qjl.cache.config import QJLConfig
     from qjl.tools.models import load_model
+    from qjl.tools.report import memory_summary
 
     torch.set_grad_enabled(False)
-    text = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
-    if not text:
-        raise ValueError("give a prompt: --prompt TEXT or --prompt-file PATH")
     model, tok = load_model(args.model)
     patch_attention(model)
-    from qjl.cache.presets import DEFAULT_PRESET
-
-    cfg = QJLConfig.preset(args.preset or DEFAULT_PRESET)
     msgs = [{"role": "user", "content": text}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     cache = QJLCache(model, cfg)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False,
                          pad_token_id=tok.eos_token_id)
     print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
-    r = cache.memory_report()
-    print(f"\n[cache: {r['bytes'] / 1024:.1f} KiB for {out.shape[1]} tokens vs {r['fp16_bytes'] / 1024:.1f} KiB at fp16 "
-          f"({r['compression_vs_fp16']:.2f}x); compressed part {r['key_bits']:.2f} key / {r['value_bits']:.2f} value bits; "
-          f"{cfg.describe(model.config.head_dim, model.config.num_hidden_layers)}]")
+    n = cache.get_seq_length()
+    print(f"\n[{preset}: {cfg.describe(model.config.head_dim, model.config.num_hidden_layers)}]")
+    print(f"[prompt {ids.shape[1]} tokens + {out.shape[1] - ids.shape[1]} generated; {memory_summary(cache.memory_report())}]")
+    limit = cfg.sink_tokens + cfg.residual_length
+    if n <= limit + cfg.flush_block:
+        print("[" + _SHORT_PROMPT_NOTE.format(n=n, sinks=cfg.sink_tokens, window=cfg.residual_length,
+                                              limit=limit) + "]")
     return 0
 
 
 def _bench(args) -> int:
     import torch
 
-    from qjl.tools.bench import main_bench
+    from qjl.tools.bench import PARTS, main_bench
 
     torch.set_grad_enabled(False)
     out = Path(args.out) / time.strftime("bench-%Y%m%d-%H%M%S")
     parts = tuple(args.parts.split(","))
-    bad = set(parts) - {"attention", "quantize", "e2e"}
+    bad = set(parts) - set(PARTS)
     if bad:
-        raise SystemExit(f"--parts: unknown part(s) {sorted(bad)}; choose from attention,quantize,e2e")
+        raise SystemExit(f"--parts: unknown part(s) {sorted(bad)}; choose from {','.join(PARTS)}")
     try:
         contexts = tuple(int(c) for c in args.contexts.split(","))
     except ValueError:
@@ -223,56 +169,128 @@ def _bench(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="qjl", description="QJL KV-cache quantization tools")
+class _Parser(argparse.ArgumentParser):
+    """A help given as a function is computed only when help is printed (the preset and method lists
+    import torch: building the parser, and a command's own argument errors, stay fast)."""
+
+    def format_help(self):
+        for action in self._actions:
+            if callable(action.help):
+                action.help = action.help()
+        return super().format_help()
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every default (lists as space-separated values)."""
+
+    def _expand_help(self, action):
+        action = copy.copy(action)
+        if isinstance(action.default, (list, tuple)):
+            action.default = " ".join(map(str, action.default))
+        return super()._expand_help(action)
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.default is argparse.SUPPRESS or "%(default)" in action.help:
+            return action.help
+        return action.help + " (default: %(default)s)"
+
+
+def _preset_help() -> str:
+    from qjl.cache.presets import DEFAULT_PRESET, PRESETS
+
+    return f"cache preset, one of: {', '.join(PRESETS)} (default: {DEFAULT_PRESET}, the library's default)"
+
+
+def _methods_help() -> str:
+    from qjl.tools.methods import QUICK_METHODS, method_names
+
+    return (f"methods to compare with full precision (which always runs), from: {', '.join(method_names())}; "
+            f"default: the quick set {' '.join(QUICK_METHODS)} ('default' is the default preset)")
+
+
+def _texts_help() -> str:
+    from qjl.tools.texts import CORPUS, TUNING_TEXT
+
+    kinds = ", ".join(f"{n} ({t.kind})" for n, t in CORPUS.items())
+    return (f"texts by name or file path: {kinds}; 'held-out' = all but {TUNING_TEXT} (the tuning text), "
+            f"'all' = every one")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="qjl", description="QJL KV-cache quantization tools",
+                                     formatter_class=_Formatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("stats", help="Monte-Carlo checks of the estimators against the papers' theory")
-    p.add_argument("--dim", type=int, default=128, help="vector dimension d (default 128)")
-    p.add_argument("--seeds", type=int, default=1000, help="independent sketches per setting (default 1000)")
-    p.add_argument("--kinds", nargs="+", default=["gaussian", "orthogonal", "hadamard"], help="sketch families")
-    p.add_argument("--vectors", type=int, default=32000, help="unit vectors per codec setting (default 32000)")
-    p.add_argument("--part", choices=["qjl", "codecs", "all"], default="all",
-                   help="qjl: QJL estimator vs paper 001; codecs: TurboQuant/PolarQuant vs seed 003 (default all)")
-    p.add_argument("--out", default="runs/stats", help="run directory for the JSON files and PNG plots")
+    add = lambda name, **kw: sub.add_parser(name, formatter_class=_Formatter, **kw)  # noqa: E731
+
+    p = add("eval", help="quality and memory of cache methods on real text, against full precision (the main job)",
+            description="Prefill `context` tokens of each text, score the next `score` tokens in chunks against the "
+                        "compressed history; KL, perplexity change and top-1 agreement against full precision, "
+                        "passkey retrieval, bits and bytes held. Writes config.json and metrics.json to --out.")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--methods", nargs="+", metavar="NAME", help=_methods_help)
+    g.add_argument("--all", action="store_true", help="every preset and transformers' QuantizedCache")
+    p.add_argument("--texts", nargs="+", default=["gpl-3"], metavar="TEXT", help=_texts_help)
+    p.add_argument("--contexts", nargs="+", type=int, default=[1536], metavar="N",
+                   help="prompt tokens before scoring (the 8k evaluation: --contexts 1536 7680)")
+    p.add_argument("--score", type=int, default=512, help="scored tokens after the prompt")
+    p.add_argument("--chunk", type=int, default=32, help="tokens per forward pass while scoring")
+    p.add_argument("--passkey", type=int, default=5, help="passkey trials per length (0: skip)")
+    p.add_argument("--passkey-lengths", nargs="+", type=int, default=[1024], metavar="N",
+                   help="passkey prompt lengths in tokens (e.g. 1024 4096)")
+    p.add_argument("--memory-tokens", type=int, default=4096, help="measure bytes held at this many tokens (0: skip)")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (the embedded model), a model directory or a .gguf")
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads (fixed, so numbers repeat exactly on machines of one kind)")
+    p.add_argument("--out", default="runs/eval", help="run directory (config.json, metrics.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_stats)
-    p = sub.add_parser("bits", help="exact bit accounting of the paper's QJL configurations")
-    p.add_argument("--dim", type=int, default=128, help="head dimension (default 128)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens the shared outlier indices amortize over")
-    p.set_defaults(func=_bits)
-    p = sub.add_parser("eval", help="quality and cost of every cache method on real text (the main job)")
-    p.add_argument("--model", default="smollm2", help="'smollm2' (embedded), a model directory or a .gguf file")
-    p.add_argument("--text", default="/usr/share/common-licenses/GPL-3", help="a UTF-8 text file")
-    p.add_argument("--context", type=int, default=1536, help="prompt tokens (default 1536)")
-    p.add_argument("--score", type=int, default=512, help="scored tokens after the prompt (default 512)")
-    p.add_argument("--chunk", type=int, default=32, help="tokens per forward pass while scoring (default 32)")
-    p.add_argument("--passkey", type=int, default=5, help="passkey trials at 1k tokens (0 to skip)")
-    p.add_argument("--methods", nargs="+", help="presets to run (default: all); full precision always runs")
-    p.add_argument("--memory-tokens", type=int, default=4096, help="measure cache bytes at this length (0 to skip)")
-    p.add_argument("--out", default="runs/eval", help="run directory")
     p.set_defaults(func=_eval)
-    p = sub.add_parser("bench", help="decode attention / quantization / end-to-end speed, side by side")
-    p.add_argument("--parts", default="attention,quantize,e2e", help="comma list of attention,quantize,e2e")
+
+    p = add("generate", help="answer a prompt with a compressed cache and show the memory it holds")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (the embedded model), a model directory or a .gguf")
+    p.add_argument("--prompt", help="prompt text (default: a question about a ~1.2k-token license text, long "
+                                    "enough that most of the cache is compressed)")
+    p.add_argument("--prompt-file", help="file holding the prompt")
+    p.add_argument("--preset", default=None, help=_preset_help)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated (greedy)")
+    p.set_defaults(func=_generate)
+
+    p = add("bench", help="decode attention, quantization and end-to-end decoding speed, side by side")
+    p.add_argument("--parts", default="attention,quantize,e2e",
+                   help="comma list of attention,quantize,e2e,vllm")
     p.add_argument("--contexts", default="1024,4096,16384,65536", help="context lengths for decode attention")
     p.add_argument("--repeats", type=int, default=7, help="timed calls per method (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     p.add_argument("--e2e-context", type=int, default=8192, help="prompt tokens for the end-to-end decode")
     p.add_argument("--e2e-tokens", type=int, default=24, help="greedy tokens decoded end to end")
     p.add_argument("--kernel", default="auto", choices=["auto", "torch", "cpu", "triton"],
-                   help="kernel for the compressed caches (auto: the C or numba kernel on CPU, Triton on CUDA)")
+                   help="kernel for the compressed caches (auto: the C kernel on CPU, Triton on CUDA)")
     p.add_argument("--out", default="runs", help="parent directory of the run directory")
     p.set_defaults(func=_bench)
-    p = sub.add_parser("generate", help="answer a prompt with a compressed cache and show its memory")
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--prompt", help="prompt text")
-    p.add_argument("--prompt-file", help="file holding the prompt")
-    p.add_argument("--preset", default=None, help="cache preset (see qjl.PRESETS; default: qjl.config.DEFAULT_PRESET)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.set_defaults(func=_generate)
+
+    p = add("stats", help="Monte-Carlo checks of the estimators against the papers' theory")
+    p.add_argument("--part", choices=["qjl", "codecs", "all"], default="all",
+                   help="qjl: bias, variance and tail of the QJL estimator against the QJL paper's lemmas; "
+                        "codecs: TurboQuant and PolarQuant distortion against the TurboQuant paper's table")
+    p.add_argument("--dim", type=int, default=128, help="vector dimension d")
+    p.add_argument("--seeds", type=int, default=1000, help="independent sketches per setting")
+    p.add_argument("--kinds", nargs="+", default=["gaussian", "orthogonal", "hadamard"], help="sketch families")
+    p.add_argument("--vectors", type=int, default=32000, help="unit vectors per codec setting")
+    p.add_argument("--out", default="runs/stats", help="run directory for the JSON files and PNG plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_stats)
+
+    p = add("bits", help="exact bit accounting of the QJL paper's configurations")
+    p.add_argument("--dim", type=int, default=128, help="head dimension")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens the shared outlier indices amortize over")
+    p.set_defaults(func=_bits)
     from qjl.search.cli import add_search_commands  # argparse only: nothing heavy is imported
 
     add_search_commands(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

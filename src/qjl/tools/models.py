@@ -11,7 +11,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["embedded_gguf", "load_model", "DEFAULT_MODEL"]
+__all__ = ["embedded_gguf", "load_model", "check_model_name", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,6 +31,19 @@ def embedded_gguf() -> Path:
 
 def _cache_root() -> Path:
     return Path(os.environ.get("QJL_CACHE_DIR") or Path.home() / ".cache" / "qjl") / "models"
+
+
+def check_model_name(name_or_path: str) -> None:
+    """Raise FileNotFoundError unless ``name_or_path`` names a model :func:`load_model` can read
+    (checked without importing transformers, so a typo fails at once)."""
+    if name_or_path == DEFAULT_MODEL:
+        embedded_gguf()
+    elif str(name_or_path).endswith(".gguf"):
+        if not Path(name_or_path).is_file():
+            raise FileNotFoundError(f"model file {name_or_path} does not exist")
+    elif not (Path(name_or_path) / "config.json").is_file():
+        raise FileNotFoundError(f"model must be 'smollm2', a model directory (with config.json) or a .gguf file; "
+                                f"got {name_or_path!r}")
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None):

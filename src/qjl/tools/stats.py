@@ -26,7 +26,7 @@ __all__ = ["StatsConfig", "run_stats", "run_codec_stats", "printed_tail_bound", 
 
 
 def printed_tail_bound(m: int, eps: float) -> float:
-    """Lemma 3.5 as printed in paper 001 (with the sign of the exponent fixed)."""
+    """Lemma 3.5 as printed in the QJL paper, arXiv:2406.03482 (with the sign of the exponent fixed)."""
     return min(1.0, 2 * math.exp(-0.75 * m * eps ** 2 / (1 + eps)))
 
 
@@ -124,9 +124,9 @@ def run_stats(cfg: StatsConfig, show_progress: bool = True) -> dict:
     return {"config": cfg_dict, "pairs": list(pairs), "rows": rows}
 
 
-# -- seed 003's tables: TurboQuant and PolarQuant distortion ---------------------------------------
-PAPER_DMSE = {1: 0.36, 2: 0.117, 3: 0.030, 4: 0.009}  # seed 003, Theorem 1's table
-PAPER_DPROD = {1: 1.57, 2: 0.56, 3: 0.18, 4: 0.047}  # seed 003, Theorem 2's table (times d)
+# -- the TurboQuant paper's tables: TurboQuant and PolarQuant distortion ---------------------------------------
+PAPER_DMSE = {1: 0.36, 2: 0.117, 3: 0.030, 4: 0.009}  # the TurboQuant paper, Thm. 1
+PAPER_DPROD = {1: 1.57, 2: 0.56, 3: 0.18, 4: 0.047}  # the TurboQuant paper, Theorem 2's table (times d)
 POLAR_SPECS = ((2, 1), (3, 2), (4, 2), (4, 3), (5, 4))
 
 
@@ -137,7 +137,7 @@ def _unit_vectors(n: int, d: int, seed: int) -> torch.Tensor:
 
 
 def run_codec_stats(dim: int = 128, vectors: int = 32000, seeds: int = 16, show_progress: bool = True) -> dict:
-    """D_mse and D_prod of TurboQuant for b = 1..4 and PolarQuant's MSE, next to seed 003's numbers.
+    """D_mse and D_prod of TurboQuant for b = 1..4 and PolarQuant's MSE, next to the TurboQuant paper's numbers.
 
     Unit vectors and unit queries drawn uniformly; each setting averages ``seeds``
     independent codecs over ``vectors // seeds`` vectors each.  D_prod is reported times d.

@@ -22,6 +22,8 @@ def qjl_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     """query: [B, H_q, t, D]; key/value: [B, H_kv, t', D] -> ([B, t, H_q, D], None)."""
     layer = getattr(key, "_qjl_layer", None)
     if layer is None:
+        if kwargs.get("softcap") is not None:  # transformers' SDPA refuses softcapping (Gemma 2)
+            return _softcapped_attention(query, key, value, attention_mask, scaling, kwargs["softcap"]), None
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -32,6 +34,21 @@ def qjl_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     return layer.attend(query, attention_mask, scaling, kwargs.get("softcap")), None
+
+
+def _softcapped_attention(query, key, value, attention_mask, scaling, softcap) -> torch.Tensor:
+    """Plain attention with logit softcapping for layers the cache keeps exact: query [B, H_q, t, D],
+    key/value [B, H_kv, L, D], mask [B, 1|H, t, L] -> [B, t, H_q, D]."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    g = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    logits = torch.tanh(torch.matmul(query.float(), k.float().transpose(-1, -2)) * scaling / softcap) * softcap
+    if attention_mask is not None:
+        m = attention_mask[..., : k.shape[-2]]
+        logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
+    out = torch.matmul(torch.softmax(logits, dim=-1), v.float())
+    return out.to(query.dtype).transpose(1, 2).contiguous()
 
 
 def patch_attention(model) -> None:

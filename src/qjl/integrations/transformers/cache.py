@@ -2,22 +2,31 @@
 
     import qjl
     qjl.patch_attention(model)                     # once: switch attention to "qjl"
-    cache = qjl.QJLCache(model, qjl.QJLConfig.preset("tq-k4v3"))
+    cache = qjl.QJLCache(model)                    # the default preset (QJLConfig())
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256)
-    print(cache.memory_report())
+    print(cache.memory_report())                   # a table; cache.memory_report()["bytes"] etc.
 
 Full-attention layers become :class:`qjl.integrations.transformers.layer.QJLCacheLayer`; sliding-window
 layers stay transformers' exact sliding layers unless ``compress_sliding`` is set.
+
+All-or-nothing: a forward that raises (a rejected update in any layer, an attention error) leaves every
+layer as it was before the forward; ``crop``, ``reorder_cache``, ``batch_select_indices``,
+``batch_repeat_interleave`` and ``reset`` either apply to every layer or to none.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import replace
+
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
+from qjl.cache.buffers import storage_bytes
+from qjl.cache.config import QJLConfig
+from qjl.cache.memory import LayerMemory, MemoryReport
+from qjl.cache.smoothing import softcap_of
 from qjl.integrations.transformers.attention import ATTN_NAME
 from qjl.integrations.transformers.layer import QJLCacheLayer
-from qjl.cache.config import QJLConfig
-from qjl.cache.presets import DEFAULT_PRESET
 
 __all__ = ["QJLCache"]
 
@@ -25,26 +34,42 @@ _COMPRESSIBLE = {"full_attention"}
 _SLIDING = {"sliding_attention", "chunked_attention"}
 
 
+def _head_dim(text) -> int:
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _describe(store, spec, dim) -> str:
+    if spec is not None:
+        return spec.describe(dim)
+    return "pending (widths chosen after the prefill)" if store.pending else "exact"
+
+
 class QJLCache(Cache):
     """Compressed KV cache for a Hugging Face decoder model.
 
     Args:
         model: the transformers model this cache serves (its config decides the layer types).
-        config: a :class:`qjl.QJLConfig` (default: the preset ``DEFAULT_PRESET``).
+        config: a :class:`qjl.QJLConfig` (default: ``QJLConfig()``, the preset ``DEFAULT_PRESET``).
     """
 
     def __init__(self, model, config: QJLConfig | None = None):
         if not hasattr(model, "config") or not hasattr(model.config, "get_text_config"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-        config = QJLConfig.preset(DEFAULT_PRESET) if config is None else config
+        config = QJLConfig() if config is None else config
         if not isinstance(config, QJLConfig):
             raise TypeError(f"config must be a qjl.QJLConfig, got {type(config).__name__}")
-        self.model_config, self.qjl_config = model.config, config
+        cap = softcap_of(model.config)
+        if cap is not None and config.smooth_keys:
+            warnings.warn(f"key smoothing turned off: it is not exact with this model's attention logit softcapping "
+                          f"({cap}); pass QJLConfig(smooth_keys=False) to silence this", stacklevel=2)
+            config = replace(config, smooth_keys=False)
         text = model.config.get_text_config(decoder=True)
         layer_types, kwargs = get_layer_types_and_kwargs(text)
         unknown = set(layer_types) - _COMPRESSIBLE - _SLIDING - {"dummy"}
         if unknown:
             raise ValueError(f"QJLCache supports full and sliding-window attention layers; this model has {sorted(unknown)}")
+        config.check_model(_head_dim(text), len(layer_types))
+        self.model_config, self.qjl_config = model.config, config
         layers = []
         for i, (kind, kw) in enumerate(zip(layer_types, kwargs)):
             if kind in _COMPRESSIBLE or (kind in _SLIDING and config.compress_sliding):
@@ -52,6 +77,15 @@ class QJLCache(Cache):
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
+        self._step, self._last = {}, -1  # layer index -> its state before this forward; last layer updated
+        self._auto = None
+        if config.allocation is not None:
+            from qjl.cache.allocation import Allocator
+
+            self._auto = Allocator(config, [layer.store for layer in self._compressed()])
+
+    def _compressed(self) -> list:
+        return [layer for layer in self.layers if isinstance(layer, QJLCacheLayer)]
 
     def check_attention(self) -> None:
         """Raise unless the model attends through the "qjl" attention (see :func:`qjl.patch_attention`)."""
@@ -60,33 +94,140 @@ class QJLCache(Cache):
             raise RuntimeError(f"the model's attention is {impl!r}, which would ignore the compressed cache; "
                                "call qjl.patch_attention(model) once before using QJLCache")
 
+    # -- one forward, all or nothing --------------------------------------------------------------
+    @staticmethod
+    def _snapshot(layer):
+        return layer.store.snapshot() if isinstance(layer, QJLCacheLayer) else dict(vars(layer))
+
+    @staticmethod
+    def _restore(layer, snap) -> None:
+        if isinstance(layer, QJLCacheLayer):
+            layer.store.restore(snap)
+        else:
+            vars(layer).clear()
+            vars(layer).update(snap)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """transformers' update, undone in every layer of this forward if it raises."""
+        if layer_idx <= self._last:
+            self.commit()
+        self._last = layer_idx
+        self._step[layer_idx] = self._snapshot(self.layers[layer_idx])
+        try:
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            self.rollback()
+            raise
+        if layer_idx == len(self.layers) - 1 and not isinstance(self.layers[layer_idx], QJLCacheLayer):
+            self.commit()
+        return out
+
+    def commit(self) -> None:
+        """End of a forward: forget the states kept to undo it."""
+        self._step, self._last = {}, -1
+
+    def rollback(self) -> None:
+        """Undo the current forward in every layer it reached."""
+        for i, snap in self._step.items():
+            self._restore(self.layers[i], snap)
+        self.commit()
+
+    def observe(self, layer: QJLCacheLayer, query, attention_mask, scaling: float) -> None:
+        """Prefill of a config with ``auto`` widths: measure this layer (qjl.cache.allocation)."""
+        try:
+            self._auto.observe(layer.store, query, attention_mask, scaling)
+        except BaseException:
+            self.rollback()
+            raise
+
+    def attended(self, layer: QJLCacheLayer) -> None:
+        """After a layer's attention: flush a long prompt (with ``auto`` widths: choose them once every layer
+        was measured)."""
+        try:
+            if self._auto is not None and self._auto.ready():
+                self._auto.allocate()
+                for other in self._compressed():
+                    other.store.after_attention()
+            else:
+                layer.store.after_attention()
+        except BaseException:
+            self.rollback()
+            raise
+        if layer.layer_idx == len(self.layers) - 1:
+            self.commit()
+
+    def _all_layers(self, op) -> None:
+        """Apply ``op(layer)`` to every layer, or (if one raises) to none."""
+        self.commit()
+        snaps = [self._snapshot(layer) for layer in self.layers]
+        try:
+            for layer in self.layers:
+                op(layer)
+        except BaseException:
+            for layer, snap in zip(self.layers, snaps):
+                self._restore(layer, snap)
+            raise
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative int (tokens to remove), got {tokens_to_remove!r}")
+        for layer in self._compressed():  # every check before any layer changes
+            layer.store.check_crop(-tokens_to_remove)
+        self._all_layers(lambda layer: layer.crop(tokens_to_remove))
+
+    def reorder_cache(self, beam_idx) -> None:
+        for layer in self._compressed():
+            layer.store.check_select(beam_idx)
+        self._all_layers(lambda layer: layer.reorder_cache(beam_idx))
+
+    def batch_select_indices(self, indices) -> None:
+        self._all_layers(lambda layer: layer.batch_select_indices(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._all_layers(lambda layer: layer.batch_repeat_interleave(repeats))
+
+    def reset(self) -> None:
+        self._all_layers(lambda layer: layer.reset())
+        if self._auto is not None:
+            self._auto.reset()
+
+    # -- memory ----------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds (codes, exact window, sinks, uncompressed layers)."""
+        """Bytes of storage the cache holds (codes, exact window, sinks, means, uncompressed layers)."""
         return self.memory_report()["bytes"]
 
-    def memory_report(self) -> dict:
-        """Bytes held by part, the fp16 size of the same tokens, and bits per stored coordinate."""
-        key_codes = value_codes = exact = other = 0
-        compressed = exact_coords = other_coords = 0
-        for layer in self.layers:
+    def memory_report(self) -> MemoryReport:
+        """Bytes held by part, against the model's own cache and fp16 for the same tokens, and bits per value.
+
+        ``str(report)`` is a table; ``report["bytes"]`` etc. as in :class:`qjl.cache.memory.MemoryReport`.
+        """
+        seen, layers = set(), []
+        for i, layer in enumerate(self.layers):
             if isinstance(layer, QJLCacheLayer):
-                nb, c = layer.store.nbytes(), layer.store.counts()
-                key_codes += nb["key_codes"]
-                value_codes += nb["value_codes"]
-                exact += nb["exact"]
-                compressed += c["compressed"]
-                exact_coords += c["exact"]
+                layers.append(self._layer_memory(layer.store, seen))
             elif getattr(layer, "keys", None) is not None and layer.keys.numel():
-                other += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
-                other_coords += layer.keys.numel()
-        total = key_codes + value_codes + exact + other
-        coords = compressed + exact_coords + other_coords  # per K or V
-        per = lambda nbytes, n: 8 * nbytes / n if n else 0.0  # noqa: E731
-        return {
-            "bytes": total, "fp16_bytes": 2 * 2 * coords,
-            "key_code_bytes": key_codes, "value_code_bytes": value_codes, "exact_bytes": exact,
-            "uncompressed_layer_bytes": other,
-            "key_bits": per(key_codes, compressed), "value_bits": per(value_codes, compressed),
-            "exact_bits": per(exact, 2 * exact_coords), "bits_per_value": per(total, 2 * coords),
-            "compression_vs_fp16": (2 * 2 * coords) / total if total else 0.0,
-        }
+                sizes = storage_bytes([layer.keys, layer.values])
+                held = sum(b for p, b in sizes.items() if p not in seen)
+                seen |= set(sizes)
+                coords = layer.keys.numel()
+                layers.append(LayerMemory(layer=i, kind="exact", uncompressed=held, baseline=held, coords=coords,
+                                          exact_coords=coords, tokens=layer.get_seq_length()))
+        return MemoryReport(layers)
+
+    @staticmethod
+    def _layer_memory(store, seen: set) -> LayerMemory:
+        out = LayerMemory(layer=store.layer_idx, kind="exact" if store.exact_only else "compressed",
+                          tokens=store.seq_length())
+        for part, tensors in store.parts().items():
+            sizes = storage_bytes(tensors)
+            out[part] = sum(b for p, b in sizes.items() if p not in seen)
+            seen |= set(sizes)
+        if not store.is_initialized:
+            return out
+        c = store.counts()
+        n = store.seq_length()
+        out.update(compressed_coords=c["compressed"], exact_coords=c["exact"], coords=c["compressed"] + c["exact"],
+                   baseline=store.batch * store.heads * n * (store.key_dim + store.value_dim) * store.dtype.itemsize,
+                   key=_describe(store, store.key_spec, store.key_dim),
+                   value=_describe(store, store.value_spec, store.value_dim))
+        return out

@@ -1,5 +1,12 @@
 """The transformers cache layer of a compressed layer: HF's ``CacheLayerMixin`` protocol over a
-:class:`qjl.cache.storage.LayerStore`, with attention through :func:`qjl.cache.attention.attend`."""
+:class:`qjl.cache.storage.LayerStore`, with attention through :func:`qjl.cache.attention.attend`.
+
+A forward through one layer: ``update`` appends the new keys/values to the store (checked first, all or
+nothing), then the "qjl" attention function calls :meth:`QJLCacheLayer.attend`, which reads padding from
+the mask (first forward), fits the key mean (key smoothing), attends over sinks + codes + window, and,
+after a long prompt, flushes the window's overflow into codes -- so after the forward the store holds the
+compressed prompt, not the prompt at full precision.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ class QJLCacheLayer(CacheLayerMixin):
         self.store = LayerStore(layer_idx, config, num_layers)
 
     def __repr__(self):
-        return f"QJLCacheLayer({self.store.layer_idx}, key={self.store.key_spec.name}, value={self.store.value_spec.name})"
+        return f"QJLCacheLayer({self.store!r})"
 
     @property
     def layer_idx(self) -> int:
@@ -81,8 +88,23 @@ class QJLCacheLayer(CacheLayerMixin):
         return key_states, value_states
 
     def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap=None) -> torch.Tensor:
-        """query: [B, H_q, t, D]; mask [B, 1|H, t, L] -> [B, t, H_q, D]."""
-        return attend(self.store, query, attention_mask, scaling, softcap)
+        """query: [B, H_q, t, D]; mask [B, 1|H, t, L] in position order -> [B, t, H_q, D_v]."""
+        store = self.store
+        if softcap is not None and store.config.smooth_keys:
+            raise ValueError(f"key smoothing is not exact with attention logit softcapping (softcap={softcap}): "
+                             "use QJLConfig(smooth_keys=False) for this model")
+        b, hq, t, _ = query.shape
+        if t == 0:
+            return query.new_zeros(b, 0, hq, store.value_dim)
+        store.before_attention(attention_mask)
+        if store.pending and self.owner is not None:
+            self.owner.observe(self, query, attention_mask, scaling)
+        out = attend(store, query, store.slot_mask(attention_mask), scaling, softcap)
+        if self.owner is not None:
+            self.owner.attended(self)
+        else:
+            store.after_attention()
+        return out
 
     def get_seq_length(self) -> int:
         return self.store.seq_length()

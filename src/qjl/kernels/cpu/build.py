@@ -1,12 +1,15 @@
 """Build (once per machine) and load C extensions with cffi: the decode kernel and any other C source.
 
-``load_extension(name, sources, cdef)`` compiles the C ``sources`` with the system C compiler
-(``-O3 -march=native -fopenmp``) into ``$QJL_CACHE_DIR/ext/<hash>/`` (default ``~/.cache/qjl``) on first
-use, keyed by the sources, the flags, the Python version and the machine, then imports it from there;
-later processes load it without compiling.  When cffi, a compiler, OpenMP or a source file is missing,
+``load_extension(name, sources, cdef)`` compiles the C ``sources`` (concatenated, in order, as one
+translation unit) with the system C compiler (``-O3 -march=native -fopenmp``) into
+``$QJL_CACHE_DIR/ext/<hash>/`` (default ``~/.cache/qjl``) on first use, keyed by the sources, the flags,
+the Python version, the machine and the CPU's feature flags, then imports it from there; later
+processes load it without compiling.  When cffi, a compiler, OpenMP or a source file is missing,
 it returns None and warns once, so callers fall back to their next backend instead of raising.
 
-:func:`load` is the decode kernel (``decode.c``); ``QJL_CPU_KERNEL=numba`` disables it.
+:func:`load` is the CPU kernels' module: the decode (``decode.h`` shared declarations and helpers,
+``decode_portable.c``, ``decode_avx2.c``, ``decode.c`` the entry) and TurboQuant's bucketing
+(``quantize.c``); ``QJL_CPU_KERNEL=off`` disables it (the cache then uses the torch reference).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
-__all__ = ["load", "load_extension", "declaration", "DECODE_SOURCE"]
+__all__ = ["load", "load_extension", "declaration", "kernels_cdef", "DECODE_SOURCE", "SOURCES"]
 
-DECODE_SOURCE = Path(__file__).with_name("decode.c")
+_HERE = Path(__file__).parent
+DECODE_SOURCE = _HERE / "decode.c"
+SOURCES = tuple(_HERE / f for f in ("decode.h", "decode_portable.c", "decode_avx2.c", "decode.c", "quantize.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c99", "-fno-math-errno", "-fno-trapping-math")
 
 
@@ -38,8 +43,18 @@ def cache_root() -> Path:
     return Path(os.environ.get("QJL_CACHE_DIR", Path.home() / ".cache" / "qjl"))
 
 
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> str:
+    """The CPU's model and feature flags (``-march=native`` builds differ between CPUs)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor()
+
+
 def _key(texts: list[str], flags: tuple) -> str:
-    blob = "\0".join(texts) + " ".join(flags) + sys.version + platform.machine() + platform.processor()
+    blob = "\0".join(texts) + " ".join(flags) + sys.version + platform.machine() + _cpu_flags()
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -103,14 +118,25 @@ def load_extension(name: str, sources, cdef: str | None = None, flags=FLAGS):
 
 
 def load():
-    """The decode kernel's module (``.lib.qjl_decode``, ``.ffi``), or None where it cannot be built."""
-    if os.environ.get("QJL_CPU_KERNEL", "").lower() == "numba":
-        return None
-    return load_extension("_qjl_cpu_kernel", [DECODE_SOURCE], _decode_cdef())
+    """The CPU kernels' module (``.lib.qjl_paged_decode``, ``.lib.qjl_bucket_pack``, ``.ffi``), or None
+    where it cannot be built (one warning)."""
+    return _load(os.environ.get("QJL_CPU_KERNEL", "").lower() == "off", os.environ.get("QJL_CACHE_DIR"))
 
 
-def _decode_cdef() -> str | None:
+@functools.lru_cache(maxsize=None)
+def _load(off: bool, cache_dir):
+    del cache_dir  # part of the key: another cache directory loads (or builds) its own copy
+    return None if off else load_extension("_qjl_cpu_kernels", SOURCES, kernels_cdef())
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_cdef() -> str | None:
+    """The structs between ``cdef begin`` / ``cdef end`` in decode.h, and every exported prototype."""
     try:
-        return declaration(DECODE_SOURCE, "qjl_decode")
+        header = SOURCES[0].read_text()
+        i, j = header.index("/* cdef begin"), header.index("/* cdef end */")
+        structs = header[header.index("*/", i) + 2:j]
+        protos = [declaration(s, fn) for s in SOURCES for fn in _exported(s.read_text())]
+        return structs + "\n" + "\n".join(protos)
     except (OSError, ValueError):
         return None  # load_extension then warns about the missing source

@@ -1,0 +1,165 @@
+"""``QJLConfig.auto``: does its error proxy rank configurations as the measured KL does, and what does it cost?
+
+A measurement, not a test.  On the embedded model (the ``qjl eval`` protocol: prefill ``--context``
+tokens, score 512 in chunks of 32 against the full-precision cache):
+
+1. ranking: a prefill under ``QJLConfig.auto`` records each layer's proxy terms (``S_K``, ``S_V`` and each
+   candidate's distortion).  For a set of fixed configurations inside the candidate set (uniform widths
+   and half-model splits) the proxy predicts a total error; each is then measured (KL).  Prints Spearman's
+   rank correlation between predicted error and KL.
+2. cost: the time spent building the candidates, measuring and allocating (``candidate_codecs``,
+   ``Allocator.observe``, ``Allocator.allocate``) against the whole prefill of the same prompt, at
+   ``--cost-contexts`` (median of ``--repeats`` runs).
+
+    python benchmarks/auto_bits.py --rank --cost-contexts 1536,8192
+
+Writes ``<out>/auto-bits-<time>/{config.json,metrics.json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _spearman(a, b) -> float:
+    ra = torch.tensor(a).argsort().argsort().double()
+    rb = torch.tensor(b).argsort().argsort().double()
+    return float(torch.corrcoef(torch.stack([ra, rb]))[0, 1])
+
+
+def _configs(auto, n_layers):
+    """name -> (QJLConfig with fixed widths, per-layer picks into the auto candidates)."""
+    from qjl import QJLConfig
+
+    kc, vc = auto.key_candidates, auto.value_candidates
+    kidx = {s.params["bits"]: i for i, s in enumerate(kc)}
+    vidx = {(s.params["bits"], s.params.get("norm_dtype", "fp16")): i for i, s in enumerate(vc)}
+    out = {}
+    for kb in (2, 3, 4, 5):
+        for vb in (2, 3, 4):
+            picks = [(kidx[kb], vidx[vb, "fp16"])] * n_layers
+            out[f"k{kb}v{vb}"] = (QJLConfig(key=kc[kidx[kb]], value=vc[vidx[vb, "fp16"]], late_key=None), picks)
+    half = n_layers // 2
+    for lo, hi in (("early", range(half)), ("late", range(half, n_layers))):
+        over = {i: {"key": kc[kidx[2]]} for i in hi}
+        picks = [(kidx[2] if i in hi else kidx[4], vidx[3, "fp16"]) for i in range(n_layers)]
+        out[f"k4v3, 2-bit keys {lo} half"] = (QJLConfig(key=kc[kidx[4]], value=vc[vidx[3, "fp16"]], late_key=None,
+                                                         layer_overrides=over), picks)
+    return out
+
+
+def rank(model, tok, text, context, score, smooth) -> dict:
+    from dataclasses import replace
+
+    from qjl import QJLCache, QJLConfig
+    from qjl.cache.allocation import predicted_error
+    from qjl.tools.evaluate import EvalSetup, evaluate_method, load_text_ids
+
+    setup = EvalSetup(context=context, score=score, passkey_trials=0)
+    ids = load_text_ids(tok, text, context + score + 1)
+    auto_cfg = QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth)
+    cache = QJLCache(model, auto_cfg)
+    model(ids[:context].unsqueeze(0), past_key_values=cache)
+    stores = [layer.store for layer in cache.layers if hasattr(layer, "store")]
+    stats = [s.auto_stats for s in stores]
+    ref_m, ref = evaluate_method(model, tok, ids, setup, None)
+    rows = []
+    for name, (cfg, picks) in _configs(auto_cfg.allocation, len(stores)).items():
+        cfg = replace(cfg, smooth_keys=smooth)
+        m, _ = evaluate_method(model, tok, ids, setup, cfg, ref)
+        rows.append({"config": name, "predicted": predicted_error(stats, picks), "kl": m["kl"],
+                     "ppl_delta_pct": 100 * (m["ppl"] / ref_m["ppl"] - 1), "bits_per_value": m["bits_per_value"]})
+        print(f"  {name:28s} predicted {rows[-1]['predicted']:10.4g}  KL {m['kl']:.4f}", flush=True)
+    m, _ = evaluate_method(model, tok, ids, setup, auto_cfg, ref)
+    rho = _spearman([r["predicted"] for r in rows], [r["kl"] for r in rows])
+    print(f"Spearman(predicted, KL) = {rho:.3f} over {len(rows)} configurations; auto(3.0): KL {m['kl']:.4f}")
+    return {"rows": rows, "spearman": rho, "auto_kl": m["kl"], "auto_bits": (m["key_bits"] + m["value_bits"]) / 2}
+
+
+def cost(model, tok, text, context, repeats, smooth) -> dict:
+    from qjl import QJLCache, QJLConfig
+    from qjl.cache import allocation
+    from qjl.tools.evaluate import load_text_ids
+
+    ids = load_text_ids(tok, text, context).unsqueeze(0)
+    spent = []
+    real_observe, real_allocate = allocation.Allocator.observe, allocation.Allocator.allocate
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[-1] += time.perf_counter() - t
+        return wrapper
+
+    real_candidates = allocation.candidate_codecs
+    allocation.Allocator.observe, allocation.Allocator.allocate = timed(real_observe), timed(real_allocate)
+    allocation.candidate_codecs = timed(real_candidates)
+    try:
+        fixed, auto, share = [], [], []
+        for _ in range(repeats):
+            for cfg, sink in ((QJLConfig.preset("tq-k3v3", smooth_keys=smooth), fixed),
+                              (QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth), auto)):
+                spent.append(0.0)
+                t = time.perf_counter()
+                model(ids, past_key_values=QJLCache(model, cfg))
+                sink.append(time.perf_counter() - t)
+            share.append(spent[-1] / auto[-1])
+    finally:
+        allocation.Allocator.observe, allocation.Allocator.allocate = real_observe, real_allocate
+        allocation.candidate_codecs = real_candidates
+    r = {"context": context, "prefill_fixed_s": statistics.median(fixed), "prefill_auto_s": statistics.median(auto),
+         "measure_share": statistics.median(share)}
+    print(f"  {context} tokens: prefill tq-k3v3 {r['prefill_fixed_s']:.2f} s, auto {r['prefill_auto_s']:.2f} s; "
+          f"measuring + allocating = {100 * r['measure_share']:.1f}% of the auto prefill", flush=True)
+    return r
+
+
+def main(argv=None) -> int:
+    from qjl import patch_attention
+    from qjl.tools.models import load_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rank", action="store_true", help="predicted error vs measured KL")
+    p.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    p.add_argument("--context", type=int, default=1536)
+    p.add_argument("--score", type=int, default=512)
+    p.add_argument("--cost-contexts", default="", help="comma-separated prefill lengths to time (e.g. 1536,8192)")
+    p.add_argument("--cost-text", default=None, help="a text long enough for the largest context "
+                                                    "(default: this Python's argparse.py)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--smooth", action="store_true", help="key smoothing on (QJLConfig(smooth_keys=True))")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="runs")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    torch.set_grad_enabled(False)
+    model, tok = load_model()
+    patch_attention(model)
+    out = Path(a.out) / time.strftime("auto-bits-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(vars(a), indent=1))
+    metrics = {}
+    if a.rank:
+        metrics["rank"] = rank(model, tok, a.text, a.context, a.score, a.smooth)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    if a.cost_contexts:
+        import argparse as stdlib_argparse
+
+        text = a.cost_text or stdlib_argparse.__file__
+        metrics["cost"] = [cost(model, tok, text, int(c), a.repeats, a.smooth) for c in a.cost_contexts.split(",")]
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

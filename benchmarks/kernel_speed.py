@@ -1,0 +1,91 @@
+"""The CPU decode kernel alone: ns per (token, KV head) for the presets' codecs, both C paths, 1 and all
+threads, contiguous and paged (16-token blocks).  A measurement, not a test.
+
+    python benchmarks/kernel_speed.py [--tokens 16384] [--repeats 15] [--out runs]
+
+One Llama-3-8B layer shape (8 KV heads, 4 query rows per head, d = 128), random codes, no exact tokens;
+minimum and median of ``repeats`` calls after 2 warm-up calls, wall time.  Writes
+``<out>/kernel-speed-<time>/kernel_speed.json``.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from qjl.codecs import QJLSketch, TokenwiseQuantizer, TurboQuantMSE
+from qjl.kernels.cpu import launch
+from qjl.kernels.paged import PagedField
+
+CODECS = {  # (keys, values) as the presets build them at d = 128 (their first-half layers)
+    "tq-k3v2": lambda d: (TurboQuantMSE(d, 3, correct_norm=True), TurboQuantMSE(d, 2, correct_norm=True, norm_dtype="fp8")),
+    "tq-k45v3": lambda d: (TurboQuantMSE(d, 4, correct_norm=True), TurboQuantMSE(d, 3, correct_norm=True)),
+    "qjl-m256-u2": lambda d: (QJLSketch(d, 2 * d), TokenwiseQuantizer(d, 2)),
+}
+
+
+def _paged(t: torch.Tensor, block: int):
+    """[1, H, N, ...] codes -> a pool [N / block, H, block, ...] in shuffled block order, and its block table."""
+    _, h, n = t.shape[:3]
+    nb = n // block
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(0))
+    pool = torch.empty(nb, h, block, *t.shape[3:], dtype=t.dtype)
+    pool[perm] = t[0].reshape(h, nb, block, *t.shape[3:]).transpose(0, 1)
+    es = t.element_size()
+    return PagedField(pool, 0, pool.stride(0) * es, pool.stride(1) * es, pool.stride(2) * es, t.dtype,
+                      tuple(t.shape[3:])), perm.to(torch.int32)[None]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--out", default="runs")
+    args = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    h, r, d, n = 8, 4, 128, args.tokens
+    g = torch.Generator().manual_seed(0)
+    k, v, q = torch.randn(1, h, n, d, generator=g), torch.randn(1, h, n, d, generator=g), torch.randn(1, h, r, d, generator=g)
+    start, end = torch.zeros(1, dtype=torch.int32), torch.full((1,), n, dtype=torch.int32)
+    rows = []
+    for name, make in CODECS.items():
+        kc, vc = make(d)
+        kcodes, vcodes = kc.quantize(k), vc.quantize(v)
+        contiguous = ({f: PagedField.of(t) for f, t in kcodes.fields.items()},
+                      {f: PagedField.of(t) for f, t in vcodes.fields.items()}, torch.zeros(1, 1, dtype=torch.int32), n)
+        kp = {f: _paged(t, 16) for f, t in kcodes.fields.items()}
+        vp = {f: _paged(t, 16) for f, t in vcodes.fields.items()}
+        table = next(iter(kp.values()))[1]
+        paged = ({f: x[0] for f, x in kp.items()}, {f: x[0] for f, x in vp.items()}, table, 16)
+        for layout, (kf, vf, bt, bs) in (("contiguous", contiguous), ("paged-16", paged)):
+            for impl in launch.IMPLS:
+                for threads in sorted({1, torch.get_num_threads()}):
+                    def call():
+                        return launch.paged_decode(q, kc, kf, vc, vf, bt, bs, start, end, impl=impl, threads=threads)
+                    for _ in range(2):
+                        call()
+                    times = []
+                    for _ in range(args.repeats if impl == "c" else 3):
+                        t0 = time.perf_counter()
+                        call()
+                        times.append(time.perf_counter() - t0)
+                    row = {"codecs": name, "layout": layout, "impl": impl, "threads": threads,
+                           "min_ms": min(times) * 1e3, "median_ms": statistics.median(times) * 1e3,
+                           "ns_per_token_head_min": min(times) * 1e9 / (h * n) * threads}
+                    rows.append(row)
+                    print(f"{name:12s} {layout:10s} {impl:10s} threads {threads}: min {row['min_ms']:.2f} ms, "
+                          f"median {row['median_ms']:.2f} ms, {row['ns_per_token_head_min']:.1f} ns per token-head "
+                          f"(x threads)", flush=True)
+    out = Path(args.out) / time.strftime("kernel-speed-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"tokens": n, "kv_heads": h, "rows": r, "head_dim": d, "repeats": args.repeats,
+              "simd_path": launch.simd_path(), "torch_threads": torch.get_num_threads(), "argv": sys.argv[1:]}
+    (out / "kernel_speed.json").write_text(json.dumps({"config": config, "rows": rows}, indent=2))
+    print(f"wrote {out / 'kernel_speed.json'}")
+
+
+if __name__ == "__main__":
+    main()

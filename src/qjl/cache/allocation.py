@@ -1,0 +1,232 @@
+r"""Bits allocated from the prompt: per-layer widths chosen at the end of prefill (``QJLConfig.auto``).
+
+No calibration data: in the prefill's own attention call, each layer measures how much error each
+candidate codec would add to its attention output, using the prompt's exact keys ``k_t``, values ``v_t``
+and its last ``queries`` queries ``q_r`` (per query head).  Then the widths that minimize the total
+predicted error within the budget are chosen (greedy marginal analysis, deterministic), and only then is
+anything quantized.
+
+**The error proxy.**  With ``p_rt`` the softmax weights of query r, ``o_r = sum_t p_rt v_t`` and a codec
+adding independent errors ``e_t`` to the keys with ``E||e_t||^2 = D_K ||k_t||^2`` spread evenly over the
+``d`` coordinates (true for rotation-based codecs: data-oblivious), the first-order change of the output is
+``delta o_r = sum_t p_rt delta s_rt (v_t - o_r)`` with ``E delta s_rt^2 = scale^2 ||q_r||^2 D_K ||k_t||^2 / d``,
+so
+
+    E||delta o_r||^2 = D_K * S_K,   S_K = scale^2 / d * sum_r ||q_r||^2 sum_t p_rt^2 ||k_t||^2 ||v_t - o_r||^2,
+
+and for value errors ``f_t`` with ``E||f_t||^2 = D_V ||v_t||^2``: ``E||delta o_r||^2 = D_V * S_V``,
+``S_V = sum_r sum_t p_rt^2 ||v_t||^2``.  ``S_K``, ``S_V`` come from the prompt (one attention pass of the
+last queries over the tokens the prefill compresses); each candidate's relative distortion ``D`` is
+measured by quantizing a sample of this layer's own keys and values (``sample_tokens``), so norm dtypes,
+key smoothing and codecs that are not rotation-based are all accounted for.  The predicted error of a
+layer is ``D_K(key codec) S_K + D_V(value codec) S_V`` (in squared units of the attention output); a layer
+kept exact (a candidate for the first and last ``boundary_layers``) predicts 0 and costs the exact dtype's
+bits.  ``benchmarks/auto_bits.py`` checks that this proxy ranks configurations as the measured KL does.
+
+Cost: one attention pass of ``queries`` rows per layer, and ``sample_tokens`` vectors quantized per
+candidate -- a few percent of the prefill (measured in docs/cache.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from qjl.cache import padding
+from qjl.cache.config import CodecSpec
+
+__all__ = ["AutoBits", "Allocator", "layer_sensitivity", "choose_widths", "candidate_codecs", "predicted_error"]
+
+
+def _tq(bits, norm="fp16"):
+    params = {"bits": bits, "correct_norm": True}
+    return CodecSpec("turboquant_mse", params if norm == "fp16" else {**params, "norm_dtype": norm})
+
+
+@dataclass(frozen=True)
+class AutoBits:
+    """Width allocation from the prompt (see the module doc).
+
+    Args:
+        bits_per_value: budget, bits per coordinate of the compressed part averaged over keys and values and
+            over the compressed layers (the same accounting as ``QJLConfig.bits_per_value``).
+        key_candidates, value_candidates: codecs each layer may use (default: TurboQuant MSE with the norm
+            correction, keys at 2-6 bits, values at 2-4 bits with fp16 or fp8 norms).
+        queries: the prompt's last queries used to measure each layer.
+        boundary_layers: the first and last this many layers may also be kept exact.
+        sample_tokens: vectors per layer quantized to measure each candidate's distortion.
+    """
+
+    bits_per_value: float
+    key_candidates: tuple = field(default_factory=lambda: tuple(_tq(b) for b in (2, 3, 4, 5, 6)))
+    value_candidates: tuple = field(default_factory=lambda: tuple(
+        s for b in (2, 3, 4) for s in (_tq(b, "fp8"), _tq(b))))
+    queries: int = 64
+    boundary_layers: int = 2
+    sample_tokens: int = 512
+
+    def __post_init__(self):
+        b = self.bits_per_value
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 16:
+            raise ValueError(f"bits_per_value must be a number in (0, 16], got {b!r}")
+        for name in ("key_candidates", "value_candidates"):
+            specs = tuple(getattr(self, name))
+            if not specs or any(not isinstance(s, CodecSpec) for s in specs):
+                raise TypeError(f"{name} must be a non-empty sequence of qjl.CodecSpec, got {getattr(self, name)!r}")
+            if any(s.name == "kivi" for s in specs):
+                raise ValueError(f"{name}: 'kivi' codes groups of tokens; choose per-token codecs")
+            object.__setattr__(self, name, specs)
+        for name, lo in (("queries", 1), ("boundary_layers", 0), ("sample_tokens", 8)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+    def describe(self) -> str:
+        return (f"auto widths within {self.bits_per_value:g} bits/value ({len(self.key_candidates)} key, "
+                f"{len(self.value_candidates)} value candidates, last {self.queries} queries)")
+
+
+def _compressible(n: int, sinks: int, window: int) -> slice:
+    """The prompt tokens the prefill compresses (all but sinks, or also the window if few remain)."""
+    return slice(sinks, n - window) if n - window - sinks >= 64 else slice(min(sinks, n), n)
+
+
+def layer_sensitivity(query, keys, values, mask, scaling: float, tokens: slice) -> tuple:
+    """``(S_K, S_V)`` of the module doc. query: [B, H_q, R, D]; keys/values: [B, H_kv, L, D] (as stored);
+    mask: [B, 1|H_q, R, L] or None; ``tokens``: the positions whose codes would carry the error."""
+    b, hq, r, d = query.shape
+    hkv = keys.shape[1]
+    q = query.float().reshape(b, hkv, hq // hkv * r, d)
+    k, v = keys.float(), values.float()
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, H_kv, g*R, L]
+    if mask is not None:
+        seen = padding.visible(mask).expand(b, hq, r, -1).reshape(b, hkv, hq // hkv * r, -1)
+        logits = logits.masked_fill(~seen, float("-inf"))
+    p = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    o = torch.matmul(p, v)  # [B, H_kv, g*R, D]
+    p2 = p[..., tokens].square()
+    kn2 = k[:, :, tokens].square().sum(-1)  # [B, H_kv, T]
+    vt = v[:, :, tokens]
+    vn2 = vt.square().sum(-1)
+    dist2 = (vn2.unsqueeze(-2) - 2 * torch.matmul(o, vt.transpose(-1, -2)) + o.square().sum(-1, keepdim=True)).clamp(min=0)
+    qn2 = q.square().sum(-1)  # [B, H_kv, g*R]
+    s_k = (scaling ** 2 / d) * (qn2 * (p2 * kn2.unsqueeze(-2) * dist2).sum(-1)).sum()
+    s_v = (p2 * vn2.unsqueeze(-2)).sum()
+    return float(s_k), float(s_v)
+
+
+def _distortion(codec, x: torch.Tensor, *fit) -> float:
+    """Relative distortion sum ||x - x_hat||^2 / sum ||x||^2 of ``codec`` on ``x: [B, H, n, D]``."""
+    xf = x.float()
+    err = (codec.dequantize(codec.quantize(xf, *fit)) - xf).square().sum()
+    return float(err / xf.square().sum().clamp(min=1e-30))
+
+
+def _bits(codec) -> float:
+    return codec.bit_budget().amortized(4096)
+
+
+def choose_widths(stats: list, budget: float, exact_bits: float, boundary: int) -> list:
+    """Greedy marginal analysis.  stats[l] = {"s_k", "s_v", "keys": [(bits, D)], "values": [(bits, D)]};
+    returns per layer ``(key index, value index)`` or ``None`` (kept exact), total mean bits <= budget."""
+    n = len(stats)
+    err = lambda l, role, i: stats[l]["s_" + role[0]] * stats[l][role][i][1]  # noqa: E731
+    bits = lambda l, role, i: stats[l][role][i][0]  # noqa: E731
+    choice = [{role: min(range(len(stats[l][role])), key=lambda i: (bits(l, role, i), err(l, role, i)))
+               for role in ("keys", "values")} for l in range(n)]
+    exact = [False] * n
+    cost = lambda l: 2 * exact_bits if exact[l] else bits(l, "keys", choice[l]["keys"]) + bits(l, "values", choice[l]["values"])  # noqa: E731
+    total = sum(cost(l) for l in range(n))
+    cap = 2 * budget * n
+    if total > cap + 1e-9:
+        raise ValueError(f"bits_per_value={budget:g} is below the cheapest candidates ({total / 2 / n:.3f} bits/value)")
+    while True:
+        best = None
+        for l in range(n):
+            if exact[l]:
+                continue
+            cur_err = err(l, "keys", choice[l]["keys"]) + err(l, "values", choice[l]["values"])
+            options = [(role, i) for role in ("keys", "values") for i in range(len(stats[l][role]))]
+            if l < boundary or l >= n - boundary:
+                options.append(("exact", None))
+            for role, i in options:
+                if role == "exact":
+                    extra, gain = 2 * exact_bits - cost(l), cur_err
+                else:
+                    j = choice[l][role]
+                    extra, gain = bits(l, role, i) - bits(l, role, j), err(l, role, j) - err(l, role, i)
+                if extra <= 0 or gain <= 0 or total + extra > cap + 1e-9:
+                    continue
+                key = (gain / extra, -l, role, -(i or 0))
+                if best is None or key > best[0]:
+                    best = (key, l, role, i, extra)
+        if best is None:
+            break
+        _, l, role, i, extra = best
+        if role == "exact":
+            exact[l] = True
+        else:
+            choice[l][role] = i
+        total += extra
+    return [None if exact[l] else (choice[l]["keys"], choice[l]["values"]) for l in range(n)]
+
+
+def candidate_codecs(config, layer_idx: int, key_dim: int, value_dim: int) -> tuple:
+    """The candidate codecs of one layer, seeded as the layer's own codecs will be."""
+    seed, auto = config.seed + 1000 * layer_idx, config.allocation
+    return ([s.build(key_dim, seed) for s in auto.key_candidates],
+            [s.build(value_dim, seed + 1) for s in auto.value_candidates])
+
+
+def predicted_error(stats: list, picks: list) -> float:
+    """The proxy's total for per-layer picks ``(key index, value index)`` (None: exact, 0 error)."""
+    return sum(0.0 if pick is None else st["s_k"] * st["keys"][pick[0]][1] + st["s_v"] * st["values"][pick[1]][1]
+               for st, pick in zip(stats, picks))
+
+
+class Allocator:
+    """Measures each compressed layer during the prefill and assigns widths once all are measured."""
+
+    def __init__(self, config, stores: list):
+        self.config, self.auto, self.stores = config, config.allocation, stores
+        self.choices = None
+
+    def reset(self) -> None:
+        self.choices = None
+
+    def observe(self, store, query, mask, scaling: float) -> None:
+        """Measure one layer in its prefill attention call (window = the prompt, in position order)."""
+        if store.auto_stats is not None:
+            return
+        keys, values = store.keys, store.values
+        r = min(self.auto.queries, query.shape[2])
+        m = None if mask is None else mask[:, :, -r:] if mask.shape[2] > 1 else mask
+        tokens = _compressible(keys.shape[2], self.config.sink_tokens, self.config.residual_length)
+        s_k, s_v = layer_sensitivity(query[:, :, -r:], keys, values, m, scaling, tokens)
+        n = len(range(*tokens.indices(keys.shape[2])))
+        pick = torch.linspace(tokens.start, tokens.start + max(n - 1, 0), min(n, self.auto.sample_tokens)).round().long()
+        ks, vs = keys[:, :, pick], values[:, :, pick]
+        kc, vc = store.candidates
+        store.auto_stats = {"s_k": s_k, "s_v": s_v,
+                            "keys": [(_bits(c), _distortion(c, ks, *c.fit(ks))) for c in kc],
+                            "values": [(_bits(c), _distortion(c, vs)) for c in vc]}
+
+    def ready(self) -> bool:
+        return self.choices is None and all(s.auto_stats is not None for s in self.stores)
+
+    def allocate(self) -> None:
+        live = self.stores
+        exact_bits = 8 * live[0].exact_dtype.itemsize if live else 16
+        picks = choose_widths([s.auto_stats for s in live], self.auto.bits_per_value, exact_bits,
+                              self.auto.boundary_layers)
+        self.choices = {}
+        for store, pick in zip(live, picks):
+            if pick is None:
+                store.assign(None, None)
+            else:
+                kc, vc = store.candidates
+                store.assign(self.auto.key_candidates[pick[0]], self.auto.value_candidates[pick[1]],
+                             codecs=(kc[pick[0]], vc[pick[1]]))
+            store.candidates = None
+            self.choices[store.layer_idx] = pick

@@ -1,0 +1,72 @@
+"""Left padding: each row's own first tokens as its attention sinks.
+
+In a left-padded batch the first positions of a short row are padding.  A store keeps one slot order
+for the whole batch -- ``sink_tokens`` sinks, then codes, then the exact window -- so for a row with
+``p`` padding positions the sinks must be positions ``p .. p + S - 1``, not ``0 .. S - 1``.  When the
+sinks are formed, the first ``P = S + max(p)`` slots of every row are reordered so that its real first
+tokens come first (then its padding, then the rest in order); attention is order-free over keys, so
+only the mask has to follow: :func:`remap_mask` reorders its first ``P`` columns the same way.
+
+Padding is read from the attention mask of the first forward: a row's first real token is the first
+key column some query of that row may attend to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["row_starts", "sink_order", "to_slots", "remap_mask", "zero_padding", "visible"]
+
+
+def visible(mask: torch.Tensor) -> torch.Tensor:
+    """A mask [B, 1|H, t, L] (bool: True = attend, or additive float) -> bool [B, 1|H, t, L]."""
+    if mask.dtype == torch.bool:
+        return mask
+    return torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min / 2)
+
+
+def row_starts(mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
+    """The first key column each row attends to: [B] int64 (0 without a mask; L for a row that sees nothing)."""
+    if mask is None:
+        return torch.zeros(batch, dtype=torch.long, device=device)
+    seen = visible(mask).any(dim=2).any(dim=1)  # [B, L]
+    first = seen.int().argmax(dim=-1)
+    return torch.where(seen.any(dim=-1), first, torch.full_like(first, seen.shape[-1]))
+
+
+def sink_order(starts: torch.Tensor, sinks: int) -> torch.Tensor | None:
+    """Per-row order of the first ``P = sinks + max(starts)`` slots: [B, P] positions, or None when no row
+    is padded (or there are no sinks)."""
+    pad = int(starts.max()) if starts.numel() else 0
+    if sinks == 0 or pad == 0:
+        return None
+    p = sinks + pad
+    slot = torch.arange(p, device=starts.device).unsqueeze(0)  # [1, P]
+    s = starts.unsqueeze(1)  # [B, 1]
+    # slots < S: the row's first real tokens s..s+S-1; slots S..S+s-1: its padding 0..s-1; then in order
+    return torch.where(slot < sinks, slot + s, torch.where(slot < sinks + s, slot - sinks, slot))
+
+
+def to_slots(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Tokens ``x: [B, H, n, D]`` in position order -> slot order (the first ``P`` reordered per row)."""
+    if order is None:
+        return x
+    p = order.shape[1]
+    idx = order.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    return torch.cat([x[:, :, :p].gather(2, idx), x[:, :, p:]], dim=2)
+
+
+def zero_padding(block: torch.Tensor, pads: torch.Tensor) -> torch.Tensor:
+    """The block right after the sinks ``[B, H, n, D]`` with each row's first ``pads[b]`` tokens (its
+    padding, in slot order) zeroed."""
+    keep = torch.arange(block.shape[2], device=block.device).unsqueeze(0) >= pads.to(block.device).unsqueeze(1)
+    return block * keep[:, None, :, None].to(block.dtype)
+
+
+def remap_mask(mask: torch.Tensor | None, order: torch.Tensor | None) -> torch.Tensor | None:
+    """Reorder the first ``P`` key columns of ``mask: [B, 1|H, t, L]`` by ``order: [B, P]`` (slot -> position)."""
+    if mask is None or order is None:
+        return mask
+    p = order.shape[1]
+    idx = order.to(mask.device)[:, None, None, :].expand(mask.shape[0], mask.shape[1], mask.shape[2], p)
+    return torch.cat([mask[..., :p].gather(-1, idx), mask[..., p:]], dim=-1)

@@ -1,0 +1,130 @@
+"""What a codec declares so that kernels can read its codes without knowing its class.
+
+A decode kernel needs two things from the key codec and two from the value codec; each codec
+declares them through public methods returning the dataclasses below (``None`` when the codec
+cannot be read that way, e.g. PolarQuant or KIVI keys: the cache then uses the reference path):
+
+* keys -- ``codec.score_view() -> ScoreView``: the score of a query row against stored vector
+  ``t`` is a sum of terms ``norm[t] * sum_c qt[c] * centroids[code[t, c]]`` over packed b-bit
+  codes, where ``qt`` is the query mapped into the term's basis by
+  ``codec.score_queries(q, shared) -> [qt_0, qt_1, ...]`` (TurboQuant MSE: ``Pi q``; QJL:
+  ``c S q``; QJL with outlier channels: two terms, the inlier and the outlier sketch, whose query
+  maps read the per-sequence ``outlier_idx``).
+* quantization -- ``codec.quantize_view() -> QuantizeView``: one or two passes of "project with a
+  fixed matrix, then sign or Lloyd-Max cell, pack, and store the norm" (the Triton quantize kernel,
+  TurboQuant's CPU bucketing);
+* values -- ``codec.mix_view() -> MixView``: stored vector ``t`` is
+  ``v[t, c] = zero[t, c // group_size] + scale[t, c // group_size] * centroids[code[t, c]]`` in
+  the codec's basis; a kernel mixes ``sum_t p[t] v[t]`` there and ``codec.unmix(o)`` maps the
+  mixed rows back (TurboQuant MSE: ``Pi^T o``, once per query row instead of once per token;
+  token-wise: the identity).
+
+Field names are the keys of the codec's :class:`qjl.Codes` ``fields`` (per vector) and ``shared``
+(per sequence), so the same view reads contiguous ``Codes`` and paged stores alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PackedCodes", "KeyTerm", "ScoreView", "MixView", "ProjectQuantize", "QuantizeView", "kernel_readable", "readable"]
+
+
+@dataclass(frozen=True)
+class PackedCodes:
+    """``length`` codes of ``bits`` bits per vector, packed LSB-first (:mod:`qjl.core.packing`) in the
+    uint8 field ``field`` (``ceil(length * bits / 8)`` bytes per vector); code ``v`` stands for
+    ``centroids[v]`` (float32 ``[2**bits]``)."""
+
+    field: str
+    bits: int
+    length: int
+    centroids: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return (self.length * self.bits + 7) // 8
+
+
+@dataclass(frozen=True)
+class KeyTerm:
+    """One additive term of a key score: ``s[t] += norm[t] * sum_c qt[c] * centroids[code[t, c]]``.
+
+    ``norm`` names the per-vector scalar field (any float dtype, float8 e4m3 included)."""
+
+    codes: PackedCodes
+    norm: str
+
+
+@dataclass(frozen=True)
+class ScoreView:
+    """The terms of a key codec's score, in the order of ``codec.score_queries``; ``shared`` names the
+    per-sequence fields that ``score_queries`` reads (e.g. ``("outlier_idx",)``)."""
+
+    terms: tuple
+    shared: tuple = ()
+
+
+@dataclass(frozen=True)
+class MixView:
+    """A value codec's vectors: ``v[t, c] = zero[t, g] + scale[t, g] * centroids[code[t, c]]``,
+    ``g = c // group_size``; ``scale`` / ``zero`` name per-vector fields of shape ``[groups]`` (or a
+    scalar when there is one group); ``zero`` is None when there is no zero point.  ``rotated``: the
+    codec's ``unmix`` is not the identity (the output must be mapped back)."""
+
+    codes: PackedCodes
+    group_size: int
+    scale: str
+    zero: str | None = None
+    rotated: bool = False
+
+    @property
+    def groups(self) -> int:
+        return -(-self.codes.length // self.group_size)
+
+
+@dataclass(frozen=True)
+class ProjectQuantize:
+    """One quantization pass: ``y = M x'`` with ``M = matrix.matrix()`` ([m, d'] float32; a
+    :class:`qjl.Rotation` also maps with ``.apply``) and ``x'`` the
+    vector (``channels="all"``), the vector with its outlier channels zeroed (``"inliers"``) or its outlier
+    channels alone (``"outliers"``, ``d' = n_outliers``); ``x'`` is divided by ``||x'||`` first when
+    ``normalize``.  Codes: ``y >= 0`` (``boundaries`` None, 1 bit) or the number of ``boundaries`` below
+    each coordinate, packed LSB-first into field ``codes``; field ``norm`` holds ``||x'||`` (divided by
+    ``<y, centroids[code]>`` when ``correct_norm``) as ``norm_dtype``."""
+
+    matrix: object
+    bits: int
+    codes: str
+    norm: str
+    norm_dtype: torch.dtype
+    boundaries: torch.Tensor | None = None
+    centroids: torch.Tensor | None = None
+    normalize: bool = False
+    correct_norm: bool = False
+    channels: str = "all"
+
+
+@dataclass(frozen=True)
+class QuantizeView:
+    """The passes of a codec's quantization; ``shared`` names the per-sequence channel choice the
+    "inliers"/"outliers" passes read (chosen by ``codec.select_outliers``, stored as ``codec.idx_dtype``)."""
+
+    passes: tuple
+    shared: str | None = None
+
+
+def kernel_readable(key_codec, value_codec) -> bool:
+    """Whether both codecs declare views a kernel reads: packed codes in whole bytes of 8 codes
+    (``length % 8 == 0``), value groups of whole bytes, and at most two key terms."""
+    return readable(getattr(key_codec, "score_view", lambda: None)(), getattr(value_codec, "mix_view", lambda: None)())
+
+
+def readable(sv, mv) -> bool:
+    """:func:`kernel_readable` of the views themselves (a ScoreView and a MixView, or None)."""
+    if sv is None or mv is None or not 1 <= len(sv.terms) <= 2:
+        return False
+    codes = [t.codes for t in sv.terms] + [mv.codes]
+    return all(c.length % 8 == 0 and 1 <= c.bits <= 8 for c in codes) and mv.group_size % 8 == 0

@@ -1,0 +1,301 @@
+"""Paged compressed KV: the plain-torch attention over vLLM's pages (writes are in :mod:`.writes`).
+
+PAGED CONTRACT (shared with the paged kernels of issue #13)::
+
+    paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size, *,
+                           key_codec, value_codec, scale, num_kv_heads, exact=None, sinks=0,
+                           window=0, current=None) -> out [B, H_q, D] float32
+
+* ``q``: [B, H_q, D], one query row per sequence (a decode step); query head ``i`` reads KV
+  head ``i // (H_q / H_kv)`` (GQA).
+* ``key_fields`` / ``value_fields``: {codec field name: :class:`PagedField`}, the fields of the
+  codec's :class:`qjl.Codes` (TurboQuant MSE: ``codes`` uint8 [nbytes], ``norm`` fp16/bf16/fp8;
+  QJL: ``signs`` uint8 [m/8], ``norm``, with outliers also ``outlier_signs``, ``outlier_norm``
+  and the per-block shared ``outlier_idx`` uint8 [n_outliers]; token-wise values: ``codes``
+  uint8, ``scale`` and ``zero`` [groups] fp16).  Field ``f`` of token ``t`` of sequence ``b``,
+  KV head ``h``, is the ``f.dtype`` array of shape ``f.shape`` at byte address
+  ``f.offset + block_table[b, t // block_size] * f.stride_block + h * f.stride_head
+  + (t % block_size) * f.stride_token`` of ``f.buffer`` (``stride_token = 0``: one entry per
+  block and head).  vLLM's pages (:mod:`.layout`) and transformers' contiguous cache (one
+  block per sequence, ``block_table = arange(B)[:, None]``) are both this addressing.
+* ``block_table``: [B, max_blocks] int; ``seq_lens``: [B] tokens of history in the cache
+  (the current token excluded when it is passed in ``current``).
+* Tokens ``[sinks, n - window)`` of a sequence of ``n`` are scored from codes; the first
+  ``sinks`` and last ``window`` come exactly from ``exact = (key PagedField, value PagedField)``
+  at slot :func:`.layout.exact_slot` instead of ``t % block_size``.
+* ``current``: None or (k, v) [B, H_kv, D], the current token's exact key and value.
+* Softmax in float32 over all of them; ``scale`` multiplies the logits.
+
+Keys are scored with the codec's own estimator (``inner_product``), values mixed from
+``dequantize``; a fast kernel must match this within float error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...codecs.base import Codes
+from .layout import PageLayout, exact_slot
+from .writes import write_codes, write_exact
+
+__all__ = ["PagedField", "page_fields", "paged_decode_reference", "paged_attention_reference", "gather_history",
+           "history_codes", "forward_batch", "token_positions", "write_codes", "write_exact"]
+
+
+@dataclass(frozen=True)
+class PagedField:
+    """A field of every token in a paged pool (see the module docstring for the addressing)."""
+
+    buffer: torch.Tensor  # 1-d uint8 over the whole storage
+    offset: int
+    stride_block: int
+    stride_head: int
+    stride_token: int
+    dtype: torch.dtype
+    shape: tuple
+
+    def _index(self, blocks, heads, slots) -> torch.Tensor:
+        dev = self.buffer.device
+        blocks, heads, slots = blocks.to(dev), heads.to(dev), slots.to(dev)
+        addr = self.offset + blocks.long() * self.stride_block + heads.long() * self.stride_head
+        addr = addr + slots.long() * self.stride_token
+        return addr.unsqueeze(-1) + torch.arange(self.item_bytes, device=addr.device)
+
+    @property
+    def item_bytes(self) -> int:
+        """Bytes of one entry (one token's, or one block's for shared fields)."""
+        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+
+    def gather(self, blocks, heads, slots) -> torch.Tensor:
+        """Broadcast int tensors of a common shape S -> the field values [*S, *shape]."""
+        idx = self._index(*torch.broadcast_tensors(blocks, heads, slots))
+        raw = self.buffer[idx]
+        return raw.view(self.dtype).reshape(*idx.shape[:-1], *self.shape)
+
+    def scatter(self, blocks, heads, slots, values: torch.Tensor) -> None:
+        """Write ``values`` [*S, *shape] (S the broadcast shape of the indices)."""
+        idx = self._index(*torch.broadcast_tensors(blocks, heads, slots))
+        raw = values.to(self.dtype).contiguous().view(torch.uint8).reshape(idx.shape)
+        self.buffer[idx] = raw
+
+    def blocks(self, blocks: torch.Tensor, num_heads: int, block_size: int) -> torch.Tensor:
+        """Whole blocks at once: blocks [n] -> [n, H, block_size, *shape] (per-token fields, rows
+        ``stride_token`` = the item size apart) or [n, H, *shape] (shared fields)."""
+        item = self.item_bytes
+        rows = block_size if self.stride_token else 1
+        if self.stride_token not in (0, item):
+            return self.gather(blocks[:, None, None], torch.arange(num_heads)[None, :, None],
+                               torch.arange(rows)[None, None, :])
+        top = int(blocks.max()) + 1 if blocks.numel() else 1
+        view = torch.as_strided(self.buffer, (top, num_heads, rows * item), (self.stride_block, self.stride_head, 1),
+                                self.buffer.storage_offset() + self.offset)
+        raw = view[blocks.long()].contiguous().view(self.dtype)
+        return raw.reshape(len(blocks), num_heads, *((rows,) if self.stride_token else ()), *self.shape)
+
+
+def page_fields(layout: PageLayout, pages: torch.Tensor) -> dict[str, PagedField]:
+    """The fields of ``layout`` in vLLM's page tensor ``pages`` [num_blocks, H_kv, block_size, C']
+    (any element dtype; every head region must be contiguous)."""
+    nb, h, bs, c = pages.shape
+    es = pages.element_size()
+    if bs != layout.block_size or c * es != layout.content_bytes:
+        raise ValueError(f"pages of shape {tuple(pages.shape)} ({pages.dtype}) do not hold this layout "
+                         f"(block {layout.block_size}, {layout.content_bytes} bytes per token)")
+    if pages.stride(3) != 1 or pages.stride(2) != c:
+        raise ValueError("each head region of the pages must be contiguous (vLLM's LBHNC layout)")
+    storage = torch.empty(0, dtype=torch.uint8, device=pages.device).set_(pages.untyped_storage())
+    base = pages.storage_offset() * es
+    return {n: PagedField(storage, base + f.offset, pages.stride(0) * es, pages.stride(1) * es, f.stride_token,
+                          f.dtype, f.shape) for n, f in layout.fields.items()}
+
+
+def _role(fields: dict, role: str) -> dict:
+    p = role + "."
+    return {n[len(p):]: f for n, f in fields.items() if n.startswith(p)}
+
+
+def history_codes(fields: dict, row: torch.Tensor, c0: int, c1: int, block_size: int, num_heads: int) -> Codes:
+    """Codes of positions [c0, c1) of one sequence (block table row ``row``): lead [H, c1 - c0];
+    per-block shared fields (QJL outlier channels) come back per token in ``shared`` ([H, n, k])."""
+    b0, b1 = c0 // block_size, (c1 - 1) // block_size + 1
+    blocks = row[b0:b1]
+    lo, hi = c0 - b0 * block_size, c1 - b0 * block_size
+    per, shared = {}, {}
+    for name, f in fields.items():
+        t = f.blocks(blocks, num_heads, block_size)
+        if f.stride_token:
+            per[name] = t.transpose(0, 1).reshape(num_heads, -1, *f.shape)[:, lo:hi]
+        else:
+            t = t.transpose(0, 1).unsqueeze(2).expand(num_heads, len(blocks), block_size, *f.shape)
+            shared[name] = t.reshape(num_heads, -1, *f.shape)[:, lo:hi]
+    return Codes((num_heads, c1 - c0), per, shared)
+
+
+def _scores(codec, q: torch.Tensor, codes: Codes) -> torch.Tensor:
+    """q [..., H, R, D] against codes lead [..., H, n] -> [..., H, R, n] (the codec's estimator)."""
+    if "outlier_idx" not in codes.shared:
+        return codec.inner_product(q, codes)
+    idx = codes.shared["outlier_idx"]  # [..., H, n, k]: one codes object per token
+    per = Codes((*codes.lead, 1), {n: t.unsqueeze(len(codes.lead)) for n, t in codes.fields.items()},
+                {"outlier_idx": idx})
+    s = codec.inner_product(q.unsqueeze(-3), per)  # [..., H, n, R, 1]
+    return s.squeeze(-1).transpose(-1, -2)
+
+
+def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, end: int, block_size: int,
+                   num_heads: int):
+    """Dequantized keys and values [H, end - start, D] float32 of positions [start, end) of one sequence."""
+    key_codec, value_codec = codecs
+    kc = history_codes(_role(fields, "key"), block_row, start, end, block_size, num_heads)
+    vc = history_codes(_role(fields, "value"), block_row, start, end, block_size, num_heads)
+    if "outlier_idx" in kc.shared:  # one outlier set per token: dequantize token by token
+        per = Codes((*kc.lead, 1), {n: t.unsqueeze(len(kc.lead)) for n, t in kc.fields.items()}, kc.shared)
+        k = key_codec.dequantize(per).squeeze(-2)
+    else:
+        k = key_codec.dequantize(kc)
+    return k, value_codec.dequantize(vc)
+
+
+def _exact(exact, block_row, pos, block_size, sinks, window, heads):
+    """Exact keys and values [H, n, D] float32 of positions ``pos`` [n] of one sequence."""
+    blocks, slots = block_row[pos // block_size], exact_slot(pos, sinks, window)
+    ek, ev = exact
+    return (ek.gather(blocks, heads[:, None], slots).float(), ev.gather(blocks, heads[:, None], slots).float())
+
+
+def _split(n: int, sinks: int, window: int):
+    """(exact sink positions, code range, exact window positions) of a history of n tokens."""
+    s = min(sinks, n)
+    w0 = max(s, n - window)
+    return torch.arange(0, s), (s, w0), torch.arange(w0, n)
+
+
+def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size, *, key_codec,
+                           value_codec, scale: float, num_kv_heads: int, exact=None, sinks: int = 0,
+                           window: int = 0, current=None) -> torch.Tensor:
+    """The paged decode attention of the module docstring (plain torch, one sequence at a time)."""
+    b, hq, d = q.shape
+    if exact is None and sinks + window:
+        raise ValueError("exact must be given when sinks or window is non-zero")
+    if hq % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide the {hq} query heads")
+    heads = torch.arange(num_kv_heads, device=q.device)
+    g = hq // num_kv_heads
+    out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        row = block_table[i].long()
+        sink_pos, (c0, c1), win_pos = _split(int(seq_lens[i]), sinks, window)
+        qi = q[i].float().reshape(num_kv_heads, g, d)
+        logits, vs = [], []
+        xpos = torch.cat([sink_pos, win_pos])
+        if len(xpos):
+            xk, xv = _exact(exact, row, xpos, block_size, sinks, window, heads)
+            logits.append(qi @ xk.transpose(-1, -2))
+            vs.append(xv)
+        if c1 > c0:
+            kc = history_codes(key_fields, row, c0, c1, block_size, num_kv_heads)
+            logits.append(_scores(key_codec, qi, kc))
+            vs.append(value_codec.dequantize(history_codes(value_fields, row, c0, c1, block_size, num_kv_heads)))
+        if current is not None:
+            logits.append(qi @ current[0][i].float().unsqueeze(-1))
+            vs.append(current[1][i].float().unsqueeze(-2))
+        if not logits:
+            raise ValueError(f"sequence {i} has no token to attend to (seq_lens 0 and no current token)")
+        p = torch.softmax(torch.cat(logits, dim=-1) * scale, dim=-1)
+        out[i] = (p @ torch.cat(vs, dim=-2)).reshape(hq, d)
+    return out
+
+
+def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_loc, seq_lens, layout: PageLayout,
+                              scale: float) -> torch.Tensor:
+    """Attention of a mixed batch: q [T, H_q, D], the batch's own k/v [T, H_kv, D] (attended
+    exactly, causally), history from the pages -> [T, H_q, D] float32.
+
+    Sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]`` and has ``seq_lens[i]``
+    tokens after this step; its history is the first ``seq_lens[i] - query_len`` tokens.
+    """
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    heads = torch.arange(hkv, device=q.device)
+    out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
+    qsl = query_start_loc.tolist()
+    for i in range(len(qsl) - 1):
+        r0, r1 = qsl[i], qsl[i + 1]
+        c = r1 - r0
+        if c == 0:
+            continue
+        n = int(seq_lens[i]) - c
+        row = block_table[i].long()
+        sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window)
+        ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
+        ks, vs = [], []
+        xpos = torch.cat([sink_pos, win_pos])
+        if len(xpos):
+            xk, xv = _exact(ex, row, xpos, layout.block_size, layout.sinks, layout.window, heads)
+        if len(sink_pos):
+            ks.append(xk[:, :len(sink_pos)]), vs.append(xv[:, :len(sink_pos)])
+        if c1 > c0:
+            dk, dv = gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size, hkv)
+            ks.append(dk), vs.append(dv)
+        if len(win_pos):
+            ks.append(xk[:, len(sink_pos):]), vs.append(xv[:, len(sink_pos):])
+        ks.append(k[r0:r1].float().transpose(0, 1)), vs.append(v[r0:r1].float().transpose(0, 1))
+        kk, vv = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+        mask = torch.ones(c, n + c, dtype=torch.bool, device=q.device)
+        mask[:, n:] = torch.tril(torch.ones(c, c, dtype=torch.bool, device=q.device))
+        o = F.scaled_dot_product_attention(q[r0:r1].float().transpose(0, 1), kk, vv, attn_mask=mask, scale=scale,
+                                           enable_gqa=hq != hkv)
+        out[r0:r1] = o.transpose(0, 1)
+    return out
+
+
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
+    """(positions [T], seq_ends [T], decode [B]) of a batch: query_start_loc [B + 1], seq_lens [B] (after the step)."""
+    qsl = query_start_loc.long().cpu()
+    qlen = qsl[1:] - qsl[:-1]
+    seq_lens = seq_lens.long().cpu()
+    seq_of = torch.repeat_interleave(torch.arange(len(qlen)), qlen)
+    row = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of]
+    return (seq_lens - qlen)[seq_of] + row, seq_lens[seq_of], qlen == 1
+
+
+def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_start_loc, seq_lens, scale: float,
+                  decode=None) -> torch.Tensor:
+    """One attention layer over a mixed batch whose codes are already written (:func:`write_codes`).
+
+    q [T, H_q, D], k/v [T, H_kv, D] the batch's own tokens; query_start_loc [B + 1] and seq_lens [B]
+    (tokens after this step) on the CPU.  One-token rows go through ``decode`` (the paged contract,
+    default :func:`paged_decode_reference`), the others through :func:`paged_attention_reference`;
+    then the exact copies are written.  Returns [T, H_q, D] float32.
+    """
+    decode = paged_decode_reference if decode is None else decode
+    t, hq, d = q.shape
+    qsl = query_start_loc.long().cpu()
+    seq_lens = seq_lens.long().cpu()
+    positions, seq_ends, is_dec = token_positions(qsl, seq_lens)
+    out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
+    dec = is_dec.nonzero().flatten()
+    if len(dec):
+        rows = qsl[dec]
+        ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
+        out[rows] = decode(q[rows], _role(fields, "key"), _role(fields, "value"), block_table[dec], seq_lens[dec] - 1,
+                           layout.block_size, key_codec=layout.key_codec, value_codec=layout.value_codec, scale=scale,
+                           num_kv_heads=k.shape[1], exact=ex, sinks=layout.sinks, window=layout.window,
+                           current=(k[rows], v[rows]))
+    for i in (~is_dec).nonzero().flatten().tolist():  # prefill / chunk rows, one sequence at a time
+        r0, r1 = int(qsl[i]), int(qsl[i + 1])
+        if r1 > r0:
+            out[r0:r1] = paged_attention_reference(q[r0:r1], k[r0:r1], v[r0:r1], fields, block_table[i:i + 1],
+                                                   torch.tensor([0, r1 - r0]), seq_lens[i:i + 1], layout, scale)
+    slots = _slots(block_table, qsl, positions, layout.block_size)
+    write_exact(layout, fields, k, v, slots, positions, seq_ends)
+    return out
+
+
+def _slots(block_table, qsl, positions, block_size: int) -> torch.Tensor:
+    seq_of = torch.repeat_interleave(torch.arange(len(qsl) - 1), qsl[1:] - qsl[:-1])
+    return block_table.long().cpu()[seq_of, positions // block_size] * block_size + positions % block_size

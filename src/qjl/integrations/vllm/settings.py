@@ -1,0 +1,129 @@
+"""How the vLLM backend is switched on and configured (no vLLM import).
+
+The plugin is inert unless one of these environment variables is set (they reach vLLM's
+worker processes, which inherit the environment):
+
+* ``QJL_VLLM_PRESET=<preset>``: a :data:`qjl.PRESETS` name, e.g. ``tq-k45v3``;
+* ``QJL_VLLM_CONFIG=<file.json>``: ``{"preset": ..., "sinks": ..., "window": ..., "seed": ...,
+  "decode": ...}`` (every key optional; ``preset`` defaults to :data:`qjl.config.DEFAULT_PRESET`).
+
+When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides both.  Keys:
+
+* ``preset``: the codecs (per-layer widths included) and the seed come from this preset;
+* ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
+* ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
+  ``tq-k3v2``; docs/vllm.md measures what it costs and buys);
+* ``seed``: base seed (layer ``l`` uses ``seed + 1000 l`` for keys, ``+ 1`` for values, as
+  :class:`qjl.QJLCache` does);
+* ``decode``: "auto" (a paged kernel where :mod:`qjl.kernels` provides one, else the reference)
+  or "torch" (the plain-torch reference of :mod:`.paged`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields as dc_fields, replace
+
+from ...cache.config import QJLConfig
+from ...cache.presets import DEFAULT_PRESET, PRESETS
+
+__all__ = ["VLLMSettings", "ENV_PRESET", "ENV_CONFIG", "DEFAULT_WINDOW", "enabled", "load_settings",
+           "SERVABLE_KEYS", "SERVABLE_VALUES", "PRESET_WINDOWS"]
+
+ENV_PRESET = "QJL_VLLM_PRESET"
+ENV_CONFIG = "QJL_VLLM_CONFIG"
+DEFAULT_WINDOW = 4  # exact recent tokens per sequence; docs/vllm.md measures what they cost and buy
+# presets whose point is memory: the 5x preset keeps >= 4x native's tokens only without a window (block 128)
+PRESET_WINDOWS = {"tq-k3v2": 0}
+SERVABLE_KEYS = ("turboquant_mse", "qjl")
+SERVABLE_VALUES = ("turboquant_mse", "uniform")
+_KEYS = ("preset", "sinks", "window", "seed", "decode")
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The backend's configuration: a preset's codecs plus the paged exactness features."""
+
+    preset: str = DEFAULT_PRESET
+    sinks: int | None = None
+    window: int | None = None
+    seed: int | None = None
+    decode: str = "auto"
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"qjl preset (env {ENV_PRESET} / 'preset') must be one of {sorted(PRESETS)}, "
+                             f"got {self.preset!r}")
+        for name in ("sinks", "window", "seed"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"qjl setting {name!r} must be a non-negative int, got {v!r}")
+        if self.decode not in ("auto", "torch"):
+            raise ValueError(f"qjl setting 'decode' must be 'auto' or 'torch', got {self.decode!r}")
+        check_servable(self.config)
+
+    @property
+    def config(self) -> QJLConfig:
+        over = {} if self.seed is None else {"seed": self.seed}
+        return QJLConfig.preset(self.preset, **over)
+
+    @property
+    def window_tokens(self) -> int:
+        """The exact window: ``window`` if set, else the preset's default (:data:`PRESET_WINDOWS`, else
+        :data:`DEFAULT_WINDOW`)."""
+        return PRESET_WINDOWS.get(self.preset, DEFAULT_WINDOW) if self.window is None else self.window
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.config.sink_tokens if self.sinks is None else self.sinks
+
+    def updated(self, values: dict, source: str) -> "VLLMSettings":
+        if not isinstance(values, dict):
+            raise TypeError(f"{source} must be a JSON object / dict, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"{source} has unknown qjl setting(s) {unknown}; allowed: {list(_KEYS)}")
+        return replace(self, **values)
+
+
+def check_servable(config: QJLConfig) -> None:
+    """Refuse codecs and options the paged backend cannot serve, naming the setting."""
+    specs = [("key", config.key), ("value", config.value)]
+    if config.late_key is not None:
+        specs.append(("late_key", config.late_key))
+    for layer, over in config.layer_overrides.items():
+        specs += [(f"layer_overrides[{layer}][{r!r}]", s) for r, s in over.items()]
+    for where, spec in specs:
+        allowed = SERVABLE_VALUES if where == "value" or where.endswith("'value']") else SERVABLE_KEYS
+        if spec.name not in allowed:
+            raise ValueError(f"the qjl vLLM backend cannot serve {where} codec {spec.name!r}: it serves "
+                             f"{list(allowed)} (per-token codes that fit paged blocks)")
+    for f in dc_fields(config):
+        if "smooth" in f.name and getattr(config, f.name):
+            raise ValueError(f"the qjl vLLM backend does not implement key smoothing ({f.name}="
+                             f"{getattr(config, f.name)!r}); disable it for vLLM")
+
+
+def enabled(environ=None) -> bool:
+    env = os.environ if environ is None else environ
+    return bool(env.get(ENV_PRESET) or env.get(ENV_CONFIG))
+
+
+def load_settings(additional_config: dict | None = None, environ=None) -> VLLMSettings:
+    """Settings from the environment, then ``additional_config["qjl"]`` (raises ValueError naming
+    the setting on anything invalid)."""
+    env = os.environ if environ is None else environ
+    s = VLLMSettings(preset=env.get(ENV_PRESET) or DEFAULT_PRESET)
+    path = env.get(ENV_CONFIG)
+    if path:
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{ENV_CONFIG}={path!r} is not a readable JSON file: {e}") from None
+        s = s.updated(data, f"{ENV_CONFIG} file {path}")
+    extra = (additional_config or {}).get("qjl")
+    if extra is not None:
+        s = s.updated(extra, "additional_config['qjl']")
+    return s

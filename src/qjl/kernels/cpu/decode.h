@@ -1,0 +1,239 @@
+/* Shared by the CPU kernel sources (decode_portable.c, decode_avx2.c, decode.c, quantize.c): the argument
+ * struct the launcher fills by name (qjl.kernels.cpu.launch), scalar reads of stored dtypes, the vectorized
+ * exp, dot products and parallel_for.  The sources are compiled as one translation unit, this header first
+ * (qjl.kernels.cpu.build).
+ *
+ * Paged addressing: field f of coded token t of sequence b, KV head h, lives at
+ *   f.base + block_table[b * max_blocks + t / block_size] * f.stride_block + h * f.stride_head
+ *          + (t % block_size) * f.stride_token                                              (bytes)
+ * transformers' contiguous store is the case of one block per sequence (block_size >= its length). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QJL_EXPORT
+#define RW 4     /* query rows per work item (a GQA group of 4, or a chunk of a larger one) */
+#define SUB 256  /* tokens scored per pass: logits and weights stay in L1 */
+
+/* cdef begin (read by qjl.kernels.cpu.build: these declarations are the Python-visible interface) */
+typedef struct {
+    const uint8_t *base;  /* byte address of block 0, head 0, slot 0 */
+    int64_t stride_block, stride_head, stride_token;  /* bytes */
+    int32_t dtype;        /* scalar fields: 0 fp32, 1 fp16, 2 bf16, 3 float8 e4m3; codes: unused */
+} qjl_field;
+
+typedef struct {          /* s[t] += norm[t] * sum_c q[c] * cent[code[t, c]] */
+    qjl_field codes, norm;
+    int32_t bits, n;      /* bits per code (1..8), codes per vector (a multiple of 8) */
+    const float *cent;    /* [2^bits] */
+    const float *q;       /* [B, QB, H, R, n]: the query rows mapped into this term's basis, or, with qmap,
+                             [B, H, R, qdim]: the query itself */
+    int32_t q_per_block;  /* QB: 0 -> one map per sequence, 1 -> one per block-table column (max_blocks) */
+    const float *qmap;    /* [n, qdim]: the term's query map as a matrix (applied in the kernel), or NULL */
+    int32_t qdim;
+} qjl_key_term;
+
+typedef struct {          /* v[t, c] = zero[t, c / group_size] + scale[t, c / group_size] * cent[code[t, c]] */
+    qjl_field codes, scale, zero;
+    int32_t bits, n, group_size, groups, has_zero;
+    const float *cent;    /* [2^bits] */
+    const float *unmix;   /* [n, out_dim]: mixed rows back to the model's basis (o @ unmix), or NULL (identity) */
+    int32_t out_dim;
+} qjl_value_view;
+
+typedef struct {
+    int32_t n_terms;      /* 1 or 2 key terms */
+    qjl_key_term key[2];
+    qjl_value_view value;
+    int64_t batch, heads, rows;           /* B, H_kv, R query rows per KV head */
+    const int32_t *block_table;           /* [B, max_blocks] */
+    int64_t max_blocks, block_size;
+    const int32_t *code_start, *code_end; /* [B]: coded tokens [start, end) of each sequence */
+    const float *bias;                    /* [B, bias_stride] additive over coded tokens t, or NULL */
+    int64_t bias_stride;
+    int64_t ne, dx;                       /* exact tokens per sequence and head, their dim (0: none) */
+    const float *xk, *xv;                 /* [B, H, ne, dx] */
+    const float *qx;                      /* [B, H, R, dx] the query (model basis, scale included) */
+    const float *xbias;                   /* additive, or NULL: xbias[b * sb + h * sh + r * sr + j] */
+    int64_t xbias_sb, xbias_sh, xbias_sr; /* element strides (0: the same for every head / row) */
+    float *out;                           /* [B, H, R, value.out_dim]: the attention output, or NULL */
+    float *out_m, *out_l;                 /* [B, H, R] the partial softmax (m, l), or NULL */
+    float *out_o;                         /* [B, H, R, value.n] codes' values (the value codec's basis), or NULL */
+    float *out_ox;                        /* [B, H, R, dx] exact values, at the same max (if ne > 0), or NULL */
+    int64_t split_tokens;                 /* coded tokens per work item (0: automatic) */
+    int32_t threads, simd;                /* simd 0: portable path; 1: the AVX2 path where the CPU has it */
+} qjl_decode_args;
+/* cdef end */
+
+/* norms, scales and zero points in their storage dtype */
+static inline float e4m3_to_float(uint8_t b) {
+    const uint32_t e = (b >> 3) & 0xf, m = b & 7;
+    float f;
+    if (e == 0) f = (float)m * 0.001953125f; /* subnormal: m * 2^-9 */
+    else {
+        const uint32_t bits = ((e + 127 - 7) << 23) | (m << 20);
+        memcpy(&f, &bits, 4);
+    }
+    return (b & 0x80) ? -f : f;
+}
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else { /* subnormal: normalize */
+            int e = -1;
+            uint32_t m = man;
+            do { e++; m <<= 1; } while ((m & 0x400) == 0);
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static inline float read_scalar(const uint8_t *p, int dtype) {
+    uint16_t h;
+    switch (dtype) {
+    case 0: { float f; memcpy(&f, p, 4); return f; }
+    case 1: memcpy(&h, p, 2); return half_to_float(h);
+    case 2: { memcpy(&h, p, 2); const uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f; }
+    default: return e4m3_to_float(*p);
+    }
+}
+static inline int64_t dtype_bytes(int dtype) { return dtype == 0 ? 4 : dtype == 3 ? 1 : 2; }
+
+/* b-bit code i of a packed row (LSB first) */
+static inline int code_at(const uint8_t *row, int bits, int64_t i) {
+    const int64_t pos = i * bits;
+    uint32_t w = row[pos >> 3];
+    if ((pos & 7) + bits > 8) w |= (uint32_t)row[(pos >> 3) + 1] << 8;
+    return (int)((w >> (pos & 7)) & ((1u << bits) - 1));
+}
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline v8f load8(const float *p) { v8f x; memcpy(&x, p, 32); return x; }
+static inline void store8(float *p, v8f x) { memcpy(p, &x, 32); }
+static inline float hsum8(v8f x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
+/* exp(x) for x <= 0 (-inf allowed), 8 lanes: Cody-Waite reduction x = k ln2 + r, |r| <= ln2/2, degree-6
+ * Taylor polynomial (relative error < 2e-7), 2^k through the exponent bits; x < -87 gives exactly 0.
+ * Plain GCC vector code: AVX2 where compiled for it, SSE pairs otherwise. */
+static inline v8f select8(v8i mask, v8f a, v8f b) { /* mask ? a : b, lane by lane (masks are 0 / -1) */
+    v8i ai, bi;
+    memcpy(&ai, &a, 32);
+    memcpy(&bi, &b, 32);
+    ai = (ai & mask) | (bi & ~mask);
+    memcpy(&a, &ai, 32);
+    return a;
+}
+
+static inline v8f exp8(v8f x) {
+    const v8f zero = {0, 0, 0, 0, 0, 0, 0, 0};
+    const v8i live = x >= -87.0f;
+    x = select8(live, x, zero - 87.0f);
+    v8f kf = x * 1.44269504088896341f;
+    kf = kf + select8(kf < 0, zero - 0.5f, zero + 0.5f);
+    const v8i ki = __builtin_convertvector(kf, v8i); /* round half away from zero */
+    kf = __builtin_convertvector(ki, v8f);
+    v8f r = x - kf * 0.693359375f;
+    r = r - kf * -2.12194440e-4f;
+    v8f p = r * (1.0f / 720) + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v8i bits = (ki + 127) << 23;
+    v8f scale;
+    memcpy(&scale, &bits, 32);
+    const v8f out = p * scale;
+    v8i oi;
+    memcpy(&oi, &out, 32);
+    oi &= live;
+    v8f res;
+    memcpy(&res, &oi, 32);
+    return res;
+}
+
+/* x[i] = exp(x[i] - m) for i < len; returns their sum (m finite) */
+static inline float exp_sum(float *x, int64_t len, float m) {
+    v8f tot = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const v8f e = exp8(load8(x + i) - m);
+        store8(x + i, e);
+        tot += e;
+    }
+    float s = hsum8(tot);
+    if (i < len) {
+        float buf[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        memcpy(buf, x + i, sizeof(float) * (size_t)(len - i));
+        const v8f e = exp8(load8(buf) - m);
+        store8(buf, e);
+        memcpy(x + i, buf, sizeof(float) * (size_t)(len - i));
+        s += hsum8(e);
+    }
+    return s;
+}
+
+static inline float dot_f(const float *a, const float *b, int64_t n) {
+    v8f acc0 = {0, 0, 0, 0, 0, 0, 0, 0}, acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 += load8(a + i) * load8(b + i);
+        acc1 += load8(a + i + 8) * load8(b + i + 8);
+    }
+    for (; i + 8 <= n; i += 8) acc0 += load8(a + i) * load8(b + i);
+    float s = hsum8(acc0 + acc1);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* parallel_for: items [0, n) on `threads` threads (this one included), one at a time (dynamic scheduling).
+ * With OpenMP (the build's default) the threads are libgomp's, the pool torch itself uses, so a worker still
+ * spinning after torch's last operation takes the work at once instead of competing with a thread of ours;
+ * without OpenMP, plain pthreads created per call and joined.  On an oversubscribed machine libgomp's
+ * spin-waiting is costly (a 4k-token Llama layer: 335 ms with the default spin count, 28 ms with
+ * OMP_WAIT_POLICY=passive, 5 ms with GOMP_SPINCOUNT=1000, set before torch is imported). */
+#if defined(_OPENMP)
+static void parallel_for(int64_t n, int threads, void (*fn)(void *, int64_t), void *ctx) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < n; i++) fn(ctx, i);
+}
+#else
+#include <pthread.h>
+typedef struct {
+    void (*fn)(void *ctx, int64_t i);
+    void *ctx;
+    int64_t n, next;
+} qjl_work;
+
+static void *qjl_worker(void *p) {
+    qjl_work *w = p;
+    int64_t i;
+    while ((i = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED)) < w->n) w->fn(w->ctx, i);
+    return NULL;
+}
+
+static void parallel_for(int64_t n, int threads, void (*fn)(void *, int64_t), void *ctx) {
+    qjl_work w = {fn, ctx, n, 0};
+    int64_t extra = threads - 1 < n - 1 ? threads - 1 : n - 1;
+    pthread_t tid[63];
+    int started = 0;
+    for (int64_t t = 0; t < extra && t < 63; t++)
+        if (pthread_create(&tid[started], NULL, qjl_worker, &w) == 0) started++;
+    qjl_worker(&w);
+    for (int t = 0; t < started; t++) pthread_join(tid[t], NULL);
+}
+#endif
+
+/* A run: `count` consecutive slots of one block (their fields at a fixed stride from `at`). */
+typedef struct {
+    const uint8_t *codes[2], *norm[2], *vcodes, *vscale, *vzero;
+    int64_t t0, count; /* first coded token index of the run, and its length */
+} qjl_run;

@@ -1,0 +1,183 @@
+/* AVX2 + FMA path of the CPU decode (x86-64 CPUs since 2013, AVX-512 ones included), chosen at run time.
+ * 8 codes of b <= 4 bits are b bytes: one broadcast 32-bit word, vpsrlvd moving code j to the low bits of
+ * lane j, and vpermps over the centroids held in a register (it reads the low 3 bits of each lane, so the
+ * table repeats every 2^b entries for b < 3 and the neighbouring code's bits need no masking; 4-bit codes
+ * use two tables blended on bit 3); 5-8-bit codes go through a gather.  Keys: 2 tokens x 4 query rows
+ * accumulate in 8 FMA registers, reduced together by one horizontal-add tree.  Values: per 16 coordinates
+ * the 4 rows' accumulators stay in registers over a whole pass of tokens, one FMA per token, row and 8
+ * coordinates with the weight p * scale.  Words are read with exact-size copies at a row's last group, so
+ * nothing past a token's codes is read. */
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define QJL_HAVE_AVX2 1
+#define QJL_AVX2 __attribute__((target("avx2,fma")))
+
+static int cpu_has_avx2(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return cached;
+}
+
+typedef struct {
+    __m256i shifts;
+    __m256 lo, hi;
+    const float *cent;
+} unpack8_t;
+
+QJL_AVX2 static inline __attribute__((always_inline)) unpack8_t unpack_setup(const int bits, const float *cent) {
+    unpack8_t u;
+    int32_t sh[8];
+    float lo[8], hi[8];
+    for (int j = 0; j < 8; j++) {
+        sh[j] = bits <= 4 ? j * bits : 0;
+        lo[j] = bits <= 3 ? cent[j & ((1 << bits) - 1)] : bits == 4 ? cent[j] : 0;
+        hi[j] = bits == 4 ? cent[8 + j] : 0;
+    }
+    u.shifts = _mm256_loadu_si256((const __m256i *)sh);
+    u.lo = _mm256_loadu_ps(lo);
+    u.hi = _mm256_loadu_ps(hi);
+    u.cent = cent;
+    return u;
+}
+
+/* the centroids of the 8 codes at p (b bytes); `last`: the row's last group (no read past it) */
+QJL_AVX2 static inline __attribute__((always_inline)) __m256 unpack8(const uint8_t *p, const int bits, const int last,
+                                                                  const unpack8_t *u) {
+    if (bits <= 4) {
+        uint32_t w;
+        if (bits == 1) w = p[0];
+        else if (bits == 2) { uint16_t h; memcpy(&h, p, 2); w = h; }
+        else if (bits == 3 && last) { uint16_t h; memcpy(&h, p, 2); w = h | (uint32_t)p[2] << 16; }
+        else memcpy(&w, p, 4); /* 3 bits: the 4th byte belongs to the next group (masked off by vpermps) */
+        const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), u->shifts);
+        __m256 v = _mm256_permutevar8x32_ps(u->lo, idx);
+        if (bits == 4)
+            v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(u->hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+        return v;
+    }
+    uint64_t w = 0;
+    memcpy(&w, p, (size_t)bits);
+    int32_t ix[8];
+    for (int j = 0; j < 8; j++) ix[j] = (int32_t)((w >> (j * bits)) & ((1u << bits) - 1));
+    return _mm256_i32gather_ps(u->cent, _mm256_loadu_si256((const __m256i *)ix), 4);
+}
+
+/* lane i of the result = the sum of the 8 lanes of a[i] */
+QJL_AVX2 static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int bits, const qjl_key_term *k,
+                                                                    const uint8_t *codes, const uint8_t *norm,
+                                                                    int64_t count, const float *q, float *logits) {
+    const unpack8_t u = unpack_setup(bits, k->cent);
+    const int64_t n = k->n, groups = n / 8, cs = k->codes.stride_token, ns = k->norm.stride_token;
+    float s[8];
+    for (int64_t i = 0; i < count; i += 2) {
+        const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups - 1; g++) {
+            const __m256 v0 = unpack8(r0 + g * bits, bits, 0, &u), v1 = unpack8(r1 + g * bits, bits, 0, &u);
+            for (int r = 0; r < RW; r++) {
+                const __m256 qr = _mm256_loadu_ps(q + r * n + 8 * g);
+                a[r] = _mm256_fmadd_ps(v0, qr, a[r]);
+                a[4 + r] = _mm256_fmadd_ps(v1, qr, a[4 + r]);
+            }
+        }
+        { /* the row's last group: exact-size reads */
+            const int64_t g = groups - 1;
+            const __m256 v0 = unpack8(r0 + g * bits, bits, 1, &u), v1 = unpack8(r1 + g * bits, bits, 1, &u);
+            for (int r = 0; r < RW; r++) {
+                const __m256 qr = _mm256_loadu_ps(q + r * n + 8 * g);
+                a[r] = _mm256_fmadd_ps(v0, qr, a[r]);
+                a[4 + r] = _mm256_fmadd_ps(v1, qr, a[4 + r]);
+            }
+        }
+        _mm256_storeu_ps(s, hsum8x8(a));
+        const float n0 = read_scalar(norm + i * ns, k->norm.dtype);
+        for (int r = 0; r < RW; r++) logits[r * SUB + i] += s[r] * n0;
+        if (i + 1 < count) {
+            const float n1 = read_scalar(norm + (i + 1) * ns, k->norm.dtype);
+            for (int r = 0; r < RW; r++) logits[r * SUB + i + 1] += s[4 + r] * n1;
+        }
+    }
+}
+
+QJL_AVX2 static void score_avx2(const qjl_key_term *k, const uint8_t *codes, const uint8_t *norm, int64_t count,
+                                const float *q, float *logits) {
+    switch (k->bits) { /* the width as a constant: one specialized loop each */
+    case 1: score_avx2_(1, k, codes, norm, count, q, logits); break;
+    case 2: score_avx2_(2, k, codes, norm, count, q, logits); break;
+    case 3: score_avx2_(3, k, codes, norm, count, q, logits); break;
+    case 4: score_avx2_(4, k, codes, norm, count, q, logits); break;
+    case 5: score_avx2_(5, k, codes, norm, count, q, logits); break;
+    case 6: score_avx2_(6, k, codes, norm, count, q, logits); break;
+    case 7: score_avx2_(7, k, codes, norm, count, q, logits); break;
+    default: score_avx2_(8, k, codes, norm, count, q, logits); break;
+    }
+}
+
+/* `chunks` (1 or 2) groups of 8 coordinates from coordinate c0, over the run's tokens */
+QJL_AVX2 static inline __attribute__((always_inline)) void mix_chunk(const int bits, const int chunks,
+                                                                  const unpack8_t *u, const uint8_t *codes,
+                                                                  int64_t cs, int64_t count, int64_t c0,
+                                                                  int64_t n, int64_t G, int64_t k0, int64_t k1,
+                                                                  int last1, const float *pw, float *acc) {
+    __m256 a[2 * RW];
+    for (int r = 0; r < RW; r++) {
+        a[r] = _mm256_loadu_ps(acc + r * n + c0);
+        a[RW + r] = chunks == 2 ? _mm256_loadu_ps(acc + r * n + c0 + 8) : _mm256_setzero_ps();
+    }
+    const uint8_t *src = codes + (c0 / 8) * bits;
+    const int last0 = chunks == 1 && last1;
+    for (int64_t i = 0; i < count; i++, src += cs) {
+        const float *w0 = pw + (i * G + k0) * RW, *w1 = pw + (i * G + k1) * RW;
+        const __m256 v0 = unpack8(src, bits, last0, u);
+        for (int r = 0; r < RW; r++) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + r), v0, a[r]);
+        if (chunks == 2) {
+            const __m256 v1 = unpack8(src + bits, bits, last1, u);
+            for (int r = 0; r < RW; r++) a[RW + r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w1 + r), v1, a[RW + r]);
+        }
+    }
+    for (int r = 0; r < RW; r++) {
+        _mm256_storeu_ps(acc + r * n + c0, a[r]);
+        if (chunks == 2) _mm256_storeu_ps(acc + r * n + c0 + 8, a[RW + r]);
+    }
+}
+
+QJL_AVX2 static inline __attribute__((always_inline)) void mix_avx2_(const int bits, const qjl_value_view *v,
+                                                                  const uint8_t *codes, int64_t count,
+                                                                  const float *pw, float *acc) {
+    const unpack8_t u = unpack_setup(bits, v->cent);
+    const int64_t n = v->n, G = v->groups, gs = v->group_size, groups8 = n / 8, cs = v->codes.stride_token;
+    int64_t g = 0;
+    for (; g + 2 <= groups8; g += 2)
+        mix_chunk(bits, 2, &u, codes, cs, count, 8 * g, n, G, (8 * g) / gs, (8 * g + 8) / gs, g + 2 == groups8, pw,
+                  acc);
+    if (g < groups8) mix_chunk(bits, 1, &u, codes, cs, count, 8 * g, n, G, (8 * g) / gs, (8 * g) / gs, 1, pw, acc);
+}
+
+QJL_AVX2 static void mix_avx2(const qjl_value_view *v, const uint8_t *codes, int64_t count, const float *pw,
+                              float *acc) {
+    switch (v->bits) {
+    case 1: mix_avx2_(1, v, codes, count, pw, acc); break;
+    case 2: mix_avx2_(2, v, codes, count, pw, acc); break;
+    case 3: mix_avx2_(3, v, codes, count, pw, acc); break;
+    case 4: mix_avx2_(4, v, codes, count, pw, acc); break;
+    case 5: mix_avx2_(5, v, codes, count, pw, acc); break;
+    case 6: mix_avx2_(6, v, codes, count, pw, acc); break;
+    case 7: mix_avx2_(7, v, codes, count, pw, acc); break;
+    default: mix_avx2_(8, v, codes, count, pw, acc); break;
+    }
+}
+#else
+#define QJL_HAVE_AVX2 0
+static int cpu_has_avx2(void) { return 0; }
+#endif

@@ -1,0 +1,41 @@
+/* Portable path of the CPU decode (any C99 compiler; GCC vector extensions where they help): each token's
+ * codes are unpacked into a float row, then dotted with every query row (keys) or added to every output
+ * row with its softmax weight (values).  The reference the AVX2 path is tested beside (simd = 0). */
+
+/* one packed row -> its centroids (n floats) */
+static inline void unpack_row(const uint8_t *row, int bits, int64_t n, const float *cent, float *out) {
+    for (int64_t c = 0; c < n; c++) out[c] = cent[code_at(row, bits, c)];
+}
+
+/* logits[r * SUB + i] += norm[i] * sum_c q[r][c] * cent[code[i][c]], i < count */
+static void score_portable(const qjl_key_term *k, const uint8_t *codes, const uint8_t *norm, int64_t count,
+                           const float *q, float *logits, float *buf) {
+    for (int64_t i = 0; i < count; i++) {
+        unpack_row(codes + i * k->codes.stride_token, k->bits, k->n, k->cent, buf);
+        const float nt = read_scalar(norm + i * k->norm.stride_token, k->norm.dtype);
+        for (int r = 0; r < RW; r++) logits[r * SUB + i] += nt * dot_f(q + r * k->n, buf, k->n);
+    }
+}
+
+/* acc[r][c] += p[r][i] * scale[i][g(c)] * cent[code[i][c]]; zsum[r][g] += p[r][i] * zero[i][g], i < count */
+static void mix_portable(const qjl_value_view *v, const uint8_t *codes, const uint8_t *scale, const uint8_t *zero,
+                         int64_t count, const float *p, float *acc, float *zsum, float *buf) {
+    const int64_t n = v->n, G = v->groups, gs = v->group_size;
+    const int64_t sb = dtype_bytes(v->scale.dtype), zb = dtype_bytes(v->zero.dtype);
+    for (int64_t i = 0; i < count; i++) {
+        unpack_row(codes + i * v->codes.stride_token, v->bits, n, v->cent, buf);
+        for (int64_t g = 0; g < G; g++) {
+            const float s = read_scalar(scale + i * v->scale.stride_token + g * sb, v->scale.dtype);
+            const float z = v->has_zero ? read_scalar(zero + i * v->zero.stride_token + g * zb, v->zero.dtype) : 0;
+            const int64_t c1 = (g + 1) * gs < n ? (g + 1) * gs : n;
+            for (int r = 0; r < RW; r++) {
+                const float w = p[r * SUB + i];
+                if (w == 0.0f) continue;
+                const float ws = w * s;
+                float *a = acc + r * n;
+                for (int64_t c = g * gs; c < c1; c++) a[c] += ws * buf[c];
+                zsum[r * G + g] += w * z;
+            }
+        }
+    }
+}

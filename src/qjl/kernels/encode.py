@@ -1,0 +1,129 @@
+"""Codes from keys and values with a kernel: Triton on CUDA (or its interpreter), C bucketing on the CPU.
+
+Both read the codec only through its declared :meth:`quantize_view` (:mod:`qjl.codecs.views`) and give
+the same :class:`qjl.Codes` as ``codec.quantize`` (tested bit-exact).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu"]
+
+
+def can_quantize(codec) -> bool:
+    """Codecs the Triton quantize kernel covers: those declaring a quantize view."""
+    return codec.quantize_view() is not None
+
+
+def _seq(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-2], x.shape[-1]) if x.ndim >= 2 else x.reshape(1, 1, -1)
+
+
+_DENSE = weakref.WeakKeyDictionary()  # rotation / sketch object -> {device: its dense matrix}
+
+
+def _dense(obj, device) -> torch.Tensor:
+    """``obj.matrix()`` on ``device``, built once per object and device (rotations and sketches are fixed)."""
+    cache = _DENSE.setdefault(obj, {})
+    if device not in cache:
+        cache[device] = obj.matrix().to(device)
+    return cache[device]
+
+
+def _check_norm(dtype, norm):
+    from qjl.core.validation import check_fits
+
+    check_fits("norm of x", norm, dtype)
+
+
+def quantize(codec, x: torch.Tensor, outlier_idx: torch.Tensor | None = None):
+    """Triton quantization, the same Codes as ``codec.quantize(x[, outlier_idx])``.
+
+    x: [..., n, dim] (any float dtype); outlier_idx: [..., n_outliers] for codecs whose view has a
+    per-sequence channel choice (chosen from x when None).
+    """
+    from qjl.codecs.base import Codes
+    from qjl.core.validation import check_vectors
+    from qjl.kernels.triton import launch as tl
+
+    view = codec.quantize_view()
+    if view is None:
+        raise TypeError(f"codec: {type(codec).__name__} declares no quantize view for the Triton kernel")
+    check_vectors("x", x, codec.dim, min_ndim=2 if view.shared else 1)
+    lead = tuple(x.shape[:-1])
+    xs = _seq(x)
+    s, d = xs.shape[0], xs.shape[-1]
+    fields, shared, inlier_mask, idx_s = {}, {}, None, None
+    if view.shared:
+        idx = codec.select_outliers(x) if outlier_idx is None else outlier_idx
+        idx = codec.check_outlier_idx(idx.to(x.device), lead[:-1])
+        idx_s = idx.reshape(-1, idx.shape[-1]).long()
+        if idx_s.shape[0] == 1 and s > 1:
+            idx_s = idx_s.expand(s, -1)
+        inlier_mask = torch.ones(s, d, device=x.device).scatter(-1, idx_s, 0.0)
+        shared[view.shared] = idx.to(codec.idx_dtype)
+    for p in view.passes:
+        mat = _dense(p.matrix, x.device)
+        kw = {}
+        if p.channels == "inliers":
+            kw = dict(channel_mask=inlier_mask, mask_mode=1)
+        elif p.channels == "outliers":  # the outlier sketch scattered onto each sequence's channels
+            scattered = torch.zeros(s, mat.shape[0], d, device=x.device)
+            scattered.scatter_(-1, idx_s.unsqueeze(1).expand(-1, mat.shape[0], -1), mat.unsqueeze(0).expand(s, -1, -1))
+            mat, kw = scattered, dict(channel_mask=inlier_mask, mask_mode=2)
+        if p.boundaries is None:
+            codes, norm = tl.quantize(xs, mat, 1, sign=True, **kw)
+        else:
+            codes, norm = tl.quantize(xs, mat, p.bits, boundaries=p.boundaries.to(x.device), normalize=p.normalize,
+                                      centroids=p.centroids.to(x.device), correct_norm=p.correct_norm, **kw)
+        _check_norm(p.norm_dtype, norm)
+        fields[p.codes] = codes.reshape(*lead, -1)
+        fields[p.norm] = norm.reshape(lead).to(p.norm_dtype)
+    return Codes(lead, fields, shared)
+
+
+def _cpu_pass(codec):
+    """The single bucketing pass the CPU kernel runs, or None."""
+    view = codec.quantize_view()
+    if view is None or view.shared or len(view.passes) != 1:
+        return None
+    p = view.passes[0]
+    return p if p.boundaries is not None and p.normalize and p.channels == "all" else None
+
+
+def can_quantize_cpu(codec) -> bool:
+    """Codecs the C bucketing covers (normalize, rotate, Lloyd-Max cells: TurboQuant MSE) where it builds."""
+    from qjl.kernels.cpu import launch
+
+    return _cpu_pass(codec) is not None and launch.available()
+
+
+def quantize_cpu(codec, x: torch.Tensor):
+    """The reference's norm and rotation (torch), then cells, packing and the norm correction's cosine in one
+    C pass.  Codes equal ``codec.quantize(x)``; with ``correct_norm`` the cosine is summed in another order
+    (norms may differ by one ulp of their dtype)."""
+    from qjl.codecs.base import Codes
+    from qjl.core.validation import check_vectors
+    from qjl.kernels.cpu import launch
+
+    p = _cpu_pass(codec)
+    if p is None:
+        raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
+                        f"got {type(codec).__name__}")
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.ndim < 1 or x.shape[-1] != codec.dim:
+        check_vectors("x", x, codec.dim)  # raises the reference's error
+    xf = x.float()
+    norm = torch.linalg.vector_norm(xf, dim=-1)
+    if not bool(torch.isfinite(norm).all()):  # a NaN/Inf entry makes its norm NaN/Inf: one cheap check
+        check_vectors("x", x, codec.dim)
+    _check_norm(p.norm_dtype, norm)
+    unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
+    y = p.matrix.apply(unit)
+    codes, cos = launch.bucket_pack(y, p.boundaries, p.centroids, p.bits)
+    if p.correct_norm:
+        norm = norm / torch.where(cos > 0, cos, torch.ones_like(cos))
+        _check_norm(p.norm_dtype, norm)
+    return Codes(tuple(x.shape[:-1]), {p.codes: codes, p.norm: norm.to(p.norm_dtype)})

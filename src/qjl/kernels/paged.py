@@ -1,0 +1,271 @@
+"""The paged decode contract: where a layer's fields live, and the public launcher every backend serves.
+
+PAGED ADDRESSING (shared with the vLLM backend): field ``f`` of coded token ``t`` of sequence ``b``,
+KV head ``h``, is the ``f.dtype`` array of shape ``f.shape`` at byte address
+
+    f.buffer.data_ptr() + f.offset + block_table[b, t // block_size] * f.stride_block
+                        + h * f.stride_head + (t % block_size) * f.stride_token
+
+(``stride_token = 0``: one entry per block and head, e.g. QJL's ``outlier_idx``).  vLLM's pages and
+transformers' contiguous codes (one block per sequence, ``block_table = arange(B)[:, None]``,
+``block_size`` = the code length; :meth:`PagedField.of`) are both this addressing.  Fields are named
+as in the codecs' :class:`qjl.Codes`; the codecs' views (:mod:`qjl.codecs.views`) say which fields a
+kernel reads and how.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, replace
+
+import torch
+
+__all__ = ["PagedField", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
+           "query_maps", "unmix_matrix", "check_exact"]
+
+_VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
+
+
+def _view(codec, kind: str):
+    try:
+        memo = _VIEWS.setdefault(codec, {})
+    except TypeError:  # not weak-referenceable: no memo
+        memo = {}
+    if kind not in memo:
+        v = getattr(codec, kind, lambda: None)()
+        if v is not None and kind == "score_view":
+            v = replace(v, terms=tuple(replace(t, codes=replace(t.codes, centroids=t.codes.centroids.float().contiguous()))
+                                       for t in v.terms))
+        elif v is not None:
+            v = replace(v, codes=replace(v.codes, centroids=v.codes.centroids.float().contiguous()))
+        memo[kind] = v
+    return memo[kind]
+
+
+def query_maps(key_codec) -> list | None:
+    """The key terms' query maps as matrices [n_i, dim] float32 (``score_queries(q)[i] = q @ M_i.T``, the maps
+    being linear), built once per codec; None when the maps read per-sequence shared fields."""
+    view = _view(key_codec, "score_view")
+    if view.shared:
+        return None
+    memo = _VIEWS.get(key_codec, {})
+    if "qmaps" not in memo:
+        eye = torch.eye(key_codec.dim)
+        memo["qmaps"] = [m.T.float().contiguous() for m in key_codec.score_queries(eye)]
+    return memo["qmaps"]
+
+
+def unmix_matrix(value_codec) -> torch.Tensor | None:
+    """``unmix`` as a matrix [n, dim] float32 (``unmix(o) = o @ U``), once per codec; None for the identity."""
+    view = _view(value_codec, "mix_view")
+    if not view.rotated:
+        return None
+    memo = _VIEWS.get(value_codec, {})
+    if "unmix" not in memo:
+        memo["unmix"] = value_codec.unmix(torch.eye(view.codes.length)).float().contiguous()
+    return memo["unmix"]
+
+
+def views(key_codec, value_codec) -> tuple:
+    """(key_codec.score_view(), value_codec.mix_view()), built once per codec object."""
+    return _view(key_codec, "score_view"), _view(value_codec, "mix_view")
+
+
+def kernel_readable(key_codec, value_codec) -> bool:
+    """:func:`qjl.codecs.views.kernel_readable`, memoized per codec object."""
+    from qjl.codecs.views import readable
+
+    return readable(*views(key_codec, value_codec))
+
+
+@dataclass(frozen=True)
+class PagedField:
+    """One stored field of every token of a paged pool (see the module docstring for the addressing).
+
+    buffer: the tensor holding it (addresses are relative to ``buffer.data_ptr()``); offset and
+    strides in bytes; dtype and shape of one entry (``shape=(nbytes,)`` uint8 for packed codes,
+    ``()`` for a norm, ``(groups,)`` for token-wise scales).
+    """
+
+    buffer: torch.Tensor
+    offset: int
+    stride_block: int
+    stride_head: int
+    stride_token: int
+    dtype: torch.dtype
+    shape: tuple
+
+    @staticmethod
+    def of(t: torch.Tensor, shared: bool = False) -> "PagedField":
+        """A field of contiguous codes: ``t`` [B, H, N, *shape] (``shared``: [B, H, *shape], one entry per
+        sequence and head) as one block per sequence."""
+        entry_dims = t.ndim - (2 if shared else 3)
+        if entry_dims and not t[(0,) * (t.ndim - entry_dims)].is_contiguous():
+            t = t.contiguous()  # an entry's elements must be consecutive
+        es = t.element_size()
+        token = 0 if shared else t.stride(2) * es
+        shape = tuple(t.shape[2:] if shared else t.shape[3:])
+        return PagedField(t, 0, t.stride(0) * es, t.stride(1) * es, token, t.dtype, shape)
+
+    @property
+    def entry_bytes(self) -> int:
+        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+
+    def raw_bytes(self) -> torch.Tensor:
+        """The bytes from ``buffer.data_ptr()`` on, as a 1-d uint8 tensor (no copy)."""
+        t = self.buffer
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        return raw[t.storage_offset() * t.element_size():]
+
+    def gather(self, blocks: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Broadcastable int tensors of a common shape S -> the entries [*S, *shape] (a copy)."""
+        blocks, heads, slots = torch.broadcast_tensors(blocks.long(), heads.long(), slots.long())
+        addr = self.offset + blocks * self.stride_block + heads * self.stride_head + slots * self.stride_token
+        idx = addr.unsqueeze(-1) + torch.arange(self.entry_bytes, device=addr.device)
+        raw = self.raw_bytes()[idx]
+        return raw.view(self.dtype).reshape(*idx.shape[:-1], *self.shape)
+
+
+def view_fields(key_codec, value_codec) -> tuple:
+    """(key field names, value field names) the codecs' views read (per-token and per-block shared)."""
+    kview, vview = views(key_codec, value_codec)
+    if kview is None or vview is None:
+        raise ValueError(f"codecs {type(key_codec).__name__}/{type(value_codec).__name__} declare no kernel views")
+    knames = [n for t in kview.terms for n in (t.codes.field, t.norm)] + list(kview.shared)
+    vnames = [vview.codes.field, vview.scale] + ([vview.zero] if vview.zero else [])
+    return knames, vnames
+
+
+def _entry_shapes(key_codec, value_codec) -> dict:
+    """{(role, field): bytes per entry} of the packed-code fields the views declare."""
+    kview, vview = views(key_codec, value_codec)
+    out = {("key_fields", t.codes.field): t.codes.nbytes for t in kview.terms}
+    out[("value_fields", vview.codes.field)] = vview.codes.nbytes
+    return out
+
+
+def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict, block_table, block_size: int,
+                code_start, code_end) -> None:
+    """ValueError naming the argument unless the arguments fit the contract (:func:`paged_decode`), including
+    that every address a kernel may read lies inside its field's buffer."""
+    if not isinstance(q, torch.Tensor) or q.ndim != 4 or not q.dtype.is_floating_point:
+        raise ValueError(f"q must be a float tensor [B, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
+    b, h = q.shape[:2]
+    if not isinstance(block_table, torch.Tensor) or block_table.ndim != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table must be [B={b}, max_blocks], got {getattr(block_table, 'shape', block_table)!r}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    for name, t in (("code_start", code_start), ("code_end", code_end)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b,) or t.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a [B={b}] int tensor, got {getattr(t, 'shape', t)!r}")
+    starts, ends = code_start.tolist(), code_end.tolist()
+    if any(e < s or s < 0 for s, e in zip(starts, ends)):
+        raise ValueError("code_start/code_end must satisfy 0 <= code_start <= code_end")
+    end = max(ends, default=0)
+    if end > block_table.shape[1] * block_size:
+        raise ValueError(f"code_end reaches token {end} but block_table maps only "
+                         f"{block_table.shape[1]} blocks of {block_size}")
+    if block_table.shape[1] == 1:  # one block per sequence (the transformers cache): plain ints
+        col = block_table[:, 0].tolist()
+        lo, top = min(col, default=0), max(col, default=0)
+    else:
+        used = block_table[:, : max(1, -(-end // block_size))]
+        lo, top = (int(used.min()), int(used.max())) if used.numel() else (0, 0)
+    if lo < 0:
+        raise ValueError("block_table: the blocks holding coded tokens must be >= 0")
+    knames, vnames = view_fields(key_codec, value_codec)
+    sizes = _entry_shapes(key_codec, value_codec)
+    for role, given, wanted in (("key_fields", key_fields, knames), ("value_fields", value_fields, vnames)):
+        missing = [n for n in wanted if n not in given]
+        if missing:
+            raise ValueError(f"{role} lacks the field(s) {missing} its codec's view reads (has {sorted(given)})")
+        for n in wanted:
+            f = given[n]
+            if not isinstance(getattr(f, "buffer", None), torch.Tensor) or f.buffer.device != q.device:
+                raise ValueError(f"{role}[{n!r}] must be a PagedField whose buffer is on {q.device}")
+            if (role, n) in sizes and (f.dtype != torch.uint8 or f.entry_bytes != sizes[(role, n)]):
+                raise ValueError(f"{role}[{n!r}]: packed codes of {sizes[(role, n)]} uint8 bytes per token expected, "
+                                 f"got {f.dtype} {tuple(f.shape)}")
+            last = (f.offset + top * f.stride_block + (h - 1) * f.stride_head + (block_size - 1) * f.stride_token
+                    + f.entry_bytes)
+            room = f.buffer.untyped_storage().nbytes() - f.buffer.storage_offset() * f.buffer.element_size()
+            if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > room:
+                raise ValueError(f"{role}[{n!r}]: offset/strides reach byte {last} of a buffer of {room}")
+
+
+def term_queries(q: torch.Tensor, key_codec, key_fields: dict, block_table: torch.Tensor) -> list:
+    """Each key term's query rows: [B, H, R, n], or [B, max_blocks, H, R, n] when the codec's query map reads
+    per-block shared fields (QJL outlier channels chosen per block: one map per block-table column)."""
+    kview = _view(key_codec, "score_view")
+    qf = q.float()
+    if not kview.shared:
+        return key_codec.score_queries(qf)
+    h = q.shape[1]
+    blocks = block_table.long().clamp(min=0).unsqueeze(-1)  # [B, max_blocks, 1]; unused columns may be -1
+    heads = torch.arange(h, device=q.device).view(1, 1, h)
+    shared = {n: key_fields[n].gather(blocks, heads, torch.zeros_like(blocks)) for n in kview.shared}
+    return key_codec.score_queries(qf.unsqueeze(1), shared)
+
+
+def check_exact(exact, q) -> None:
+    if exact is None:
+        return
+    if not isinstance(exact, (tuple, list)) or len(exact) != 3:
+        raise ValueError("exact must be None or a tuple (xk, xv, xbias)")
+    xk, xv, xbias = exact
+    b, h, r, d = q.shape
+    if not isinstance(xk, torch.Tensor) or xk.ndim != 4 or tuple(xk.shape[:2]) != (b, h) or xk.shape[-1] != d:
+        raise ValueError(f"exact: xk must be [{b}, {h}, n, {d}], got {getattr(xk, 'shape', xk)!r}")
+    if not isinstance(xv, torch.Tensor) or xv.shape != xk.shape:
+        raise ValueError(f"exact: xv must have xk's shape {tuple(xk.shape)}, got {getattr(xv, 'shape', xv)!r}")
+    if xbias is not None and (xbias.ndim != 4 or xbias.shape[-1] != xk.shape[2]
+                              or any(xbias.shape[i] not in (1, (b, h, r)[i]) for i in range(3))):
+        raise ValueError(f"exact: xbias must be [{b}|1, {h}|1, {r}|1, {xk.shape[2]}], got {tuple(xbias.shape)}")
+
+
+def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, value_fields: dict,
+                 block_table: torch.Tensor, block_size: int, code_start: torch.Tensor, code_end: torch.Tensor, *,
+                 exact=None, code_bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """Decode attention over paged codes (+ exact tokens), one call per layer and step.
+
+    Args:
+        q: [B, H_kv, R, D] float32, the query rows of KV head ``h`` (its GQA group x new tokens),
+            already multiplied by the softmax scale.
+        key_codec, value_codec: the layer's codecs; they must declare kernel views
+            (:func:`qjl.codecs.views.kernel_readable`).
+        key_fields, value_fields: {codec field name: :class:`PagedField`}.
+        block_table: [B, max_blocks] int; block_size: tokens per block.
+        code_start, code_end: [B] int, the coded tokens ``[start, end)`` of each sequence (token indices
+            of the addressing; vLLM: ``[sinks, n - window)``, transformers: ``[0, N)``).
+        exact: None or ``(xk, xv, xbias)``: exact tokens (sinks, window, the current token) merged into
+            the same softmax; xk/xv [B, H_kv, n_x, D] (any float dtype), xbias [B, H_kv, R, n_x]
+            additive (0 / -inf, e.g. a causal mask or ragged lengths; axes of size 1 broadcast) or None.
+        code_bias: [B, >= max(code_end)] additive over coded token indices (e.g. left padding) or None.
+        backend: "auto" (by device), "cpu", "triton" or "torch" (:func:`qjl.kernels.reference.paged_decode_reference`).
+
+    Returns:
+        [B, H_kv, R, D] float32: ``softmax(q . k) v`` over the sequence's coded and exact tokens, keys scored
+        with the key codec's estimator and values mixed from the value codec's reconstruction.  Error against
+        the float64-accurate result: float32 rounding of sums over ``D`` and over the tokens (the CPU and
+        Triton kernels sum in another order than the reference: outputs agree within 1e-4 of their scale).
+        A row that sees no token at all gets NaN (0 / 0), like a fully masked softmax.
+    """
+    from qjl import kernels
+
+    backend = kernels.pick_backend(q.device, backend)
+    check_exact(exact, q)
+    if backend == "cpu":
+        from qjl.kernels.cpu import launch
+
+        return launch.paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size,
+                                   code_start, code_end, exact=exact, code_bias=code_bias)
+    if backend == "triton":
+        from qjl.kernels.triton import launch
+
+        return launch.paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size,
+                                   code_start, code_end, exact=exact, code_bias=code_bias)
+    from qjl.kernels.reference import paged_decode_reference
+
+    return paged_decode_reference(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size,
+                                  code_start, code_end, exact=exact, code_bias=code_bias)

@@ -1,0 +1,139 @@
+"""The plain-PyTorch reference of every decode kernel, and exact merges of partial softmaxes.
+
+:func:`paged_decode_reference` has the signature of :func:`qjl.kernels.paged.paged_decode` and computes
+the same attention one sequence at a time from the codecs' declared views (:mod:`qjl.codecs.views`):
+
+* each key term scores ``norm[t] * <qt, centroids[code[t]]>`` with ``qt = codec.score_queries(q)[i]``;
+* values are ``zero + scale * centroids[code]`` in the value codec's basis, mixed by the softmax
+  weights and mapped back once per row with ``codec.unmix``;
+* exact tokens join the same float32 softmax.
+
+A partial softmax of a key set is ``(m, l, o)``: the row max of the logits, ``l = sum exp(s - m)`` and
+``o = sum exp(s - m) v``; :func:`merge_partials` combines partials of disjoint key sets exactly (split-K
+blocks of a kernel, or codes with exact tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from qjl.core.packing import unpack_bits
+
+__all__ = ["paged_decode_reference", "gather_codes", "merge_partials", "partial_softmax", "finite_max"]
+
+
+def gather_codes(fields: dict, names, block_row: torch.Tensor, block_size: int, h: int, start: int, end: int) -> dict:
+    """{name: entries of tokens [start, end) of KV head ``h`` of one sequence, [n, *shape]} (a copy)."""
+    pos = torch.arange(start, end, device=block_row.device)
+    blocks, slots = block_row.long()[pos // block_size], pos % block_size
+    return {n: fields[n].gather(blocks, torch.tensor(h, device=pos.device), slots) for n in names}
+
+
+def _values(packed, rows: dict) -> torch.Tensor:
+    """centroids[code] [n, length] float32 of packed codes ``rows[packed.field]``."""
+    idx = unpack_bits(rows[packed.field], packed.bits, packed.length)
+    return packed.centroids.to(idx.device)[idx]
+
+
+def _shared_rows(fields: dict, names, block_row, h: int, start: int, end: int, block_size: int) -> dict | None:
+    """Per-block shared entries (stride_token 0) of the blocks holding tokens [start, end), {name: [n, *shape]}."""
+    if not names:
+        return None
+    pos = torch.arange(start, end, device=block_row.device)
+    blocks = block_row.long()[pos // block_size]
+    return {n: fields[n].gather(blocks, torch.tensor(h, device=pos.device), torch.zeros_like(blocks)) for n in names}
+
+
+def _key_logits(q, codec, view, fields, block_row, block_size, h, start, end) -> torch.Tensor:
+    """q [R, D] -> logits [R, n] over coded tokens [start, end) of KV head h."""
+    rows = gather_codes(fields, {n for t in view.terms for n in (t.codes.field, t.norm)}, block_row, block_size, h,
+                        start, end)
+    shared = _shared_rows(fields, view.shared, block_row, h, start, end, block_size)
+    if shared is None:
+        qts = [qt.unsqueeze(0) for qt in codec.score_queries(q.float())]  # [1, R, len]
+    else:  # one query map per token's block: q [n, R, D] against shared [n, k]
+        qts = codec.score_queries(q.float().unsqueeze(0).expand(end - start, -1, -1), shared)
+    s = 0
+    for term, qt in zip(view.terms, qts):
+        k = _values(term.codes, rows) * rows[term.norm].float().unsqueeze(-1)  # [n, len]
+        s = s + (qt * k.unsqueeze(1)).sum(-1).T if qt.shape[0] > 1 else s + qt[0] @ k.T
+    return s
+
+
+def _mixed_values(view, fields, block_row, block_size, h, start, end) -> torch.Tensor:
+    """v [n, length] float32 in the value codec's basis."""
+    names = {view.codes.field, view.scale} | ({view.zero} if view.zero else set())
+    rows = gather_codes(fields, names, block_row, block_size, h, start, end)
+    group = torch.arange(view.codes.length, device=block_row.device) // view.group_size
+    scale = rows[view.scale].float().reshape(end - start, -1)[:, group]
+    v = _values(view.codes, rows) * scale
+    if view.zero:
+        v = v + rows[view.zero].float().reshape(end - start, -1)[:, group]
+    return v
+
+
+def paged_decode_reference(q, key_codec, key_fields: dict, value_codec, value_fields: dict, block_table,
+                           block_size: int, code_start, code_end, *, exact=None, code_bias=None) -> torch.Tensor:
+    """Plain torch, one sequence and KV head at a time; see :func:`qjl.kernels.paged.paged_decode`."""
+    from qjl.kernels.paged import check_exact, check_paged
+
+    check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end)
+    kview, vview = key_codec.score_view(), value_codec.mix_view()
+    check_exact(exact, q)
+    b, hkv, r, d = q.shape
+    out = torch.empty(b, hkv, r, d, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        s0, s1 = int(code_start[i]), int(code_end[i])
+        for h in range(hkv):
+            logits, vals = [], []
+            if s1 > s0:
+                lg = _key_logits(q[i, h], key_codec, kview, key_fields, block_table[i], block_size, h, s0, s1)
+                if code_bias is not None:
+                    lg = lg + code_bias[i, s0:s1].float()
+                logits.append(lg)
+            if exact is not None and exact[0].shape[2]:
+                xk, xv, xb = exact
+                lx = q[i, h].float() @ xk[i, h].float().T
+                logits.append(lx if xb is None else lx + xb.expand(b, hkv, r, -1)[i, h].float())
+            if not logits:
+                out[i, h] = float("nan")
+                continue
+            p = torch.softmax(torch.cat(logits, -1), dim=-1)
+            o = torch.zeros(r, d, device=q.device)
+            n_c = s1 - s0
+            if n_c > 0:
+                v = _mixed_values(vview, value_fields, block_table[i], block_size, h, s0, s1)
+                o = value_codec.unmix(p[:, :n_c] @ v)
+            if exact is not None and exact[0].shape[2]:
+                o = o + p[:, n_c:] @ exact[1][i, h].float()
+            out[i, h] = o
+    return out
+
+
+def finite_max(m: torch.Tensor) -> torch.Tensor:
+    """m with -inf replaced by 0 (a row whose logits are all -inf contributes exp(-inf - 0) = 0)."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def partial_softmax(s: torch.Tensor, v: torch.Tensor):
+    """logits s [..., R, n], values v [..., n, D] -> (m [..., R], l [..., R], o [..., R, D])."""
+    m = s.amax(dim=-1)
+    p = torch.exp(s - finite_max(m).unsqueeze(-1))
+    return m, p.sum(dim=-1), torch.matmul(p, v.float())
+
+
+def merge_partials(partials):
+    """Combine partial softmaxes [(m, l, o), ...] of disjoint key sets -> (m, l, o) at their common max.
+
+    All tensors share shapes (m, l: [...], o: [..., n]); a part whose logits were all -inf (m = -inf, l = 0)
+    contributes nothing (its weight exp(-inf - m) is 0)."""
+    m = functools.reduce(torch.maximum, [p[0] for p in partials])
+    safe = finite_max(m)
+    l_tot, o_tot = 0, 0
+    for pm, pl, po in partials:
+        w = torch.exp(pm - safe)
+        l_tot = l_tot + w * pl
+        o_tot = o_tot + w.unsqueeze(-1) * po
+    return m, l_tot, o_tot

@@ -1,0 +1,181 @@
+"""Triton kernel bodies (``@triton.jit``); their launchers, which check inputs, allocate outputs and pick
+the grid, are in :mod:`qjl.kernels.triton.launch`.  Import only where Triton is installed.
+
+* ``quantize_kernel`` -- one pass per block of vectors: (channel mask) -> norm -> (normalize) -> project
+  with a dense matrix -> sign or Lloyd-Max cell -> (norm correction) -> LSB-first packing, done as one
+  small exact matrix product per bit plane (``byte_j = sum_c bit_r(idx_c) 2^(c*b + r - 8j)``).
+* ``paged_decode_kernel`` -- split-K decode attention over paged codes: one program per (sequence x KV
+  head, token split); the query rows of the GQA group are loaded once, then per block of tokens the
+  block table gives each token's page, the key codes (1 or 2 terms) are unpacked and scored against all
+  rows with one ``tl.dot`` (or per token when the query map differs per page), an online softmax is
+  kept, and the value codes are unpacked, scaled and accumulated with ``p @ v``.
+
+All matrix products use ``input_precision="ieee"`` (exact fp32; the packing products must be exact).
+"""
+
+import triton
+import triton.language as tl
+
+__all__ = ["quantize_kernel", "paged_decode_kernel"]
+
+
+@triton.jit
+def quantize_kernel(x_ptr, mat_ptr, mask_ptr, bnd_ptr, cent_ptr, pm_ptr, codes_ptr, norm_ptr,
+                     seq_len, D, M, NBYTES,
+                     DP: tl.constexpr, MP: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr,
+                     MAT_PER_SEQ: tl.constexpr, MASK_MODE: tl.constexpr, NORMALIZE: tl.constexpr,
+                     SIGN: tl.constexpr, NBND: tl.constexpr, CORRECT: tl.constexpr, BITS: tl.constexpr):
+    seq = tl.program_id(0)
+    tok = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tmask = tok < seq_len
+    rows = seq * seq_len + tok
+    cols = tl.arange(0, DP)
+    cmask = cols < D
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0)
+    x = x.to(tl.float32)
+    if MASK_MODE != 0:  # 1: keep the mask's channels (inliers), 2: keep the others (outliers)
+        keep = tl.load(mask_ptr + seq * D + cols, mask=cmask, other=0.0)
+        if MASK_MODE == 2:
+            keep = 1.0 - keep
+        x = x * keep[None, :]
+    norm = tl.sqrt(tl.sum(x * x, axis=1))
+    if NORMALIZE:
+        x = x / tl.where(norm > 0, norm, 1.0)[:, None]
+    outs = tl.arange(0, MP)
+    mat_base = mat_ptr + seq * M * D if MAT_PER_SEQ else mat_ptr
+    mat = tl.load(mat_base + outs[:, None] * D + cols[None, :], mask=(outs[:, None] < M) & cmask[None, :], other=0.0)
+    y = tl.dot(x, tl.trans(mat), input_precision="ieee")  # [BLOCK, MP]
+    if SIGN:
+        idx = (y >= 0).to(tl.int32)
+    else:
+        idx = tl.zeros([BLOCK, MP], dtype=tl.int32)
+        for k in tl.static_range(NBND):
+            idx += (y > tl.load(bnd_ptr + k)).to(tl.int32)
+    if CORRECT:
+        cos = tl.sum(tl.where((outs < M)[None, :], y * tl.load(cent_ptr + idx), 0.0), axis=1)
+        norm = norm / tl.where(cos > 0, cos, 1.0)
+    idx = tl.where((outs < M)[None, :], idx, 0)
+    nb = tl.arange(0, NBP)
+    packed = tl.zeros([BLOCK, NBP], dtype=tl.float32)
+    for r in tl.static_range(BITS):
+        plane = ((idx >> r) & 1).to(tl.float32)
+        pm = tl.load(pm_ptr + r * MP * NBP + outs[:, None] * NBP + nb[None, :])
+        packed += tl.dot(plane, pm, input_precision="ieee")
+    tl.store(codes_ptr + rows[:, None] * NBYTES + nb[None, :], packed.to(tl.int32).to(tl.uint8),
+             mask=tmask[:, None] & (nb < NBYTES)[None, :])
+    tl.store(norm_ptr + rows, norm, mask=tmask)
+
+
+
+@triton.jit
+def _scalar(base, off, DTYPE: tl.constexpr):
+    """Entries of a scalar field at byte offsets ``off``, as float32 (DTYPE 0 fp32, 1 fp16, 2 bf16, 3 fp8 e4m3)."""
+    if DTYPE == 0:
+        p = (base + off).to(tl.pointer_type(tl.float32))
+    elif DTYPE == 1:
+        p = (base + off).to(tl.pointer_type(tl.float16))
+    elif DTYPE == 2:
+        p = (base + off).to(tl.pointer_type(tl.bfloat16))
+    else:
+        p = (base + off).to(tl.pointer_type(tl.float8e4nv))
+    return tl.load(p).to(tl.float32)
+
+
+@triton.jit
+def _unpack(base, row_off, offs_c, NC, ok_t, BITS: tl.constexpr):
+    """b-bit codes [BLOCK_N, CP] (int32) of rows starting at byte offsets ``row_off`` [BLOCK_N]."""
+    bitpos = offs_c * BITS
+    byte = bitpos >> 3
+    sh = bitpos & 7
+    ok = ok_t[:, None] & (offs_c < NC)[None, :]
+    ptr = base + row_off[:, None] + byte[None, :]
+    lo = tl.load(ptr, mask=ok, other=0).to(tl.int32)
+    hi = tl.load(ptr + 1, mask=ok & ((bitpos + BITS - 1) >> 3 > byte)[None, :], other=0).to(tl.int32)
+    return ((lo | (hi << 8)) >> sh[None, :]) & ((1 << BITS) - 1), ok
+
+
+@triton.jit
+def _term_scores(q_ptr, c_base, c_off, n_base, n_off, cent_ptr, q_row0, q_tok, offs_t_ok, R, NC,
+                 RP: tl.constexpr, CP: tl.constexpr, BITS: tl.constexpr, NDT: tl.constexpr,
+                 PER_BLOCK: tl.constexpr):
+    """One key term's logits [RP, BLOCK_N]: norm[t] * sum_c q[r, c] * cent[code[t, c]]."""
+    offs_r = tl.arange(0, RP)
+    offs_c = tl.arange(0, CP)
+    code, ok = _unpack(c_base, c_off, offs_c, NC, offs_t_ok, BITS)
+    k = tl.where(ok, tl.load(cent_ptr + code), 0.0)  # [BLOCK_N, CP]
+    nrm = tl.where(offs_t_ok, _scalar(n_base, tl.where(offs_t_ok, n_off, 0), NDT), 0.0)
+    if PER_BLOCK:  # the query rows of each token's page: [BLOCK_N, RP, CP]
+        qm = offs_t_ok[:, None, None] & (offs_r[None, :, None] < R) & (offs_c[None, None, :] < NC)
+        qt = tl.load(q_ptr + q_tok[:, None, None] + offs_r[None, :, None] * NC + offs_c[None, None, :], mask=qm,
+                     other=0.0)
+        s = tl.trans(tl.sum(qt * k[:, None, :], axis=2))
+    else:
+        q = tl.load(q_ptr + q_row0 + offs_r[:, None] * NC + offs_c[None, :],
+                    mask=(offs_r[:, None] < R) & (offs_c[None, :] < NC), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    return s * nrm[None, :]
+
+
+@triton.jit
+def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1_sh, n1_st, cent1_ptr,
+                        q2_ptr, c2_base, c2_sb, c2_sh, c2_st, n2_base, n2_sb, n2_sh, n2_st, cent2_ptr,
+                        vc_base, vc_sb, vc_sh, vc_st, vs_base, vs_sb, vs_sh, vs_st, vz_base, vz_sb, vz_sh, vz_st,
+                        vcent_ptr, bt_ptr, start_ptr, end_ptr, bias_ptr, m_ptr, l_ptr, o_ptr,
+                        H, R, MAXB, BS, CHUNK, SPLITS, BIAS_STRIDE, NC1, NC2, NV, GS, G,
+                        RP: tl.constexpr, CP1: tl.constexpr, CP2: tl.constexpr, VP: tl.constexpr,
+                        BITS1: tl.constexpr, BITS2: tl.constexpr, VBITS: tl.constexpr,
+                        NDT1: tl.constexpr, NDT2: tl.constexpr, SDT: tl.constexpr, ZDT: tl.constexpr, SB: tl.constexpr, ZB: tl.constexpr,
+                        HAS2: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_r = tl.arange(0, RP)
+    offs_v = tl.arange(0, VP)
+    m_i = tl.full([RP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([RP], dtype=tl.float32)
+    acc = tl.zeros([RP, VP], dtype=tl.float32)
+    s0 = tl.load(start_ptr + b)
+    s1 = tl.load(end_ptr + b)
+    lo = s0 + split * CHUNK
+    hi = tl.minimum(lo + CHUNK, s1)
+    QB = MAXB if PER_BLOCK else 1
+    for start in range(lo, hi, BLOCK_N):
+        offs_t = start + tl.arange(0, BLOCK_N)
+        ok_t = offs_t < hi
+        col = tl.where(ok_t, offs_t // BS, 0)
+        blk = tl.load(bt_ptr + b * MAXB + col, mask=ok_t, other=0).to(tl.int64)
+        slot = (offs_t % BS).to(tl.int64)
+        q_tok = ((b * QB + col).to(tl.int64) * H + h) * R
+        q_row0 = (b * H + h).to(tl.int64) * R
+        s = _term_scores(q1_ptr, c1_base, blk * c1_sb + h * c1_sh + slot * c1_st, n1_base,
+                         blk * n1_sb + h * n1_sh + slot * n1_st, cent1_ptr, q_row0 * NC1, q_tok * NC1, ok_t, R, NC1,
+                         RP, CP1, BITS1, NDT1, PER_BLOCK)
+        if HAS2:
+            s += _term_scores(q2_ptr, c2_base, blk * c2_sb + h * c2_sh + slot * c2_st, n2_base,
+                              blk * n2_sb + h * n2_sh + slot * n2_st, cent2_ptr, q_row0 * NC2, q_tok * NC2, ok_t, R,
+                              NC2, RP, CP2, BITS2, NDT2, PER_BLOCK)
+        if HAS_BIAS:
+            s += tl.load(bias_ptr + b * BIAS_STRIDE + offs_t, mask=ok_t, other=0.0)[None, :]
+        s = tl.where(ok_t[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        code, ok = _unpack(vc_base, blk * vc_sb + h * vc_sh + slot * vc_st, offs_v, NV, ok_t, VBITS)
+        grp = offs_v // GS
+        s_off = (blk * vs_sb + h * vs_sh + slot * vs_st)[:, None] + grp[None, :] * SB
+        scale = tl.where(ok, _scalar(vs_base, tl.where(ok, s_off, 0), SDT), 0.0)
+        v = tl.where(ok, tl.load(vcent_ptr + code), 0.0) * scale
+        if HAS_ZERO:
+            z_off = (blk * vz_sb + h * vz_sh + slot * vz_st)[:, None] + grp[None, :] * ZB
+            v += tl.where(ok, _scalar(vz_base, tl.where(ok, z_off, 0), ZDT), 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    out = (bh * SPLITS + split) * R + offs_r
+    rmask = offs_r < R
+    tl.store(m_ptr + out, m_i, mask=rmask)
+    tl.store(l_ptr + out, l_i, mask=rmask)
+    tl.store(o_ptr + out[:, None] * NV + offs_v[None, :], acc, mask=rmask[:, None] & (offs_v < NV)[None, :])

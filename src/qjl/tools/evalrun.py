@@ -1,0 +1,202 @@
+"""One ``qjl eval`` run: methods x texts x contexts under :mod:`qjl.tools.evaluate`'s protocol, passkey
+retrieval, memory, the worst held-out text per method, and a run directory (config.json, metrics.json).
+
+Reproducibility: torch (and the C kernel, which follows it) runs with a fixed number of threads (``EvalPlan.threads``, default 2), so a
+machine of one kind repeats every number exactly; under another thread count float sums split differently,
+which flips a few codes (issue #10 saw `tq-k3v2` at KL 0.0254 / +1.90% on one machine, 0.0255 / +1.83% on
+another; ``benchmarks/thread_tolerance.py`` measures the spread).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from qjl.tools.evaluate import EvalSetup, capture_kv, evaluate_method, load_text_ids, memory_at
+from qjl.tools.methods import REFERENCE, make_cache, make_method
+from qjl.tools.passkey import passkey_hits, passkey_prompts
+
+__all__ = ["EvalPlan", "run_eval", "worst_over", "fix_threads"]
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What one run measures.  ``methods`` and ``texts`` are names checked by :func:`qjl.tools.methods.
+    resolve_methods` and :func:`qjl.tools.texts.resolve_texts` (the reference method first)."""
+
+    methods: tuple
+    texts: tuple = ("gpl-3",)
+    contexts: tuple = (1536,)
+    score: int = 512
+    chunk: int = 32
+    passkey_lengths: tuple = (1024,)
+    passkey_trials: int = 5
+    memory_tokens: int = 4096
+    model: str = "smollm2"
+    threads: int = 2
+
+    def __post_init__(self):
+        if not self.methods or self.methods[0] != REFERENCE:
+            raise ValueError(f"methods must start with {REFERENCE!r} (the reference), got {self.methods!r}")
+        if not self.texts or not self.contexts:
+            raise ValueError("texts and contexts must not be empty")
+        for c in self.contexts:
+            EvalSetup(context=c, score=self.score, chunk=self.chunk)  # validates
+        for name in ("passkey_trials", "memory_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in self.passkey_lengths):
+            raise ValueError(f"passkey_lengths must be ints >= 64, got {self.passkey_lengths!r}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads must be a positive int, got {self.threads!r}")
+
+
+def worst_over(per_text: dict, texts: list) -> dict:
+    """{text: {kl, dppl, top1}} -> the worst value of each metric over ``texts``, with the text it came from."""
+    rows = [(t, per_text[t]) for t in texts if t in per_text]
+    if not rows:
+        return {}
+    out = {}
+    for metric, pick in (("kl", max), ("dppl", max), ("top1", min)):
+        t, m = pick(rows, key=lambda r: r[1][metric])
+        out[metric] = {"value": m[metric], "text": t}
+    return out
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _describe(cfg, model) -> str:
+    if cfg is None:
+        return "transformers DynamicCache at the model's dtype"
+    return cfg.describe(_head_dim(model.config), model.config.num_hidden_layers)
+
+
+class _Progress:
+    """A tqdm bar whose 100% line is printed once (by ``close``), also in a log that keeps every refresh."""
+
+    def __init__(self, total: int, show: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="qjl eval", unit="run", disable=not show, leave=True)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar.n + n >= self.bar.total:
+            self.bar.n = self.bar.total  # no refresh here: close() shows the final line
+        else:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def fix_threads(n: int) -> None:
+    """Run torch (and the C kernel, which follows torch) on ``n`` threads: reproducible float sums, and no
+    oversubscription on a shared machine."""
+    torch.set_num_threads(n)
+
+
+def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_tokenizer=None) -> dict:
+    """Run ``plan``; write ``out_dir/config.json`` and ``out_dir/metrics.json``; return the metrics."""
+    from qjl.integrations.transformers.attention import patch_attention
+    from qjl.tools.models import load_model
+    from qjl.tools.report import environment
+    from qjl.tools.texts import CORPUS, TUNING_TEXT
+
+    fix_threads(plan.threads)
+    torch.set_grad_enabled(False)
+    cfgs = {name: make_method(name) for name in plan.methods}
+    model, tok = model_and_tokenizer or load_model(plan.model)
+    patch_attention(model)
+    for cfg in cfgs.values():
+        if cfg is not None and hasattr(cfg, "bits_per_value"):
+            cfg.bits_per_value(_head_dim(model.config))  # a codec that cannot serve this head size fails now
+    need = max(plan.contexts) + plan.score
+    ids, metas, skipped = {}, {}, []
+    for text in plan.texts:
+        try:
+            ids[text], metas[text] = load_text_ids(tok, text, need)
+        except ValueError:  # shorter than the longest context: evaluate the contexts it holds
+            ids[text], metas[text] = load_text_ids(tok, text, min(plan.contexts) + plan.score)
+    held = [t for t in plan.texts if t in CORPUS and t != TUNING_TEXT] or list(plan.texts)
+    methods = plan.methods[1:]
+    total = (len(plan.texts) * len(plan.contexts) * len(plan.methods)
+             + (len(plan.methods) * len(plan.passkey_lengths) if plan.passkey_trials else 0)
+             + (len(plan.methods) if plan.memory_tokens else 0))
+    results = {name: {"config": _describe(cfg, model), "texts": {}} for name, cfg in cfgs.items()}
+    bar = _Progress(total, show_progress)
+
+    def checkpoint(done: bool = False) -> dict:
+        """Summarize what is measured so far and write the run directory (``partial`` until the end)."""
+        _summarize(results, held)
+        metrics = {"results": results, "texts": metas, "held_out": held, "skipped": skipped, "partial": not done,
+                   "environment": {**environment(), "threads": plan.threads}}
+        _write(plan, cfgs, model, metas, metrics, out_dir)
+        return metrics
+
+    for text in plan.texts:
+        for ctx in plan.contexts:
+            setup = EvalSetup(context=ctx, score=plan.score, chunk=plan.chunk)
+            if ids[text].numel() < setup.tokens:
+                skipped.append({"text": text, "context": ctx, "reason": f"the text has fewer than "
+                                f"{setup.tokens} tokens"})
+                bar.update(len(plan.methods))
+                continue
+            m, ref = evaluate_method(model, ids[text], setup, None)
+            _record(results[REFERENCE], text, ctx, {**m, "kl": 0.0, "top1": 1.0})
+            bar.update(1)
+            for name in methods:
+                m, _ = evaluate_method(model, ids[text], setup, cfgs[name], ref)
+                _record(results[name], text, ctx, m)
+                bar.update(1)
+            del ref
+            checkpoint()  # long runs keep every finished text
+    kv = capture_kv(model, ids[plan.texts[0]], plan.memory_tokens) if plan.memory_tokens else None
+    for name, cfg in cfgs.items():
+        r = results[name]
+        if plan.passkey_trials:
+            r["passkey"] = {}
+            for n in plan.passkey_lengths:
+                prompts = passkey_prompts(tok, n, plan.passkey_trials)
+                r["passkey"][str(n)] = {"hits": passkey_hits(model, tok, prompts, lambda: make_cache(model, cfg)),
+                                        "trials": len(prompts)}
+                bar.update(1)
+        if plan.memory_tokens:
+            # configurations that read the prompt's queries (auto-*) are measured through the model
+            r["memory_at"] = memory_at(model, ids[plan.texts[0]], cfg, plan.memory_tokens,
+                                       None if name.startswith("auto-") else kv)
+            bar.update(1)
+        checkpoint()
+    bar.close()
+    return checkpoint(done=True)
+
+
+def _summarize(results: dict, held: list) -> None:
+    """Perplexity change against the reference and the worst held-out text, per method and context."""
+    ref = results[REFERENCE]
+    for r in results.values():
+        for text, per_ctx in r["texts"].items():
+            for ctx, m in per_ctx.items():
+                m["dppl"] = 100 * (m["ppl"] / ref["texts"][text][ctx]["ppl"] - 1)
+        ctxs = {c for per in r["texts"].values() for c in per}
+        r["worst"] = {c: worst_over({t: per[c] for t, per in r["texts"].items() if c in per}, held)
+                      for c in sorted(ctxs, key=int)}
+
+
+def _record(r: dict, text: str, ctx: int, m: dict) -> None:
+    r["texts"].setdefault(text, {})[str(ctx)] = m
+    r.setdefault("bits", {k: m["cache"][k] for k in ("key_bits", "value_bits", "exact_bits")})
+
+
+def _write(plan: EvalPlan, cfgs: dict, model, metas: dict, metrics: dict, out_dir) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**asdict(plan), "methods": {n: _describe(c, model) for n, c in cfgs.items()}, "texts": metas,
+              "protocol": "prefill `context` tokens, score `score` tokens in chunks of `chunk` (qjl.tools.evaluate)"}
+    (out / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))

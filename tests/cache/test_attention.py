@@ -1,0 +1,98 @@
+"""Attention over a LayerStore: the kernel path (the paged core with one block per sequence) against the
+reference path, from the same store."""
+
+import copy
+
+import pytest
+import torch
+
+from qjl import kernels
+from qjl.cache.attention import attend
+from qjl.cache.config import QJLConfig
+from qjl.cache.storage import LayerStore
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="the C kernels do not build here")
+
+
+@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper"])
+def test_kernel_path_equals_reference_path(preset):
+    """A decode step (GQA rows, padding mask over codes and exact tokens) through the kernel and through the
+    codecs' estimators, from one store."""
+    g = torch.Generator().manual_seed(1)
+    b, hkv, hq, d, n = 2, 2, 6, 64, 300
+    store = LayerStore(0, QJLConfig.preset(preset, kernel="cpu"), num_layers=30)
+    store.append(torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g))
+    store.flush()
+    assert store.kernel_ok and store.n_codes > 0
+    q = torch.randn(b, hq, 1, d, generator=g)
+    mask = torch.zeros(b, 1, 1, store.seq_length())
+    mask[1, ..., :40] = float("-inf")  # left padding: sinks and first codes of sequence 1
+    ref = copy.copy(store)
+    ref.backend, ref.kernel_ok = "torch", False
+    want = attend(ref, q, mask, d ** -0.5)
+    calls = []
+    real = kernels.paged_decode
+
+    def spy(*a, **k):
+        calls.append(k["backend"])
+        return real(*a, **k)
+
+    kernels.paged_decode = spy
+    try:
+        got = attend(store, q, mask, d ** -0.5)
+    finally:
+        kernels.paged_decode = real
+    assert calls == ["cpu"]
+    assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item()), (got - want).abs().max()
+
+
+def test_cache_picks_cpu_kernel_and_matches_torch_path(monkeypatch):
+    """Decode steps of a tiny model through the CPU kernel equal the reference path from the same cache
+    state (a copy of the prefilled cache switched to kernel "torch": prefilling each separately would
+    differ by float error in the prefill's attention, which can flip a QJL sign bit of a later layer)."""
+    import qjl
+    from qjl import CodecSpec, QJLCache
+    from qjl.integrations.transformers.layer import QJLCacheLayer
+    from tiny_models import tiny_model
+
+    torch.set_grad_enabled(False)
+    model = tiny_model("qwen2")
+    qjl.patch_attention(model)
+    calls = []
+    real = kernels.paged_decode
+    monkeypatch.setattr(kernels, "paged_decode", lambda *a, **k: calls.append(k["backend"]) or real(*a, **k))
+    a, b = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(4))
+    batch = torch.stack([a, torch.cat([torch.zeros(9, dtype=torch.long), b[9:]])])
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :9] = 0
+    cfg = QJLConfig(key=CodecSpec("qjl", {"n_outliers": 4}, per_dim={"sketch_dim": 2.0, "outlier_sketch_dim": 0.5}),
+                    value=CodecSpec("uniform", {"bits": 4}), residual_length=8, flush_block=4)
+    cache = QJLCache(model, cfg)
+    tok = model(batch, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+    ref = copy.deepcopy(cache)
+    for layer in ref.layers:
+        if isinstance(layer, QJLCacheLayer):
+            layer.store.backend, layer.store.kernel_ok = "torch", False
+    assert cache.layers[0].store.backend == "cpu" and cache.layers[0].store.kernel_ok
+    for _ in range(6):
+        mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+        got = model(tok, attention_mask=mask, past_key_values=cache).logits
+        want = model(tok, attention_mask=mask, past_key_values=ref).logits
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+        tok = want[:, -1:].argmax(-1)
+    assert calls and set(calls) == {"cpu"}  # the kernel served the decode steps; the copy used the reference
+
+
+def test_unavailable_kernel_is_refused_before_anything_is_stored(monkeypatch):
+    """kernel='triton' on CPU tensors without the interpreter: a clear error, and the layer stays empty."""
+    import qjl
+    from qjl import QJLCache
+    from tiny_models import tiny_model
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = tiny_model("llama")
+    qjl.patch_attention(model)
+    cache = QJLCache(model, QJLConfig(kernel="triton"))
+    with pytest.raises(ValueError, match="kernel='triton' needs"):
+        model(torch.randint(3, 96, (1, 8)), past_key_values=cache)
+    assert cache.get_seq_length() == 0 and not cache.layers[0].is_initialized

@@ -1,0 +1,43 @@
+"""Per-row sinks under left padding: row starts from the mask, the slot order, the mask that follows it."""
+
+import torch
+
+from qjl.cache.padding import remap_mask, row_starts, sink_order
+
+
+def _left_padded_mask(pads, length, t=None, additive=True):
+    """[B, 1, t, L] causal mask over L positions with pads[b] masked columns at the start of row b."""
+    t = length if t is None else t
+    pos = torch.arange(length)
+    q = torch.arange(length - t, length)
+    ok = (pos[None, :] <= q[:, None])[None, None] & (pos[None, None, None, :] >= torch.tensor(pads)[:, None, None, None])
+    return torch.where(ok, 0.0, torch.finfo(torch.float32).min) if additive else ok
+
+
+def test_row_starts_from_additive_and_bool_masks():
+    for additive in (True, False):
+        m = _left_padded_mask([0, 3, 5], 9, additive=additive)
+        assert row_starts(m, 3, "cpu").tolist() == [0, 3, 5]
+        assert row_starts(m[:, :, -1:], 3, "cpu").tolist() == [0, 3, 5]  # a decode step's mask says the same
+    assert row_starts(None, 2, "cpu").tolist() == [0, 0]
+
+
+def test_sink_order_puts_each_rows_first_real_tokens_first():
+    order = sink_order(torch.tensor([0, 2]), 3)
+    assert order.tolist() == [[0, 1, 2, 3, 4], [2, 3, 4, 0, 1]]
+    assert sink_order(torch.tensor([0, 0]), 3) is None and sink_order(torch.tensor([2, 0]), 0) is None
+
+
+def test_remapped_mask_follows_the_slots():
+    """Keys stored in slot order + the remapped mask give the same attention as position order."""
+    g = torch.Generator().manual_seed(0)
+    pads, n = [0, 2, 4], 12
+    k, v, q = (torch.randn(3, 1, n, 8, generator=g) for _ in range(3))
+    mask = _left_padded_mask(pads, n, t=3)
+    q = q[:, :, -3:]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    order = sink_order(torch.tensor(pads), 4)
+    full = torch.cat([order, torch.arange(order.shape[1], n).expand(3, -1)], dim=1)
+    ks, vs = (x.gather(2, full[:, None, :, None].expand(-1, 1, -1, 8)) for x in (k, v))
+    got = torch.nn.functional.scaled_dot_product_attention(q, ks, vs, attn_mask=remap_mask(mask, order))
+    assert torch.allclose(got, ref, atol=1e-6)

@@ -1,0 +1,157 @@
+"""LayerStore: owned storage, honest bytes, cheap growth, all-or-nothing updates (issue #11)."""
+
+import pytest
+import torch
+
+from qjl import CodecSpec, QJLConfig
+from qjl.cache.buffers import storage_bytes
+from qjl.cache.storage import LayerStore
+from cache_state import same, state
+
+TQ = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), value=CodecSpec("turboquant_mse", {"bits": 3}),
+               late_key=None, residual_length=8, flush_block=4, sink_tokens=2)
+FP8 = QJLConfig.preset("tq-k3v2", residual_length=8, flush_block=4, sink_tokens=2, late_key=None)
+KIVI = QJLConfig(key=CodecSpec("kivi", {"bits": 4, "group_size": 4}), value=CodecSpec("uniform", {"bits": 4}),
+                 late_key=None, residual_length=8, flush_block=4, sink_tokens=2)
+
+
+def _kv(t, b=1, h=2, d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g)
+
+
+def test_store_owns_its_tensors():
+    """Nothing the store holds shares storage with the caller's tensors (#11.1): the prompt can be freed."""
+    store = LayerStore(0, TQ)
+    k, v = _kv(40)
+    store.append(k, v)
+    store.flush()
+    held = storage_bytes(t for ts in store.parts().values() for t in ts)
+    assert k.untyped_storage().data_ptr() not in held and v.untyped_storage().data_ptr() not in held
+    before = state(store)
+    k.fill_(7.0)
+    v.fill_(7.0)
+    assert same(state(store), before)
+    assert store.n_sink == 2 and store.n_codes == 28 and store.n_window == 10
+
+
+def test_nbytes_counts_the_storage_held():
+    """nbytes() is the storage behind every tensor, capacity included, each storage once."""
+    store = LayerStore(0, TQ)
+    for step in range(60):
+        store.append(*_kv(1 if step else 30, seed=step))
+        store.flush()
+        held = sum(storage_bytes(t for ts in store.parts().values() for t in ts).values())
+        assert sum(store.nbytes().values()) == held
+    codes = store.key_codes
+    used = sum(t.numel() * t.element_size() for t in codes.fields.values())
+    assert used <= store.nbytes()["key_codes"] <= used * (1 + 1 / 64) + 4 * 2 * 34  # spare <= 1/64 or one block
+
+
+def test_code_growth_is_amortized():
+    """Flushing token after token copies O(N) code bytes in all (geometric growth), not O(N^2): here at
+    most GROWTH + 6 copies per token, where a concatenation per flush copies N / 2 per token (750)."""
+    from qjl.cache.buffers import GROWTH
+
+    store = LayerStore(0, QJLConfig(residual_length=4, flush_block=1, sink_tokens=0, late_key=None, kernel="torch"))
+    store.append(*_kv(8))
+    copied, last = 0, None
+    for step in range(1500):
+        store.append(*_kv(1, seed=step))
+        store.flush()
+        ptr = store.key_codes.fields["codes"].untyped_storage().data_ptr()
+        if last is not None and ptr != last:
+            copied += store.n_codes - 1  # a reallocation copies the codes held before this flush
+        last = ptr
+    assert store.n_codes == 1504
+    assert copied <= (GROWTH + 6) * store.n_codes, copied
+    assert store.nbytes()["key_codes"] <= (1 + 1 / GROWTH) * 1504 * 2 * (64 * 4 // 8 + 2) + 2 * 34
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda k, v: (k[:, :, :4], v[:, :, :5]), "same \\[B, H_kv, t\\]"),
+    (lambda k, v: (k.masked_fill(torch.rand_like(k) < 0.01, float("nan")), v), "NaN or Inf"),
+    (lambda k, v: (k, v.masked_fill(torch.rand_like(v) < 0.01, float("inf"))), "NaN or Inf"),
+    (lambda k, v: (k[:, :1], v[:, :1]), "holds B=1, H_kv=2"),
+    (lambda k, v: (k[..., :32], v), "key dim 64"),
+    (lambda k, v: (k.long(), v), "floating"),
+    (lambda k, v: (k[0], v[0]), "4 dimensions"),
+    (lambda k, v: ("keys", v), "torch.Tensor"),
+])
+def test_rejected_update_changes_nothing(bad, match):
+    """#11.2/#11.5: a rejected update raises on the call that brings it and leaves the store as it was."""
+    store = LayerStore(0, TQ)
+    store.append(*_kv(20))
+    store.flush()
+    before = state(store)
+    with pytest.raises((TypeError, ValueError), match=match):
+        store.append(*bad(*_kv(5, seed=1)))
+    assert same(state(store), before)
+    store.append(*_kv(1, seed=2))  # and it goes on working
+    assert store.seq_length() == 21
+
+
+def test_norm_beyond_the_norm_dtype_is_refused_on_arrival():
+    """#11.3: the 5x preset stores value norms in fp8 (max 448): a value of norm 1e5 is refused by the
+    update that brings it, naming the option to change -- not accepted and failing at a later flush."""
+    store = LayerStore(0, FP8)
+    store.append(*_kv(20))
+    before = state(store)
+    k, v = _kv(1, seed=3)
+    with pytest.raises(ValueError, match="norm_dtype"):
+        store.append(k, v * 1e5 / v.norm())
+    assert same(state(store), before)
+    for step in range(12):  # flushes keep working
+        store.append(*_kv(1, seed=10 + step))
+        store.flush()
+    assert store.seq_length() == 32 and store.n_codes > 0
+    wide = LayerStore(0, QJLConfig.preset("tq-k3v2", value=CodecSpec("turboquant_mse", {"bits": 2, "norm_dtype": "fp16"})))
+    wide.append(k, v * 3e4 / v.norm())  # a norm fp8 cannot hold fits fp16 norms
+
+
+def test_empty_update_is_a_no_op():
+    store = LayerStore(0, TQ)
+    store.append(*_kv(0))
+    assert store.seq_length() == 0
+    store.append(*_kv(12))
+    before = state(store)
+    store.append(*_kv(0))
+    assert same(state(store), before)
+
+
+def test_kivi_crop_into_a_group_is_refused_before_any_change():
+    """#11.3: crop that cuts into a KIVI token group raises and leaves the store unchanged."""
+    store = LayerStore(0, KIVI)
+    store.append(*_kv(30))
+    store.flush()
+    assert store.n_codes == 20 and store.n_window == 8
+    before = state(store)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        store.crop(10)  # 8 from the window, 2 from a group of 4
+    assert same(state(store), before)
+    store.crop(12)
+    assert store.seq_length() == 18 and store.n_codes == 16
+
+
+def test_crop_back_into_the_sinks_and_continue():
+    store = LayerStore(0, TQ)
+    store.append(*_kv(30))
+    store.flush()
+    store.crop(29)
+    assert store.seq_length() == 1 and store.n_sink == 0
+    store.append(*_kv(20, seed=4))
+    store.flush()
+    assert store.seq_length() == 21 and store.n_sink == 2
+
+
+def test_select_checks_the_index_first():
+    store = LayerStore(0, TQ)
+    store.append(*_kv(20, b=2))
+    store.flush()
+    before = state(store)
+    for bad in (torch.tensor([0, 2]), torch.tensor([0.0, 1.0]), torch.tensor([[0, 1]])):
+        with pytest.raises(ValueError, match="index"):
+            store.select(bad)
+        assert same(state(store), before)
+    store.select(torch.tensor([1, 1, 0]))
+    assert store.batch_size == 3 and torch.equal(store.keys[2], before["keys"][0])

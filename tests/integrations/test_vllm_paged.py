@@ -1,0 +1,252 @@
+"""The vLLM backend's paged storage and reference attention, without vLLM.
+
+A small simulation of what vLLM does to one attention layer (random block tables, chunked
+prefill, mixed prefill/decode batches, GQA, block sizes that sequences straddle) is checked
+against a dense computation written independently: codes from ``codec.quantize`` of the whole
+sequence, the sinks / window / current chunk exact, one softmax.
+"""
+
+import pytest
+import torch
+
+import qjl
+from qjl.integrations.vllm.layout import PageLayout, exact_slot, layer_layout, content_bytes
+from qjl.integrations.vllm.paged import (forward_batch, page_fields, paged_decode_reference, write_codes,
+                                         history_codes)
+from qjl.integrations.vllm.settings import VLLMSettings
+
+D = 64
+
+
+def _bf16(*shape, gen):
+    return torch.randn(*shape, generator=gen).bfloat16().float()
+
+
+class Sim:
+    """One layer's page pool and the sequences written into it."""
+
+    def __init__(self, key_spec, value_spec, block_size=16, hkv=2, hq=6, sinks=2, window=5, num_blocks=24, seed=0):
+        self.layout = PageLayout(key_spec.build(D, 7), value_spec.build(D, 8), D, block_size, torch.bfloat16,
+                                 sinks, window)
+        self.pages = torch.zeros(num_blocks, hkv, block_size, self.layout.content_bytes // 2, dtype=torch.bfloat16)
+        self.fields = page_fields(self.layout, self.pages)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.free = torch.randperm(num_blocks, generator=self.gen).tolist()
+        self.hkv, self.hq, self.bs = hkv, hq, block_size
+        self.seqs = {}  # id -> dict(k, v, blocks)
+
+    def _table(self, ids):
+        width = max(len(self.seqs[i]["blocks"]) for i in ids)
+        return torch.tensor([self.seqs[i]["blocks"] + [0] * (width - len(self.seqs[i]["blocks"])) for i in ids])
+
+    def step(self, chunks: dict, decode=None):
+        """chunks: {seq id: new token count}; returns (outputs per seq [c, H_q, D], q per seq)."""
+        ids = list(chunks)
+        ks, vs, qs, slots, qsl, lens = [], [], [], [], [0], []
+        for i in ids:
+            s = self.seqs.setdefault(i, {"k": torch.empty(0, self.hkv, D), "v": torch.empty(0, self.hkv, D), "blocks": []})
+            c, n0 = chunks[i], s["k"].shape[0]
+            while len(s["blocks"]) * self.bs < n0 + c:
+                s["blocks"].append(self.free.pop())
+            k, v, q = _bf16(c, self.hkv, D, gen=self.gen), _bf16(c, self.hkv, D, gen=self.gen), _bf16(c, self.hq, D, gen=self.gen)
+            s["k"], s["v"] = torch.cat([s["k"], k]), torch.cat([s["v"], v])
+            pos = torch.arange(n0, n0 + c)
+            slots.append(torch.tensor(s["blocks"])[pos // self.bs] * self.bs + pos % self.bs)
+            ks.append(k), vs.append(v), qs.append(q)
+            qsl.append(qsl[-1] + c), lens.append(n0 + c)
+        k, v, q = torch.cat(ks), torch.cat(vs), torch.cat(qs)
+        write_codes(self.layout, self.fields, k, v, torch.cat(slots))
+        out = forward_batch(self.layout, self.fields, q, k, v, self._table(ids), torch.tensor(qsl), torch.tensor(lens),
+                            D ** -0.5, decode)
+        return {i: out[qsl[j]:qsl[j + 1]] for j, i in enumerate(ids)}, {i: qs[j] for j, i in enumerate(ids)}
+
+    def fork(self, src, dst, n):
+        """dst starts as the first n tokens of src, sharing its n / block_size full blocks (a prefix-cache hit)."""
+        s = self.seqs[src]
+        assert n % self.bs == 0
+        self.seqs[dst] = {"k": s["k"][:n].clone(), "v": s["v"][:n].clone(), "blocks": s["blocks"][: n // self.bs]}
+
+    def dense(self, i, q):
+        """Independent dense attention of the last q.shape[0] tokens of sequence i."""
+        s, lay = self.seqs[i], self.layout
+        k, v = s["k"], s["v"]
+        L, c = k.shape[0], q.shape[0]
+        n = L - c
+        kc = lay.key_codec.quantize(k.transpose(0, 1))  # [H, L] codes of every token
+        khat = lay.key_codec.dequantize(kc).transpose(0, 1)
+        vhat = lay.value_codec.dequantize(lay.value_codec.quantize(v.transpose(0, 1))).transpose(0, 1)
+        exact = torch.zeros(L, dtype=torch.bool)
+        exact[:min(lay.sinks, n)] = True
+        exact[max(0, n - lay.window):] = True
+        kk, vv = torch.where(exact[:, None, None], k, khat), torch.where(exact[:, None, None], v, vhat)
+        g = self.hq // self.hkv
+        kk, vv = kk.repeat_interleave(g, dim=1), vv.repeat_interleave(g, dim=1)  # [L, H_q, D]
+        logits = torch.einsum("chd,lhd->hcl", q, kk) * D ** -0.5
+        mask = torch.arange(L)[None, :] <= (n + torch.arange(c))[:, None]
+        p = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.einsum("hcl,lhd->chd", p, vv)
+
+
+TQ = qjl.CodecSpec("turboquant_mse", {"bits": 4, "correct_norm": True})
+TQV = qjl.CodecSpec("turboquant_mse", {"bits": 3, "correct_norm": True, "norm_dtype": "fp8"})
+UNI = qjl.CodecSpec("uniform", {"bits": 2, "group_size": 32})
+
+
+@pytest.mark.parametrize("kv,sinks,window", [((TQ, TQV), 0, 0), ((TQ, TQV), 2, 5), ((TQ, TQV), 4, 16),
+                                             ((TQ, UNI), 2, 5)], ids=["tq-none", "tq-2+5", "tq-4+16", "uniform-2+5"])
+def test_mixed_batches_match_dense_attention(kv, sinks, window):
+    sim = Sim(*kv, sinks=sinks, window=window)
+    steps = [{"a": 20, "b": 1}, {"a": 17, "b": 1, "c": 16}, {"a": 1, "b": 1, "c": 1}, {"c": 3, "a": 1},
+             {"a": 1, "b": 1, "c": 1}, {"b": 33}, {"a": 1, "b": 1, "c": 1}]
+    for chunks in steps:
+        outs, qs = sim.step(chunks)
+        for i, o in outs.items():
+            ref = sim.dense(i, qs[i])
+            assert torch.allclose(o, ref, atol=2e-5, rtol=1e-4), (chunks, i, (o - ref).abs().max())
+
+
+def test_prefix_cache_hit_reads_the_window_of_shared_blocks():
+    """A request continuing from another's full blocks (prefix caching) finds its exact window there, even
+    when the first request prefilled those positions in the middle of a chunk."""
+    sim = Sim(TQ, TQV, block_size=16, sinks=2, window=5)
+    sim.step({"a": 20})
+    sim.step({"a": 20})  # positions 27..31 (block 1's last 5) sit mid-chunk
+    sim.fork("a", "b", 32)
+    for chunks in ({"b": 5}, {"b": 1, "a": 1}):
+        outs, qs = sim.step(chunks)
+        for i, o in outs.items():
+            assert torch.allclose(o, sim.dense(i, qs[i]), atol=2e-5, rtol=1e-4), i
+
+
+def test_codes_in_pages_are_the_codecs_codes():
+    """Bit-exact: what the pages hold is codec.quantize of each token, whatever the block table."""
+    sim = Sim(TQ, UNI, block_size=16)
+    sim.step({"a": 23, "b": 40})
+    sim.step({"a": 1, "b": 1})
+    for i in ("a", "b"):
+        s = sim.seqs[i]
+        n = s["k"].shape[0]
+        got = history_codes({kk[4:]: f for kk, f in sim.fields.items() if kk.startswith("key.")},
+                             torch.tensor(s["blocks"]), 0, n, 16, 2)
+        want = sim.layout.key_codec.quantize(s["k"].transpose(0, 1))
+        for name, t in want.fields.items():
+            assert torch.equal(got.fields[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def test_qjl_keys_with_per_block_outliers():
+    """QJL keys with outlier channels: chosen per (block, KV head) from the first tokens written to a block;
+    attention equals the codec's own estimator with those channels."""
+    keys = qjl.CodecSpec("qjl", {"n_outliers": 4, "sketch_dim": 128, "outlier_sketch_dim": 32})
+    sim = Sim(keys, UNI, sinks=0, window=0, block_size=16)
+    outs, qs = sim.step({"a": 30})
+    outs, qs = sim.step({"a": 1})
+    s, lay = sim.seqs["a"], sim.layout
+    kf = {kk[4:]: f for kk, f in sim.fields.items() if kk.startswith("key.")}
+    codes = history_codes(kf, torch.tensor(s["blocks"]), 0, 30, 16, 2)
+    idx0 = codes.shared["outlier_idx"][:, 0].long()
+    want = lay.key_codec.select_outliers(s["k"][:16].transpose(0, 1))
+    assert torch.equal(idx0, want)
+    assert torch.equal(codes.shared["outlier_idx"][:, 16].long(), lay.key_codec.select_outliers(s["k"][16:30].transpose(0, 1)))
+    # decode output against the codec's estimator, block by block
+    q = qs["a"][0].reshape(2, 3, D)
+    logits = []
+    for b0, b1 in ((0, 16), (16, 30)):
+        c = lay.key_codec.quantize(s["k"][b0:b1].transpose(0, 1), codes.shared["outlier_idx"][:, b0].long())
+        logits.append(lay.key_codec.inner_product(q, c))
+    logits.append(torch.einsum("hgd,hd->hg", q, s["k"][30]).unsqueeze(-1))
+    p = torch.softmax(torch.cat(logits, -1) * D ** -0.5, -1)
+    vhat = lay.value_codec.dequantize(lay.value_codec.quantize(s["v"][:30].transpose(0, 1)))
+    vv = torch.cat([vhat, s["v"][30].unsqueeze(1)], dim=1)
+    ref = (p @ vv).reshape(6, D)
+    assert torch.allclose(outs["a"][0], ref, atol=2e-5, rtol=1e-4)
+
+
+def test_decode_contract_is_used_for_decode_rows():
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(args[0].shape)
+        return paged_decode_reference(*args, **kw)
+
+    sim = Sim(TQ, TQV)
+    sim.step({"a": 5, "b": 1}, decode=spy)
+    sim.step({"a": 1, "b": 1}, decode=spy)
+    assert calls == [(1, 6, D), (2, 6, D)]
+
+
+def test_exact_slots_ring():
+    pos = torch.arange(0, 200)
+    sl = exact_slot(pos, 4, 7)
+    assert torch.equal(sl[:4], torch.arange(4)) and bool((sl[4:] >= 4).all()) and bool((sl < 11).all())
+    for n in range(5, 200):  # the last `window` tokens have distinct slots
+        assert len(set(sl[max(4, n - 7):n].tolist())) == min(7, n - 4)
+
+
+def test_layout_fields_fit_and_do_not_overlap():
+    for preset in ("tq-k45v3", "tq-k3v2", "qjl-paper"):
+        s = VLLMSettings(preset=preset)
+        width = content_bytes(s, D, 128, torch.bfloat16)
+        for layer in (0, 29):
+            lay = layer_layout(s, layer, 30, D, 128, torch.bfloat16)
+            assert lay.content_bytes == width and width % 2 == 0
+            spans = sorted((f.offset, f.offset + f.nbytes * (1 if f.shared else (s.sink_tokens + s.window_tokens if n.startswith("exact") else 128)))
+                           for n, f in lay.fields.items())
+            assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+            assert spans[-1][1] <= lay.head_region_bytes
+
+
+def test_layer_codecs_match_the_transformers_cache_seeds():
+    """Layer l: keys seeded seed + 1000 l, values + 1, late layers wider: the codes equal QJLCacheLayer's."""
+    s = VLLMSettings(preset="tq-k45v3")
+    cfg = s.config
+    x = torch.randn(3, 10, D)
+    for layer in (0, 17, 29):
+        lay = layer_layout(s, layer, 30, D, 128, torch.bfloat16)
+        k, v = cfg.specs(layer, 30)
+        ref_k, ref_v = k.build(D, cfg.seed + 1000 * layer), v.build(D, cfg.seed + 1000 * layer + 1)
+        assert lay.key_codec.bits == ref_k.bits == (5 if layer >= 15 else 4)
+        assert torch.equal(lay.key_codec.quantize(x).fields["codes"], ref_k.quantize(x).fields["codes"])
+        assert torch.equal(lay.value_codec.quantize(x).fields["codes"], ref_v.quantize(x).fields["codes"])
+
+
+def test_settings_refuse_bad_configuration(tmp_path):
+    from qjl.integrations.vllm.settings import load_settings
+
+    with pytest.raises(ValueError, match="QJL_VLLM_PRESET"):
+        load_settings(environ={"QJL_VLLM_PRESET": "tq-k9"})
+    with pytest.raises(ValueError, match="kivi"):
+        load_settings(environ={"QJL_VLLM_PRESET": "kivi-k2v2"})
+    with pytest.raises(ValueError, match="polarquant"):
+        load_settings(environ={"QJL_VLLM_PRESET": "polar-k42v3"})
+    with pytest.raises(ValueError, match="window"):
+        load_settings({"qjl": {"window": -1}}, environ={"QJL_VLLM_PRESET": "tq-k45v3"})
+    with pytest.raises(ValueError, match="unknown qjl setting"):
+        load_settings({"qjl": {"windw": 3}}, environ={"QJL_VLLM_PRESET": "tq-k45v3"})
+    bad = tmp_path / "q.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="QJL_VLLM_CONFIG"):
+        load_settings(environ={"QJL_VLLM_CONFIG": str(bad)})
+    good = tmp_path / "g.json"
+    good.write_text('{"preset": "tq-k3v2", "window": 0}')
+    s = load_settings({"qjl": {"sinks": 2}}, environ={"QJL_VLLM_CONFIG": str(good)})
+    assert (s.preset, s.window_tokens, s.sink_tokens) == ("tq-k3v2", 0, 2)
+    # the window default follows the preset, also when a later source changes the preset
+    s = load_settings({"qjl": {"preset": "tq-k3v2"}}, environ={"QJL_VLLM_PRESET": "tq-k45v3"})
+    assert s.window_tokens == 0 and VLLMSettings(preset="tq-k45v3").window_tokens == 4
+
+
+def test_plugin_is_inert_without_the_environment(monkeypatch):
+    from qjl.integrations import vllm as qv
+
+    monkeypatch.delenv("QJL_VLLM_PRESET", raising=False)
+    monkeypatch.delenv("QJL_VLLM_CONFIG", raising=False)
+    assert qv.register() is None
+
+
+def test_lean_import():
+    import subprocess
+    import sys
+
+    code = "import sys, qjl.integrations.vllm; print('vllm' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

@@ -1,0 +1,39 @@
+"""Tensor parallelism: TP=2 gives the same tokens and logprobs as TP=1 with the qjl backend
+(``pytest -m vllm``; a tiny random Llama with 4 query / 2 KV heads, fp32, two gloo workers)."""
+
+import pytest
+
+from vllm_helpers import run_script, tiny_llama_dir
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+SCRIPT = """
+import json, sys
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    llm = LLM(model={model!r}, enforce_eager=True, dtype="float32", seed=0, max_model_len=512, block_size=16,
+              tensor_parallel_size={tp}, max_num_batched_tokens=64, max_num_seqs=4,
+              distributed_executor_backend="mp")
+    prompts = [[(7 * i + 3 * j) % 4000 + 100 for j in range(n)] for i, n in enumerate((40, 97, 150))]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=0, logprobs=3, ignore_eos=True))
+    json.dump({{"tokens": [list(o.outputs[0].token_ids) for o in outs],
+               "logprobs": [[{{str(t): lp.logprob for t, lp in d.items()}} for d in o.outputs[0].logprobs] for o in outs]}},
+              open(sys.argv[1], "w"))
+"""
+
+
+def test_tp2_equals_tp1(tmp_path):
+    model = tiny_llama_dir(tmp_path / "tiny")
+    env = {"QJL_VLLM_PRESET": "tq-k45v3"}
+    r1 = run_script(SCRIPT.format(model=model, tp=1), tmp_path / "tp1", env)
+    r2 = run_script(SCRIPT.format(model=model, tp=2), tmp_path / "tp2", {**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert r1["tokens"] == r2["tokens"]
+    worst = 0.0
+    for a_seq, b_seq in zip(r1["logprobs"], r2["logprobs"]):
+        for a, b in zip(a_seq, b_seq):
+            for t in set(a) & set(b):
+                worst = max(worst, abs(a[t] - b[t]))
+    assert worst < 1e-3, worst

@@ -1,0 +1,138 @@
+"""The `qjl eval` protocol and a whole run on a tiny random model with a byte-level tokenizer."""
+
+import json
+
+import pytest
+import torch
+
+from qjl.tools import evaluate, evalrun
+
+
+@pytest.fixture(scope="module")
+def lm():
+    import qjl
+    from byte_lm import byte_llama, byte_tokenizer
+
+    model, tok = byte_llama(), byte_tokenizer()
+    qjl.patch_attention(model)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    from qjl.tools.texts import load_text
+
+    path = tmp_path_factory.mktemp("texts") / "licenses.txt"
+    path.write_text(load_text("licenses")[0][:3000])
+    return str(path)
+
+
+def test_quality_math():
+    logp = torch.log_softmax(torch.randn(5, 7), -1)
+    targets = torch.tensor([0, 1, 2, 3, 4])
+    q = evaluate.quality(logp, targets, logp)
+    assert q["kl"] == pytest.approx(0.0, abs=1e-6) and q["top1"] == 1.0
+    assert q["ppl"] == pytest.approx(torch.exp(-logp[torch.arange(5), targets].mean()).item(), rel=1e-6)
+    other = torch.log_softmax(torch.randn(5, 7), -1)
+    kl = (logp.exp() * (logp - other)).sum(-1).mean().item()
+    assert evaluate.quality(other, targets, logp)["kl"] == pytest.approx(kl, rel=1e-5)
+    with pytest.raises(ValueError, match="targets"):
+        evaluate.quality(logp, targets[:3])
+
+
+def test_chunked_scoring_with_the_full_cache_equals_one_forward(lm):
+    model, _ = lm
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
+    setup = evaluate.EvalSetup(context=200, score=100, chunk=16)
+    logp, _, _ = evaluate.score_method(model, ids, setup, None)
+    with torch.no_grad():
+        full = torch.log_softmax(model(ids[None, :299]).logits[0, 199:].float(), -1)
+    assert logp.shape == (100, 259)
+    torch.testing.assert_close(logp, full, atol=2e-5, rtol=0)
+
+
+def test_compressed_scoring_reads_codes(lm):
+    import qjl
+
+    model, _ = lm
+    ids = torch.randint(0, 256, (400,), generator=torch.Generator().manual_seed(0))
+    setup = evaluate.EvalSetup(context=300, score=100, chunk=32)
+    ref_m, ref = evaluate.evaluate_method(model, ids, setup, None)
+    m, _ = evaluate.evaluate_method(model, ids, setup, qjl.QJLConfig.preset("tq-k2v2"), ref)
+    assert m["cache"]["compressed_bytes"] > 0 and m["kl"] > 1e-6 and m["top1"] < 1.0
+    assert abs(m["ppl"] / ref_m["ppl"] - 1) < 0.5
+    with pytest.raises(ValueError, match="setup needs"):
+        evaluate.score_method(model, ids[:350], setup, None)
+    with pytest.raises(ValueError, match="context"):
+        evaluate.EvalSetup(context=0)
+
+
+def test_text_ids_are_a_stable_prefix(lm, text_file):
+    _, tok = lm
+    a, meta = evaluate.load_text_ids(tok, text_file, 500)
+    b, _ = evaluate.load_text_ids(tok, text_file, 1000)
+    assert torch.equal(a, b[:500]) and meta["sha256"]
+    with pytest.raises(ValueError, match="needs 100000"):
+        evaluate.load_text_ids(tok, text_file, 100000)
+
+
+def test_a_whole_run(lm, text_file, tmp_path):
+    from qjl.tools.report import eval_tables
+
+    short = tmp_path / "short.txt"
+    short.write_text("x" * 500)
+    plan = evalrun.EvalPlan(methods=("full precision", "tq-k45v3", "tq-k2v2"), texts=(text_file, str(short)),
+                            contexts=(300, 600), score=64, chunk=32, passkey_lengths=(96,), passkey_trials=2,
+                            memory_tokens=400, threads=1)
+    metrics = evalrun.run_eval(plan, tmp_path / "run", show_progress=False, model_and_tokenizer=lm)
+    saved = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["contexts"] == [300, 600] and set(config["methods"]) == set(plan.methods)
+    res = saved["results"]
+    assert res["full precision"]["texts"][text_file]["300"]["kl"] == 0.0
+    assert saved["skipped"] == [{"text": str(short), "context": 600, "reason": "the text has fewer than 664 tokens"}]
+    for name in ("tq-k45v3", "tq-k2v2"):
+        per = res[name]["texts"]
+        worst = res[name]["worst"]["300"]
+        assert worst["kl"]["value"] == max(per[t]["300"]["kl"] for t in per)
+        assert worst["top1"]["value"] == min(per[t]["300"]["top1"] for t in per)
+        assert res[name]["passkey"]["96"]["trials"] == 2
+        assert res[name]["memory_at"]["tokens"] == 400 and res[name]["memory_at"]["x_vs_fp16"] > 0.5
+    assert res["tq-k2v2"]["worst"]["300"]["kl"]["value"] > res["tq-k45v3"]["worst"]["300"]["kl"]["value"]
+    table = eval_tables(metrics)
+    assert "KL@300" in table and "KL@600" in table and "skipped" in table and "tq-k2v2" in table
+
+
+def test_plan_is_validated():
+    with pytest.raises(ValueError, match="reference"):
+        evalrun.EvalPlan(methods=("tq-k45v3",))
+    with pytest.raises(ValueError, match="passkey_lengths"):
+        evalrun.EvalPlan(methods=("full precision",), passkey_lengths=(10,))
+    with pytest.raises(ValueError, match="threads"):
+        evalrun.EvalPlan(methods=("full precision",), threads=0)
+
+
+@pytest.mark.parametrize("name", ["full precision", "tq-k3v2", "kivi-k2v2", "qjl-paper"])
+def test_memory_from_captured_kv_equals_memory_through_the_model(lm, name):
+    from qjl.tools.methods import make_method
+
+    model, _ = lm
+    ids = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0))
+    cfg = make_method(name)
+    through_model = evaluate.memory_at(model, ids, cfg, 400)
+    fed = evaluate.memory_at(model, ids, cfg, 400, kv=evaluate.capture_kv(model, ids, 400))
+    assert fed == through_model and fed["bytes"] > 0
+    with pytest.raises(ValueError, match="kv holds"):
+        evaluate.memory_at(model, ids, cfg, 300, kv=evaluate.capture_kv(model, ids, 400))
+
+
+def test_a_method_repeats_exactly(lm):
+    import qjl
+
+    model, _ = lm
+    ids = torch.randint(0, 256, (364,), generator=torch.Generator().manual_seed(2))
+    setup = evaluate.EvalSetup(context=300, score=64, chunk=32)
+    cfg = qjl.QJLConfig.preset("tq-k3v2")
+    a, _, _ = evaluate.score_method(model, ids, setup, cfg)
+    b, _, _ = evaluate.score_method(model, ids, setup, cfg)
+    assert torch.equal(a, b)
