@@ -36,7 +36,8 @@
 #include <immintrin.h>
 #endif
 
-#define FS_NQ 3 /* queries per pass: 12 accumulators + 7 working registers */
+#define FS_NQ 3 /* queries per pass: 12 accumulators + 7 working registers (4 per pass, 16 accumulators,
+                     spills on AVX2's 16 registers: measured no faster, benchmarks/search_speed.py) */
 
 static void fs_sift(float *hs, int64_t *hi, int k, int pos) {
     for (;;) {
