@@ -30,6 +30,9 @@ def test_planes_round_trip(bits, scan_bits, nc):
     planes = rows_to_planes(rows, fl)
     assert planes.shape == (50, fl.row_bytes) and fl.n_nibbles % 2 == 0 and fl.n_scan % 2 == 0
     assert torch.equal(planes_to_rows(planes, fl), rows)
+    if fl.rbits:  # each plane is the general packing of its digits
+        assert torch.equal(planes[:, :fl.n_scan // 2], pack_bits(idx >> fl.rbits, fl.scan_bits))
+        assert torch.equal(planes[:, fl.n_scan // 2:], pack_bits(idx & ((1 << fl.rbits) - 1), fl.rbits))
     assert 8 * fl.row_bytes <= nc * bits + 16  # at most a byte of padding per plane
 
 

@@ -101,8 +101,25 @@ def rows_to_planes(rows: torch.Tensor, fl: FastLayout) -> torch.Tensor:
         return rows.contiguous()
     if rows.shape[0] == 0:
         return torch.empty(0, fl.row_bytes, dtype=torch.uint8)
-    idx = unpack_bits(rows, fl.bits, fl.n_coords)
-    return torch.cat([pack_bits(idx >> fl.rbits, fl.scan_bits), pack_bits(idx & ((1 << fl.rbits) - 1), fl.rbits)], 1)
+    idx = unpack_bits(rows, fl.bits, fl.n_coords, dtype=torch.uint8)
+    return torch.cat([_pack_bytes(idx >> fl.rbits, fl.scan_bits), _pack_bytes(idx & ((1 << fl.rbits) - 1), fl.rbits)], 1)
+
+
+def _pack_bytes(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """values: [n, L] uint8, each < 2**bits -> [n, ceil(L bits / 8)] uint8, the layout of
+    :func:`~qjl.core.packing.pack_bits`, in uint8 shifts where ``bits`` divides 8 (the planes' widths 1, 2
+    and 4: an order of magnitude faster than the general int64 packing on the encode path)."""
+    if 8 % bits:
+        return pack_bits(values, bits)
+    per = 8 // bits
+    v = values.to(torch.uint8)
+    if v.shape[1] % per:
+        v = torch.nn.functional.pad(v, (0, per - v.shape[1] % per))
+    v = v.view(v.shape[0], -1, per)
+    out = v[..., 0].clone()
+    for m in range(1, per):
+        out |= v[..., m] << (m * bits)
+    return out
 
 
 def planes_to_rows(planes: torch.Tensor, fl: FastLayout) -> torch.Tensor:
