@@ -14,10 +14,15 @@ heap handler), ``RaBitQfs{b}`` and ``RaBitQ{b}`` (query bits ``qb = 8``, as in `
 trained with 4 k-means iterations on at most 8,192 vectors: the scan's speed does not depend on the codebook
 (its recall does, and is measured by ``qjl search-bench``).
 
+``--measure encode`` times ``add`` instead (vectors/s into a fresh index; building, training and the
+rotation are outside the timed call, for faiss too): ours against faiss ``SQtqmse{b}`` with ``RR,`` and
+``HR,`` rotations, in the same interleaved rounds.
+
 Usage:
     python benchmarks/search_speed.py --n 16384 --queries 200 --bits 1 2 3 4 --out runs
+    python benchmarks/search_speed.py --measure encode --n 16384 --bits 1 2 3 4 --out runs
     python benchmarks/search_speed.py --dataset synthetic --n 20000      # no embedding needed
-Writes ``<out>/search-speed-<time>/results.json`` and prints a table.
+Writes ``<out>/search-{qps,encode}-<time>/results.json`` and prints a table.
 """
 
 from __future__ import annotations
@@ -83,6 +88,63 @@ def methods(x, bits, ours):
     return out
 
 
+def encode_rows(x, args):
+    """add() vectors/s into a fresh index, ours against faiss SQtqmse (RR and HR), interleaved rounds."""
+    import faiss
+
+    from qjl.search import Index
+
+    def ours(bits, codec):
+        def make():
+            ix = Index.create(x.shape[1], codec=codec, bits=bits)
+            return lambda: ix.add(xt)
+        return make
+
+    def peer(spec):
+        def make():
+            ix = faiss.index_factory(x.shape[1], spec, faiss.METRIC_INNER_PRODUCT)
+            if not ix.is_trained:
+                ix.train(x[:1024])  # the rotation and the (fixed) codebook: not encoding
+            return lambda: ix.add(x)
+        return make
+
+    xt = torch.from_numpy(x)
+    rows = []
+    for bits in args.bits:
+        ms = {f"qjl {c} b{bits}": ("ours", ours(bits, c)) for c in args.codecs}
+        ms.update({f"faiss {r},SQtqmse{bits}": ("faiss", peer(f"{r},SQtqmse{bits}")) for r in ("RR", "HR")})
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            faiss.omp_set_num_threads(threads)
+            clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+            per_round = {name: [] for name in ms}
+            ratios = []
+            for _ in range(args.rounds):
+                rate = {}
+                for name, (_, make) in ms.items():
+                    make()()  # warm-up: extension, rotation matrices, thread pools
+                    times = []
+                    for _ in range(args.repeats):
+                        fn = make()
+                        t0 = clock()
+                        fn()
+                        times.append(clock() - t0)
+                    rate[name] = x.shape[0] / statistics.median(times)
+                    per_round[name].append(rate[name])
+                ratios.append(max(v for n, v in rate.items() if ms[n][0] == "ours")
+                              / max(v for n, v in rate.items() if ms[n][0] == "faiss"))
+            for name in ms:
+                rows.append({"bits": bits, "threads": threads, "method": name,
+                             "encode_vectors_per_s_median": statistics.median(per_round[name]),
+                             "rounds": per_round[name]})
+            rows.append({"bits": bits, "threads": threads, "method": "ratio ours / faster SQtqmse",
+                         "ratio_median": statistics.median(ratios), "ratio_rounds": ratios})
+            print(f"encode b={bits} t={threads}: " + "  ".join(f"{n} {statistics.median(per_round[n]):,.0f}" for n in ms)
+                  + f"  | ours/faster SQtqmse {statistics.median(ratios):.2f} (rounds {', '.join(f'{r:.2f}' for r in ratios)})",
+                  flush=True)
+    return rows
+
+
 def run(args):
     import faiss
 
@@ -101,7 +163,9 @@ def run(args):
     qt = torch.from_numpy(q)
     ours = [(c, s, False) for c in args.codecs for s in args.scan_bits]
     rows = []
-    for bits in args.bits:
+    if args.measure == "encode":
+        rows = encode_rows(x, args)
+    for bits in args.bits if args.measure == "qps" else ():
         ms = methods(x, bits, ours)
         for threads in args.threads:
             def call(kind, ix):
@@ -132,7 +196,7 @@ def run(args):
                   flush=True)
     result = {"config": vars(args), "dataset": meta, "n": x.shape[0], "queries": q.shape[0],
               "environment": environment(), "faiss": faiss.__version__, "rows": rows}
-    out = Path(args.out) / time.strftime("search-speed-%Y%m%d-%H%M%S")
+    out = Path(args.out) / time.strftime(f"search-{args.measure}-%Y%m%d-%H%M%S")
     write_json(out / "results.json", result)
     print(f"wrote {out}/results.json")
     return result
@@ -148,6 +212,8 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--codecs", nargs="+", default=["tq-mse-rn"])
     ap.add_argument("--scan-bits", type=int, nargs="+", default=[0], help="0: the default min(bits, 2)")
+    ap.add_argument("--measure", choices=["qps", "encode"], default="qps",
+                    help="qps: flat-scan queries/s (default); encode: add() vectors/s against faiss SQtqmse")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
