@@ -13,8 +13,8 @@ per query: each entry within ``delta / 2``).  The kernel (``fastscan.c``) ranks 
 ``approx_i = f_i (delta S_i + beta) + add_i + bias``, keeps the ``shortlist`` best and re-scores them
 exactly, ``f_i sum_j y_j c[idx_ij] + add_i + bias``.  The result equals the exact scan whenever the
 exact top k are in the shortlist.  Scanning a 2-bit plane of 3- or 4-bit codes halves the work;
-on 16k real embeddings it kept every exact top-10 in a shortlist of 64
-(``benchmarks/search_scan_planes.py``).
+on 24,576 real embeddings its top 10 had recall 0.9999 (3 bits) / 0.9994 (4 bits) against the full-code
+scan (``benchmarks/search_scan_planes.py``).
 
 :func:`fastscan_torch` is the reference of the same signature: the approximate scores, hence the
 shortlist, are bit-exact with the kernel's; the exact scores agree to float32 rounding.
