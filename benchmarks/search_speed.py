@@ -176,7 +176,7 @@ def run(args):
             per_round = {name: [] for name in ms}
             ratios = []
             for _ in range(args.rounds):
-                torch.set_num_threads(threads)
+                torch.set_num_threads(args.torch_threads or threads)
                 faiss.omp_set_num_threads(threads)
                 clock = time.thread_time if args.clock == "cpu" else time.perf_counter
                 qps = {name: q.shape[0] / _timed(call(*m), args.repeats, clock) for name, m in ms.items()}
@@ -214,6 +214,8 @@ def main():
     ap.add_argument("--scan-bits", type=int, nargs="+", default=[0], help="0: the default min(bits, 2)")
     ap.add_argument("--measure", choices=["qps", "encode"], default="qps",
                     help="qps: flat-scan queries/s (default); encode: add() vectors/s against faiss SQtqmse")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch's intra-op threads during our search (query tables, rotation); 0: --threads")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
