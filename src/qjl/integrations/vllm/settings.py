@@ -9,7 +9,8 @@ worker processes, which inherit the environment):
 
 When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides both.  Keys:
 
-* ``preset``: the codecs (per-layer widths included) and the seed come from this preset;
+* ``preset``: the codecs (per-layer widths included) and the seed come from this preset (its key
+  smoothing, a :class:`qjl.QJLCache` feature, is not applied: :attr:`VLLMSettings.config`);
 * ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
 * ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
   ``tq-k3v2``; docs/vllm.md measures what it costs and buys);
@@ -65,7 +66,9 @@ class VLLMSettings:
 
     @property
     def config(self) -> QJLConfig:
-        over = {} if self.seed is None else {"seed": self.seed}
+        """The preset's :class:`qjl.QJLConfig` without key smoothing (the paged backend stores each token's
+        codes when it arrives and has no per-sequence prompt mean to subtract; docs/vllm.md)."""
+        over = {"smooth_keys": False} if self.seed is None else {"smooth_keys": False, "seed": self.seed}
         return QJLConfig.preset(self.preset, **over)
 
     @property
