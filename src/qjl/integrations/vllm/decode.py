@@ -74,7 +74,8 @@ class DecodeRows:
             addr = f.offset + blocks * f.stride_block + heads * f.stride_head + slots * f.stride_token
             self.memo[key] = addr.unsqueeze(-1) + torch.arange(f.entry_bytes, device=addr.device)
         idx = self.memo[key]
-        return f.raw_bytes()[idx].view(f.dtype).reshape(*idx.shape[:-1], *f.shape)
+        raw = f.raw_bytes().index_select(0, idx.reshape(-1))  # not [idx]: see .paged.PagedField.read
+        return raw.view(f.dtype).reshape(*idx.shape[:-1], *f.shape)
 
 
 def decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sinks: int,

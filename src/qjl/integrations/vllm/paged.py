@@ -60,11 +60,15 @@ class PagedField(KernelPagedField):
 
     def read(self, idx: torch.Tensor) -> torch.Tensor:
         """The entries [*S, *shape] at byte indices ``idx`` [*S, entry_bytes] (:meth:`addresses`)."""
-        return self.buffer[idx].view(self.dtype).reshape(*idx.shape[:-1], *self.shape)
+        # index_select, not buffer[idx]: advanced indexing opens an OpenMP region even for a few bytes, and
+        # each region waits for every thread (milliseconds per call on a loaded machine)
+        raw = self.buffer.index_select(0, idx.reshape(-1))
+        return raw.view(self.dtype).reshape(*idx.shape[:-1], *self.shape)
 
     def write(self, idx: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``values`` [*S, *shape] at byte indices ``idx`` [*S, entry_bytes]."""
-        self.buffer[idx] = values.to(self.dtype).contiguous().view(torch.uint8).reshape(idx.shape)
+        """Store ``values`` [*S, *shape] at byte indices ``idx`` [*S, entry_bytes] (distinct entries)."""
+        raw = values.to(self.dtype).contiguous().view(torch.uint8).reshape(-1)
+        self.buffer.index_copy_(0, idx.reshape(-1), raw)  # (see read)
 
     def gather(self, blocks, heads, slots) -> torch.Tensor:
         """Broadcastable int tensors of a common shape S -> the entries [*S, *shape] (a copy)."""
