@@ -17,7 +17,12 @@ same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager
 * **greedy agreement**: 64 greedy tokens after 8 real-text prompts: identical positions and the mean
   length of the common prefix.
 * **KV tokens** that fit in the cache space, as the engine reports them ("KV cache size").
-* **decode tokens/s**, one stream, at 1k and 8k tokens of context: (time of N tokens - time of 1) / (N - 1).
+* **decode tokens/s**, one stream, at ``--contexts`` tokens of context (default 1k and 8k), after a warm-up
+  that prefills the prompt (then re-read from the prefix cache): N / (engine timestamp of the last token -
+  that of the first) of a request generating 1 + N tokens (vLLM's per-request stats: decode steps only, no
+  prefill), the median of ``--repeats`` requests; ``diff`` beside it is the older estimate N / (wall time of
+  1 + N tokens - wall time of 1 token), which also drops the prefill but is noisier.  The load average before
+  and after each configuration is recorded (configurations run one after the other, not interleaved).
 
 Writes ``results.json``, ``table.md`` and each configuration's engine log to ``--out``.
 """
@@ -65,7 +70,8 @@ def worker(args) -> None:
 
     llm = LLM(model=vllm_model_dir(), enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=args.max_len,
               max_num_batched_tokens=args.chunk, max_num_seqs=16, max_logprobs=args.topk,
-              enable_prefix_caching=True)  # decode timing re-reads its prompt from the prefix cache
+              enable_prefix_caching=True,  # decode timing re-reads its prompt from the prefix cache
+              disable_log_stats=False)  # per-request engine timestamps (first / last token) for decode speed
     tok = llm.get_tokenizer()
     res = {}
     if args.quality:
@@ -109,16 +115,25 @@ def _decode_speed(llm, tok, args) -> dict:
     long_ids = []
     for name in TEXTS:
         long_ids += tok(_text(name))["input_ids"]
-    out = {}
-    for ctx in (1024, 8000):
+    out, samples = {}, {}
+    for ctx in (int(c) for c in args.contexts.split(",")):
         p = TokensPrompt(prompt_token_ids=long_ids[:ctx])
         llm.generate([p], SamplingParams(max_tokens=1, temperature=0))
-        times = {}
-        for n in (1, 1 + args.decode_tokens):
-            t0 = time.perf_counter()
-            llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            times[n] = time.perf_counter() - t0
-        out[str(ctx)] = args.decode_tokens / (times[1 + args.decode_tokens] - times[1])
+        rates, diffs = [], []
+        for _ in range(args.repeats):
+            times = {}
+            for n in (1, 1 + args.decode_tokens):
+                t0 = time.perf_counter()
+                o = llm.generate([p], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))[0]
+                times[n] = time.perf_counter() - t0
+            m = getattr(o, "metrics", None)
+            if m is not None and getattr(m, "last_token_ts", 0) > getattr(m, "first_token_ts", 0) > 0:
+                rates.append((m.num_generation_tokens - 1) / (m.last_token_ts - m.first_token_ts))
+            diffs.append(args.decode_tokens / (times[1 + args.decode_tokens] - times[1]))
+        med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+        out[str(ctx)] = med(rates) if rates else med(diffs)
+        samples[str(ctx)] = {"engine_ts": rates, "diff": diffs, "diff_median": med(diffs)}
+    out["samples"] = samples
     return out
 
 
@@ -174,6 +189,8 @@ def main(argv=None) -> None:
     ap.add_argument("--topk", type=int, default=100)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--contexts", default="1024,8000", help="decode-speed context lengths, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3, help="decode-speed repetitions per context (median)")
     ap.add_argument("--no-speed", dest="speed", action="store_false")
     ap.add_argument("--no-quality", dest="quality", action="store_false", help="skip KL and greedy agreement")
     ap.add_argument("--out", default=None)
@@ -201,9 +218,10 @@ def main(argv=None) -> None:
         log = out / f"{spec.replace(':', '_').replace('=', '')}.log"
         cmd = [sys.executable, __file__, "--worker", spec, "--json", str(js), "--chunk", str(args.chunk),
                "--kl-tokens", str(args.kl_tokens), "--topk", str(args.topk), "--decode-tokens",
-               str(args.decode_tokens), "--max-len", str(args.max_len)] + ([] if args.speed else ["--no-speed"]) + \
+               str(args.decode_tokens), "--max-len", str(args.max_len), "--contexts", args.contexts,
+               "--repeats", str(args.repeats)] + ([] if args.speed else ["--no-speed"]) + \
             ([] if args.quality else ["--no-quality"])
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), os.getloadavg()
         with open(log, "w") as fh:
             rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
         if rc:
@@ -212,6 +230,7 @@ def main(argv=None) -> None:
         m = re.search(r"KV cache size: ([\d,]+) tokens", log.read_text())
         r["kv_tokens"] = int(m.group(1).replace(",", "")) if m else None
         r["seconds"] = time.perf_counter() - t0
+        r["loadavg_before_after"] = [load0, os.getloadavg()]
         results[spec] = r
         print(f"{spec}: done in {r['seconds']:.0f} s, kv tokens {r['kv_tokens']}", flush=True)
     if "native" not in results and args.native_from:
@@ -220,7 +239,8 @@ def main(argv=None) -> None:
     base = results.get("native")
     rows = []
     for spec, r in results.items():
-        row = {"config": spec, "kv_tokens": r["kv_tokens"], "decode_tps": r.get("decode_tps")}
+        row = {"config": spec, "kv_tokens": r["kv_tokens"], "decode_tps": r.get("decode_tps"),
+               "loadavg_before_after": r.get("loadavg_before_after"), "seconds": r.get("seconds")}
         if base is not None:
             row["kv_x"] = r["kv_tokens"] / base["kv_tokens"] if r["kv_tokens"] and base["kv_tokens"] else None
         if base is not None and args.quality:
@@ -233,15 +253,16 @@ def main(argv=None) -> None:
             "python": platform.python_version(), "versions": _versions(), "args": vars(args)}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["| config | KL vs native (lower bound) | ppl vs native | greedy same / prefix (of 64) | KV tokens | x native "
-             "| decode tok/s 1k | 8k |", "|---|---|---|---|---|---|---|---|"]
+             + "".join(f"| decode tok/s {c} " for c in args.contexts.split(",")) + "|",
+             "|---|---|---|---|---|---|" + "---|" * len(args.contexts.split(","))]
     for row in rows:
         tps = row.get("decode_tps") or {}
+        speed = "".join(f" {tps[c]:.1f} |" if c in tps else " - |" for c in args.contexts.split(","))
         kl = f"{row['kl']:.4f}" if "kl" in row else "-"
         agree = f"{row['greedy_same']:.1%} / {row['greedy_prefix']:.1f}" if "greedy_same" in row else "-"
         ppl = f"{row['ppl_change_pct']:+.2f}%" if "ppl_change_pct" in row else "-"
         kv = f"{row['kv_tokens']:,}" if row["kv_tokens"] else "-"
-        lines.append(f"| {row['config']} | {kl} | {ppl} | {agree} | {kv} | {row.get('kv_x') or 1:.2f}x | "
-                     f"{tps.get('1024', float('nan')):.1f} | {tps.get('8000', float('nan')):.1f} |")
+        lines.append(f"| {row['config']} | {kl} | {ppl} | {agree} | {kv} | {row.get('kv_x') or 1:.2f}x |{speed}")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results in {out}")

@@ -48,6 +48,7 @@ def test_engine_concurrency_chunks_preemption_prefix_cache(tmp_path):
     agreement with a dense computation is what tests/integrations/test_vllm_paged.py checks."""
     r = run_script(SCRIPT, tmp_path, {"QJL_VLLM_PRESET": "tq-k45v3"}, timeout=1800)
     assert "qjl backend: preset tq-k45v3" in r["_log"]
+    assert "decode qjl.integrations.vllm.decode.paged_decode_kernel" in r["_log"]  # the paged kernel by default
     assert all(len(t) == 16 for t in r["together"])
     assert r["together"][8][:4] == r["together"][5][:4]  # the repeated prompt, its prefix from the cache
     for x, y in zip(r["together"][:2], r["alone"]):

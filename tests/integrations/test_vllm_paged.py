@@ -11,8 +11,9 @@ import torch
 
 import qjl
 from qjl.integrations.vllm.layout import PageLayout, exact_slot, layer_layout, content_bytes
-from qjl.integrations.vllm.paged import (forward_batch, page_fields, paged_decode_reference, write_codes,
-                                         history_codes)
+from qjl.integrations.vllm.paged import page_fields, paged_decode_reference, history_codes
+from qjl.integrations.vllm.step import StepPlan, forward_batch
+from qjl.integrations.vllm.writes import write_codes
 from qjl.integrations.vllm.settings import VLLMSettings
 
 D = 64
@@ -25,7 +26,8 @@ def _bf16(*shape, gen):
 class Sim:
     """One layer's page pool and the sequences written into it."""
 
-    def __init__(self, key_spec, value_spec, block_size=16, hkv=2, hq=6, sinks=2, window=5, num_blocks=24, seed=0):
+    def __init__(self, key_spec, value_spec, block_size=16, hkv=2, hq=6, sinks=2, window=5, num_blocks=24, seed=0,
+                 planned=True):
         self.layout = PageLayout(key_spec.build(D, 7), value_spec.build(D, 8), D, block_size, torch.bfloat16,
                                  sinks, window)
         self.pages = torch.zeros(num_blocks, hkv, block_size, self.layout.content_bytes // 2, dtype=torch.bfloat16)
@@ -33,6 +35,7 @@ class Sim:
         self.gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_blocks, generator=self.gen).tolist()
         self.hkv, self.hq, self.bs = hkv, hq, block_size
+        self.planned = planned
         self.seqs = {}  # id -> dict(k, v, blocks)
 
     def _table(self, ids):
@@ -55,9 +58,15 @@ class Sim:
             ks.append(k), vs.append(v), qs.append(q)
             qsl.append(qsl[-1] + c), lens.append(n0 + c)
         k, v, q = torch.cat(ks), torch.cat(vs), torch.cat(qs)
-        write_codes(self.layout, self.fields, k, v, torch.cat(slots))
-        out = forward_batch(self.layout, self.fields, q, k, v, self._table(ids), torch.tensor(qsl), torch.tensor(lens),
-                            D ** -0.5, decode)
+        table, qsl, lens = self._table(ids), torch.tensor(qsl), torch.tensor(lens)
+        if self.planned:  # as the backend does: one StepPlan for the step (here: for the one layer)
+            lay = self.layout
+            plan = StepPlan.build(qsl, lens, table, lay.block_size, lay.sinks, lay.window, torch.cat(slots))
+            write_codes(lay, self.fields, k, v, None, plan=plan)
+        else:
+            write_codes(self.layout, self.fields, k, v, torch.cat(slots))
+            plan = None
+        out = forward_batch(self.layout, self.fields, q, k, v, table, qsl, lens, D ** -0.5, decode, plan=plan)
         return {i: out[qsl[j]:qsl[j + 1]] for j, i in enumerate(ids)}, {i: qs[j] for j, i in enumerate(ids)}
 
     def fork(self, src, dst, n):

@@ -2,18 +2,19 @@
 
 Imported only inside vLLM processes (it imports vLLM).  Per layer and step:
 
-* ``do_kv_cache_update`` quantizes the new keys and values into their pages (codes for every
-  token, :mod:`.layout`);
-* ``forward`` attends: decode rows through the paged contract (:func:`decode_fn`: sinks and
-  window exact, codes in between, the current token exact from ``forward``'s own key/value);
-  prefill and chunk rows through :func:`.paged.paged_attention_reference` (the chunk attended
-  exactly and causally); then the exact copies of the sinks and of the last ``window`` tokens
-  are written (after the attention, so a chunk never overwrites ring slots it still reads).
+``forward`` (which includes the cache update, ``forward_includes_kv_cache_update``) quantizes the
+new keys and values into their pages (codes for every token, :mod:`.layout`), attends -- decode rows
+in one call of :func:`decode_fn` (the paged kernel of :mod:`qjl.kernels`: sinks and window exact,
+codes in between, the current token exact from ``forward``'s own key/value), prefill and chunk rows
+through :func:`.paged.paged_attention_reference` (the chunk attended exactly and causally) -- then
+writes the exact copies of the sinks and of the last ``window`` tokens (after the attention, so a
+chunk never overwrites ring slots it still reads).  The step's indices are a :class:`.step.StepPlan`
+built once per step and cached on the metadata, which every layer shares.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -24,7 +25,10 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .layout import PageLayout, content_bytes, layer_layout
-from .paged import forward_batch, page_fields, paged_decode_reference, write_codes
+from .decode import decode_function
+from .paged import page_fields
+from .step import StepPlan, forward_batch
+from .writes import write_codes
 from .settings import VLLMSettings, load_settings
 
 __all__ = ["QJLAttentionBackend", "QJLAttentionImpl", "QJLMetadata", "QJLMetadataBuilder", "decode_fn",
@@ -46,15 +50,15 @@ def _num_layers() -> int | None:
 
 
 def decode_fn(settings: VLLMSettings):
-    """The function that serves decode rows: :func:`.paged.paged_decode_reference` (the paged kernel of
-    :mod:`qjl.kernels` has another signature and is not wired in yet)."""
-    return paged_decode_reference
+    """The function that serves decode rows (:func:`.decode.decode_function`: the paged kernel of
+    :mod:`qjl.kernels` for ``decode="auto"``, the plain-torch reference for ``"torch"``)."""
+    return decode_function(settings)
 
 
 class QJLAttentionBackend(AttentionBackend):
     """Registered over CPU_ATTN (CPU) or as CUSTOM (CUDA) by :func:`qjl.integrations.vllm.register`."""
 
-    forward_includes_kv_cache_update: bool = False
+    forward_includes_kv_cache_update: bool = True  # forward writes the codes: it has the step's metadata
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
 
@@ -98,6 +102,15 @@ class QJLMetadata(AttentionMetadata):
     seq_lens: torch.Tensor  # [B] tokens after this step (CPU)
     block_table: torch.Tensor  # [B, max_blocks]
     slot_mapping: torch.Tensor  # [T]
+    plans: dict = field(default_factory=dict)
+
+    def plan(self, block_size: int, sinks: int, window: int) -> StepPlan:
+        """The step's :class:`.step.StepPlan`, built by the first layer that asks and shared by the others."""
+        key = (block_size, sinks, window)
+        if key not in self.plans:
+            self.plans[key] = StepPlan.build(self.query_start_loc, self.seq_lens, self.block_table, block_size, sinks,
+                                             window, slot_mapping=self.slot_mapping[:self.num_actual_tokens])
+        return self.plans[key]
 
 
 class QJLMetadataBuilder(AttentionMetadataBuilder[QJLMetadata]):
@@ -161,23 +174,18 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
             self._fields_key = key
         return self._fields
 
-    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-        if kv_cache.numel() == 0:
-            return
-        n = min(key.shape[0], slot_mapping.shape[0])
-        write_codes(self._layout(layer, kv_cache), self._page_fields(layer, kv_cache), key[:n], value[:n],
-                    slot_mapping[:n])
-
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("fused output quantization is not supported by the qjl backend")
-        if attn_metadata is None:  # warm-up / profiling
+        if attn_metadata is None or kv_cache.numel() == 0:  # warm-up / profiling
             return output
         m = attn_metadata
         n = m.num_actual_tokens
         lay, fields = self._layout(layer, kv_cache), self._page_fields(layer, kv_cache)
+        plan = m.plan(lay.block_size, lay.sinks, lay.window)
+        write_codes(lay, fields, key[:n], value[:n], None, plan=plan)
         out = forward_batch(lay, fields, query[:n], key[:n], value[:n], m.block_table, m.query_start_loc, m.seq_lens,
-                            self.scale, self._decode)
+                            self.scale, self._decode, plan=plan)
         output[:n] = out.to(output.dtype)
         return output

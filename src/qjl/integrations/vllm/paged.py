@@ -1,10 +1,11 @@
-"""Paged compressed KV: the plain-torch attention over vLLM's pages (writes are in :mod:`.writes`).
+"""Paged compressed KV: the fields in vLLM's pages and the plain-torch attention over them (writes: :mod:`.writes`;
+a step's orchestration: :mod:`.step`; the kernel path: :mod:`.decode`).
 
 PAGED CONTRACT (shared with the paged kernels of issue #13)::
 
     paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size, *,
                            key_codec, value_codec, scale, num_kv_heads, exact=None, sinks=0,
-                           window=0, current=None) -> out [B, H_q, D] float32
+                           window=0, current=None, rows=None) -> out [B, H_q, D] float32
 
 * ``q``: [B, H_q, D], one query row per sequence (a decode step); query head ``i`` reads KV
   head ``i // (H_q / H_kv)`` (GQA).
@@ -32,60 +33,55 @@ Keys are scored with the codec's own estimator (``inner_product``), values mixed
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from ...codecs.base import Codes
+from ...kernels.paged import PagedField as KernelPagedField
 from .layout import PageLayout, exact_slot
-from .writes import write_codes, write_exact
 
 __all__ = ["PagedField", "page_fields", "paged_decode_reference", "paged_attention_reference", "gather_history",
-           "history_codes", "forward_batch", "token_positions", "write_codes", "write_exact"]
+           "history_codes"]
 
 
-@dataclass(frozen=True)
-class PagedField:
-    """A field of every token in a paged pool (see the module docstring for the addressing)."""
+class PagedField(KernelPagedField):
+    """:class:`qjl.kernels.PagedField` over a whole page pool (``buffer``: 1-d uint8 over the pool's storage,
+    ``offset`` from its start), plus the writes and whole-block reads the backend needs; the kernels read it
+    as their own (see the module docstring for the addressing)."""
 
-    buffer: torch.Tensor  # 1-d uint8 over the whole storage
-    offset: int
-    stride_block: int
-    stride_head: int
-    stride_token: int
-    dtype: torch.dtype
-    shape: tuple
-
-    def _index(self, blocks, heads, slots) -> torch.Tensor:
+    def addresses(self, blocks, heads, slots) -> torch.Tensor:
+        """Byte indices [*S, entry_bytes] into ``buffer`` of the entries at broadcastable int tensors of a
+        common shape S (reusable: :meth:`read` / :meth:`write` take them)."""
         dev = self.buffer.device
-        blocks, heads, slots = blocks.to(dev), heads.to(dev), slots.to(dev)
+        blocks, heads, slots = torch.broadcast_tensors(blocks.to(dev), heads.to(dev), slots.to(dev))
         addr = self.offset + blocks.long() * self.stride_block + heads.long() * self.stride_head
         addr = addr + slots.long() * self.stride_token
-        return addr.unsqueeze(-1) + torch.arange(self.item_bytes, device=addr.device)
+        return addr.unsqueeze(-1) + torch.arange(self.entry_bytes, device=addr.device)
 
-    @property
-    def item_bytes(self) -> int:
-        """Bytes of one entry (one token's, or one block's for shared fields)."""
-        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+    def read(self, idx: torch.Tensor) -> torch.Tensor:
+        """The entries [*S, *shape] at byte indices ``idx`` [*S, entry_bytes] (:meth:`addresses`)."""
+        # index_select, not buffer[idx]: advanced indexing opens an OpenMP region even for a few bytes, and
+        # each region waits for every thread (milliseconds per call on a loaded machine)
+        raw = self.buffer.index_select(0, idx.reshape(-1))
+        return raw.view(self.dtype).reshape(*idx.shape[:-1], *self.shape)
+
+    def write(self, idx: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values`` [*S, *shape] at byte indices ``idx`` [*S, entry_bytes] (distinct entries)."""
+        raw = values.to(self.dtype).contiguous().view(torch.uint8).reshape(-1)
+        self.buffer.index_copy_(0, idx.reshape(-1), raw)  # (see read)
 
     def gather(self, blocks, heads, slots) -> torch.Tensor:
-        """Broadcast int tensors of a common shape S -> the field values [*S, *shape]."""
-        idx = self._index(*torch.broadcast_tensors(blocks, heads, slots))
-        raw = self.buffer[idx]
-        return raw.view(self.dtype).reshape(*idx.shape[:-1], *self.shape)
+        """Broadcastable int tensors of a common shape S -> the entries [*S, *shape] (a copy)."""
+        return self.read(self.addresses(blocks, heads, slots))
 
     def scatter(self, blocks, heads, slots, values: torch.Tensor) -> None:
         """Write ``values`` [*S, *shape] (S the broadcast shape of the indices)."""
-        idx = self._index(*torch.broadcast_tensors(blocks, heads, slots))
-        raw = values.to(self.dtype).contiguous().view(torch.uint8).reshape(idx.shape)
-        self.buffer[idx] = raw
+        self.write(self.addresses(blocks, heads, slots), values)
 
     def blocks(self, blocks: torch.Tensor, num_heads: int, block_size: int) -> torch.Tensor:
         """Whole blocks at once: blocks [n] -> [n, H, block_size, *shape] (per-token fields, rows
         ``stride_token`` = the item size apart) or [n, H, *shape] (shared fields)."""
-        item = self.item_bytes
+        item = self.entry_bytes
         rows = block_size if self.stride_token else 1
         if self.stride_token not in (0, item):
             return self.gather(blocks[:, None, None], torch.arange(num_heads)[None, :, None],
@@ -176,8 +172,9 @@ def _split(n: int, sinks: int, window: int):
 
 def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size, *, key_codec,
                            value_codec, scale: float, num_kv_heads: int, exact=None, sinks: int = 0,
-                           window: int = 0, current=None) -> torch.Tensor:
-    """The paged decode attention of the module docstring (plain torch, one sequence at a time)."""
+                           window: int = 0, current=None, rows=None) -> torch.Tensor:
+    """The paged decode attention of the module docstring (plain torch, one sequence at a time; ``rows``, the
+    step's precomputed indices that :func:`.decode.paged_decode_kernel` takes, is ignored)."""
     b, hq, d = q.shape
     if exact is None and sinks + window:
         raise ValueError("exact must be given when sinks or window is non-zero")
@@ -251,51 +248,3 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
                                            enable_gqa=hq != hkv)
         out[r0:r1] = o.transpose(0, 1)
     return out
-
-
-def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
-    """(positions [T], seq_ends [T], decode [B]) of a batch: query_start_loc [B + 1], seq_lens [B] (after the step)."""
-    qsl = query_start_loc.long().cpu()
-    qlen = qsl[1:] - qsl[:-1]
-    seq_lens = seq_lens.long().cpu()
-    seq_of = torch.repeat_interleave(torch.arange(len(qlen)), qlen)
-    row = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of]
-    return (seq_lens - qlen)[seq_of] + row, seq_lens[seq_of], qlen == 1
-
-
-def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_start_loc, seq_lens, scale: float,
-                  decode=None) -> torch.Tensor:
-    """One attention layer over a mixed batch whose codes are already written (:func:`write_codes`).
-
-    q [T, H_q, D], k/v [T, H_kv, D] the batch's own tokens; query_start_loc [B + 1] and seq_lens [B]
-    (tokens after this step) on the CPU.  One-token rows go through ``decode`` (the paged contract,
-    default :func:`paged_decode_reference`), the others through :func:`paged_attention_reference`;
-    then the exact copies are written.  Returns [T, H_q, D] float32.
-    """
-    decode = paged_decode_reference if decode is None else decode
-    t, hq, d = q.shape
-    qsl = query_start_loc.long().cpu()
-    seq_lens = seq_lens.long().cpu()
-    positions, seq_ends, is_dec = token_positions(qsl, seq_lens)
-    out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
-    dec = is_dec.nonzero().flatten()
-    if len(dec):
-        rows = qsl[dec]
-        ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
-        out[rows] = decode(q[rows], _role(fields, "key"), _role(fields, "value"), block_table[dec], seq_lens[dec] - 1,
-                           layout.block_size, key_codec=layout.key_codec, value_codec=layout.value_codec, scale=scale,
-                           num_kv_heads=k.shape[1], exact=ex, sinks=layout.sinks, window=layout.window,
-                           current=(k[rows], v[rows]))
-    for i in (~is_dec).nonzero().flatten().tolist():  # prefill / chunk rows, one sequence at a time
-        r0, r1 = int(qsl[i]), int(qsl[i + 1])
-        if r1 > r0:
-            out[r0:r1] = paged_attention_reference(q[r0:r1], k[r0:r1], v[r0:r1], fields, block_table[i:i + 1],
-                                                   torch.tensor([0, r1 - r0]), seq_lens[i:i + 1], layout, scale)
-    slots = _slots(block_table, qsl, positions, layout.block_size)
-    write_exact(layout, fields, k, v, slots, positions, seq_ends)
-    return out
-
-
-def _slots(block_table, qsl, positions, block_size: int) -> torch.Tensor:
-    seq_of = torch.repeat_interleave(torch.arange(len(qsl) - 1), qsl[1:] - qsl[:-1])
-    return block_table.long().cpu()[seq_of, positions // block_size] * block_size + positions % block_size

@@ -9,7 +9,8 @@ worker processes, which inherit the environment):
 
 When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides both.  Keys:
 
-* ``preset``: the codecs (per-layer widths included) and the seed come from this preset;
+* ``preset``: the codecs (per-layer widths included) and the seed come from this preset (its key smoothing,
+  on in the TurboQuant presets for transformers, is turned off: the paged backend does not implement it);
 * ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
 * ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
   ``tq-k3v2``; docs/vllm.md measures what it costs and buys);
@@ -65,7 +66,9 @@ class VLLMSettings:
 
     @property
     def config(self) -> QJLConfig:
-        over = {} if self.seed is None else {"seed": self.seed}
+        # the preset's codecs and seed without key smoothing, which the paged backend does not implement
+        # (the cache's smoothing subtracts a per-sequence mean fitted on the prompt; vLLM's pages are shared)
+        over = {"smooth_keys": False} if self.seed is None else {"smooth_keys": False, "seed": self.seed}
         return QJLConfig.preset(self.preset, **over)
 
     @property

@@ -1,6 +1,7 @@
 """Writing tokens into vLLM's pages: codes for every token, exact copies for sinks and windows (no vLLM import).
 
-Field addressing is :mod:`.paged`'s contract; the page layout is :mod:`.layout`'s.
+Field addressing is :mod:`.paged`'s contract; the page layout is :mod:`.layout`'s; which tokens go where in
+a step is the :class:`.step.StepPlan`'s (computed once per step).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 from ...codecs.base import Codes
 from .layout import PageLayout, exact_slot
 
-__all__ = ["write_codes", "write_exact"]
+__all__ = ["write_codes", "exact_writes", "write_exact"]
 
 
 def _role(fields: dict, role: str) -> dict:
@@ -45,52 +46,67 @@ def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Co
 
 
 def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor) -> None:
+                slot_mapping: torch.Tensor | None, plan=None) -> None:
     """Quantize key/value [N, H_kv, D] and store the codes at ``slot_mapping`` [N] (block * block_size +
-    offset; negative slots are padding and skipped)."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    if slot_mapping.numel() == 0:
+    offset; negative slots are padding and skipped), or where the step's :class:`.step.StepPlan` ``plan``
+    says (its byte addresses are reused by every layer of the same layout)."""
+    if plan is not None:
+        if plan.write_rows is not None:
+            rows = plan.write_rows.to(key.device)
+            key, value = key[rows], value[rows]
+        blocks, offs = plan.write_blocks, plan.write_offsets
+    else:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        slots = slot_mapping.long().cpu() if key.device.type == "cpu" else slot_mapping.long()
+        blocks, offs = slots // layout.block_size, slots % layout.block_size
+    if key.shape[0] == 0:
         return
-    slots = slot_mapping.long().cpu() if key.device.type == "cpu" else slot_mapping.long()
-    blocks, offs = slots // layout.block_size, slots % layout.block_size
-    heads = torch.arange(key.shape[1], device=key.device)
+    h = key.shape[1]
     kf, vf = _role(fields, "key"), _role(fields, "value")
     kc = _quantize_keys(layout.key_codec, key, blocks, offs, kf)
     vc = layout.value_codec.quantize(value.float())
-    for role_fields, codes in ((kf, kc), (vf, vc)):
+    for role, role_fields, codes in (("key", kf, kc), ("value", vf, vc)):
         for name, t in codes.fields.items():
-            role_fields[name].scatter(blocks[:, None], heads[None, :], offs[:, None], t)
+            f = role_fields[name]
+            if plan is not None:
+                f.write(plan.addresses(f"codes.{role}.{name}", f, h, blocks, offs), t)
+            else:
+                f.scatter(blocks[:, None], torch.arange(h, device=blocks.device)[None, :], offs[:, None], t)
 
 
-def write_exact(layout: PageLayout, fields: dict, key: torch.Tensor, value: torch.Tensor,
-                slot_mapping: torch.Tensor, positions: torch.Tensor, seq_ends: torch.Tensor) -> None:
-    """Store exact copies of the sinks, of each sequence's last ``window`` tokens and of each block's
-    last ``window`` tokens (so a block reused through the prefix cache holds the window a request
-    starting right after it reads).
-
-    key/value [N, H_kv, D]; positions [N] absolute token positions; seq_ends [N] the length of
-    the token's sequence after this step.  When two tokens of one call map to one slot, the later
-    position wins.
-    """
-    if layout.sinks + layout.window == 0:
-        return
-    pos = positions.long()
-    need = pos < layout.sinks
-    if layout.window:
-        need |= (pos >= seq_ends.long() - layout.window) | (pos % layout.block_size >= layout.block_size - layout.window)
-    need &= slot_mapping >= 0
-    if not bool(need.any()):
-        return
-    slots, pos, k, v = slot_mapping[need].long(), pos[need], key[need], value[need]
-    blocks = slots // layout.block_size
-    ex = exact_slot(pos, layout.sinks, layout.window)
-    cell = blocks * (layout.sinks + layout.window) + ex
+def exact_writes(positions, seq_ends, slots, block_size: int, sinks: int, window: int):
+    """(rows, blocks, exact slots) [M] of the tokens whose exact copies are stored: the sinks, each
+    sequence's last ``window`` tokens and each block's last ``window`` (so a block reused through the
+    prefix cache holds the window a request starting right after it reads).  positions, seq_ends (the
+    sequence's length after the step) and slots [N] per token; when two tokens of one step map to one
+    cell, the later position wins."""
+    empty = torch.empty(0, dtype=torch.long)
+    if sinks + window == 0:
+        return empty, empty, empty
+    need = positions < sinks
+    if window:
+        need |= (positions >= seq_ends - window) | (positions % block_size >= block_size - window)
+    need &= slots >= 0
+    rows = need.nonzero().flatten()
+    if not len(rows):
+        return empty, empty, empty
+    pos, blocks = positions[rows], slots[rows] // block_size
+    ex = exact_slot(pos, sinks, window)
+    cell = blocks * (sinks + window) + ex
     uniq, inv = torch.unique(cell, return_inverse=True)
     latest = torch.full((len(uniq),), -1, dtype=torch.long).scatter_reduce(0, inv, pos, "amax")
     win = pos == latest[inv]
-    heads = torch.arange(key.shape[1], device=key.device)
-    fe = _role(fields, "exact")
-    fe["key"].scatter(blocks[win, None], heads[None, :], ex[win, None], k[win])
-    fe["value"].scatter(blocks[win, None], heads[None, :], ex[win, None], v[win])
+    return rows[win], blocks[win], ex[win]
+
+
+def write_exact(plan, fields: dict, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store the exact copies the step's :class:`.step.StepPlan` selects (:func:`exact_writes`); key/value
+    [T, H_kv, D] are the step's tokens."""
+    if not len(plan.exact_rows):
+        return
+    rows = plan.exact_rows.to(key.device)
+    for name, x in (("exact.key", key), ("exact.value", value)):
+        f = fields[name]
+        f.write(plan.addresses(name, f, x.shape[1], plan.exact_blocks, plan.exact_slots), x[rows])

@@ -1,0 +1,93 @@
+"""Per-layer cost of one decode step of the qjl vLLM backend, without vLLM (a diagnostic, not a test).
+
+    python benchmarks/vllm_layer_profile.py --threads 1 --context 1024
+    python benchmarks/vllm_layer_profile.py --threads 2 --context 1024
+
+One layer of the embedded model's shape (3 KV heads, 9 query heads, head_dim 64, 16-token blocks) in a page pool
+written as the backend writes it (one prefill of ``--context`` tokens), then the pieces of a one-sequence decode
+step timed separately (median of ``--repeats`` calls, milliseconds): the step's index plan, the code write
+(quantization included), the decode (exact-slot gather + :func:`qjl.kernels.paged_decode`), the exact-copy
+write, and beside them a dense bf16 ``scaled_dot_product_attention`` over the same context (what one attention
+call of a native layer costs, roughly).  Prints a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def _median_ms(f, repeats: int) -> float:
+    f()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tq-k45v3")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from qjl.integrations.vllm.decode import decode_function, exact_tokens
+    from qjl.integrations.vllm.layout import layer_layout
+    from qjl.integrations.vllm.paged import page_fields
+    from qjl.integrations.vllm.settings import VLLMSettings
+    from qjl.integrations.vllm.step import StepPlan, forward_batch
+    from qjl.integrations.vllm.writes import write_codes, write_exact
+    from qjl.kernels.paged import paged_decode
+
+    hkv, hq, d, bs, n = 3, 9, 64, 16, args.context
+    s = VLLMSettings(preset=args.preset)
+    lay = layer_layout(s, 20, 30, d, bs, torch.bfloat16)
+    nblocks = n // bs + 2
+    pages = torch.zeros(nblocks, hkv, bs, lay.content_bytes // 2, dtype=torch.bfloat16)
+    fields = page_fields(lay, pages)
+    g = torch.Generator().manual_seed(0)
+    x = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
+    table = torch.randperm(nblocks, generator=g)[None, :]
+    q, k, v = x(n, hq, d), x(n, hkv, d), x(n, hkv, d)
+    qsl, lens = torch.tensor([0, n]), torch.tensor([n])
+    plan = StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window)
+    write_codes(lay, fields, k, v, None, plan=plan)
+    forward_batch(lay, fields, q, k, v, table, qsl, lens, d ** -0.5, plan=plan)  # prefill: exact copies written
+    q, k, v = x(1, hq, d), x(1, hkv, d), x(1, hkv, d)
+    qsl, lens = torch.tensor([0, 1]), torch.tensor([n + 1])
+    plan = StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window)
+    kf = {f[4:]: fl for f, fl in fields.items() if f.startswith("key.")}
+    vf = {f[6:]: fl for f, fl in fields.items() if f.startswith("value.")}
+    ex = (fields["exact.key"], fields["exact.value"]) if lay.sinks + lay.window else None
+    dec = decode_function(s)
+    kw = dict(key_codec=lay.key_codec, value_codec=lay.value_codec, scale=d ** -0.5, num_kv_heads=hkv, exact=ex,
+              sinks=lay.sinks, window=lay.window, current=(k, v), rows=plan.decode)
+    xt = exact_tokens(ex, plan.decode, hkv, (k, v))
+    qk = (q.float() * d ** -0.5).reshape(1, hkv, hq // hkv, d)
+    kk, qq = x(1, hq, n + 1, d), x(1, hq, 1, d)
+    r = args.repeats
+    res = {"preset": args.preset, "context": n, "threads": args.threads, "ms": {
+        "plan": _median_ms(lambda: StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window), r),
+        "write_codes": _median_ms(lambda: write_codes(lay, fields, k, v, None, plan=plan), r),
+        "decode": _median_ms(lambda: dec(q, kf, vf, plan.decode.block_table, lens - 1, bs, **kw), r),
+        "decode.exact_gather": _median_ms(lambda: exact_tokens(ex, plan.decode, hkv, (k, v)), r),
+        "decode.kernel": _median_ms(lambda: paged_decode(qk, lay.key_codec, kf, lay.value_codec, vf,
+                                                         plan.decode.block_table, bs, plan.decode.start,
+                                                         plan.decode.end, exact=xt), r),
+        "write_exact": _median_ms(lambda: write_exact(plan, fields, k, v), r),
+        "dense_sdpa_bf16": _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, kk), r)}}
+    ms = res["ms"]
+    res["ms"]["qjl_layer_total"] = ms["write_codes"] + ms["decode"] + ms["write_exact"]
+    print(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Decode rows through :func:`qjl.kernels.paged_decode`: one kernel call per layer and step (no vLLM import).
+
+The backend's decode contract (:func:`.paged.paged_decode_reference`: a history of ``n`` tokens, its first
+``sinks`` and last ``window`` tokens exact in the pages' exact slots, the current token exact from
+``forward``'s arguments) maps onto the kernel's (a coded range per sequence plus exact tokens merged into
+the same softmax) like this, for all decode rows of the batch at once:
+
+* coded range ``[start, end)`` with ``start = min(sinks, n)`` and ``end = max(start, n - window)``;
+* exact tokens ``[B, H_kv, sinks + window + 1, D]``: the sink slots and the ring-window slots (gathered
+  from the pages) and the current token; slots a short sequence does not have yet are masked with
+  ``-inf`` in ``xbias``;
+* queries ``[B, H_q, D]`` become the kernel's rows ``[B, H_kv, g, D]`` (query head ``i`` reads KV head
+  ``i // g``), multiplied by the softmax scale.
+
+What depends only on the step's metadata (ranges, exact-slot addresses, the mask) is a :class:`DecodeRows`,
+built once per step and shared by every layer (:mod:`.step`).  The kernel is the C core on CPU tensors and
+the Triton kernel on CUDA tensors (``backend="auto"``); the result equals
+:func:`.paged.paged_decode_reference` within float32 rounding (``tests/integrations/test_vllm_decode.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import exact_slot
+
+__all__ = ["DecodeRows", "decode_rows", "code_ranges", "exact_tokens", "paged_decode_kernel", "decode_function"]
+
+
+def code_ranges(seq_lens: torch.Tensor, sinks: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) [B] int64 of the coded tokens of histories of ``seq_lens`` [B] tokens."""
+    n = seq_lens.long()
+    start = n.clamp(max=sinks)
+    return start, torch.maximum(start, n - window)
+
+
+@dataclass
+class DecodeRows:
+    """The decode rows' indices every layer of a step shares (see the module docstring).
+
+    start, end: [B] int64, the coded range; blocks, slots: [B, 1, E] int64 (``E = sinks + window``), where
+    each exact slot lives (absent slots point at block 0, slot 0 and are masked); valid: [B, E] bool.
+    ``memo`` holds byte addresses per field geometry (layers with the same layout share them).
+    """
+
+    block_table: torch.Tensor
+    block_size: int
+    start: torch.Tensor
+    end: torch.Tensor
+    blocks: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor
+    memo: dict = field(default_factory=dict)
+
+    def bias(self, with_current: bool) -> torch.Tensor:
+        """xbias [B, 1, 1, E (+1)] float32: 0 for present exact tokens, -inf for absent ones."""
+        key = ("bias", with_current)
+        if key not in self.memo:
+            ok = self.valid
+            if with_current:
+                ok = torch.cat([ok, torch.ones(ok.shape[0], 1, dtype=torch.bool, device=ok.device)], dim=1)
+            b = torch.zeros(ok.shape, dtype=torch.float32, device=ok.device).masked_fill_(~ok, float("-inf"))
+            self.memo[key] = b[:, None, None, :]
+        return self.memo[key]
+
+    def read(self, f, num_heads: int) -> torch.Tensor:
+        """The exact slots of PagedField ``f``: [B, H, E, *shape]."""
+        key = ("read", f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, num_heads)
+        if key not in self.memo:
+            heads = torch.arange(num_heads, device=self.blocks.device)[None, :, None]
+            blocks, heads, slots = torch.broadcast_tensors(self.blocks, heads, self.slots)
+            addr = f.offset + blocks * f.stride_block + heads * f.stride_head + slots * f.stride_token
+            self.memo[key] = addr.unsqueeze(-1) + torch.arange(f.entry_bytes, device=addr.device)
+        idx = self.memo[key]
+        raw = f.raw_bytes().index_select(0, idx.reshape(-1))  # not [idx]: see .paged.PagedField.read
+        return raw.view(f.dtype).reshape(*idx.shape[:-1], *f.shape)
+
+
+def decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sinks: int,
+                window: int) -> DecodeRows:
+    """:class:`DecodeRows` of decode rows with block_table [B, max_blocks] and seq_lens [B] tokens of history."""
+    dev = block_table.device
+    n = seq_lens.long().to(dev)
+    start, end = code_ranges(n, sinks, window)
+    j = torch.arange(sinks + window, device=dev)
+    pos = torch.where(j < sinks, j, end[:, None] + (j - sinks))  # [B, E]
+    ok = torch.where(j < sinks, j < start[:, None], pos < n[:, None])
+    pos = torch.where(ok, pos, torch.zeros_like(pos))  # an address every sequence has (block 0, slot 0)
+    blocks = block_table.long().gather(1, pos // block_size)[:, None, :]
+    return DecodeRows(block_table, block_size, start, end, blocks, exact_slot(pos, sinks, window)[:, None, :], ok)
+
+
+def exact_tokens(exact, rows: DecodeRows, num_kv_heads: int, current=None):
+    """(xk, xv [B, H_kv, n_x, D], xbias [B, 1, 1, n_x]) of the rows' exact slots and the current token
+    (the last column), or None when there are none.
+
+    exact: (key, value) PagedFields of the pages' exact slots, or None when ``sinks + window == 0``;
+    current: None or (k, v) [B, H_kv, D].
+    """
+    ks, vs = [], []
+    if rows.valid.shape[1]:
+        if exact is None:
+            raise ValueError("exact must be given when sinks or window is non-zero")
+        ks.append(rows.read(exact[0], num_kv_heads))
+        vs.append(rows.read(exact[1], num_kv_heads))
+    if current is not None:
+        ks.append(current[0].unsqueeze(2))
+        vs.append(current[1].unsqueeze(2))
+    if not ks:
+        return None
+    if len(ks) == 1:
+        return ks[0], vs[0], rows.bias(current is not None)
+    dt = torch.promote_types(ks[0].dtype, ks[1].dtype)
+    return (torch.cat([ks[0].to(dt), ks[1].to(dt)], dim=2), torch.cat([vs[0].to(dt), vs[1].to(dt)], dim=2),
+            rows.bias(True))
+
+
+def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, block_size, *, key_codec, value_codec,
+                        scale: float, num_kv_heads: int, exact=None, sinks: int = 0, window: int = 0, current=None,
+                        rows: DecodeRows | None = None, backend: str = "auto") -> torch.Tensor:
+    """:func:`.paged.paged_decode_reference`'s signature and result, computed by :func:`qjl.kernels.paged_decode`.
+
+    q [B, H_q, D]; fields {codec field name: PagedField}; block_table [B, max_blocks]; seq_lens [B] tokens
+    of history (the current token excluded); current None or (k, v) [B, H_kv, D].  rows: the step's
+    :class:`DecodeRows` of these arguments (built here when None).  Returns [B, H_q, D] float32.
+    ``backend``: "auto" (C on CPU, Triton on CUDA), "cpu", "triton" or "torch" (the kernels' reference).
+    Codecs that declare no kernel views (:func:`qjl.kernels.supports`) are served by the backend's reference.
+    """
+    from qjl.kernels.paged import kernel_readable, paged_decode
+
+    b, hq, d = q.shape
+    if hq % num_kv_heads:
+        raise ValueError(f"num_kv_heads={num_kv_heads} must divide the {hq} query heads")
+    if not kernel_readable(key_codec, value_codec):  # codecs without kernel views: the backend's reference
+        from .paged import paged_decode_reference
+
+        return paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size,
+                                      key_codec=key_codec, value_codec=value_codec, scale=scale,
+                                      num_kv_heads=num_kv_heads, exact=exact, sinks=sinks, window=window,
+                                      current=current)
+    if rows is None:
+        rows = decode_rows(block_table.to(q.device), seq_lens, block_size, sinks, window)
+    ex = exact_tokens(exact, rows, num_kv_heads, current)
+    if ex is None and not bool((rows.end > rows.start).all()):
+        raise ValueError("a decode row has no token to attend to (seq_lens 0 and no current token)")
+    qk = (q.float() * scale).reshape(b, num_kv_heads, hq // num_kv_heads, d)
+    out = paged_decode(qk, key_codec, key_fields, value_codec, value_fields, rows.block_table, block_size, rows.start,
+                       rows.end, exact=ex, backend=backend)
+    return out.reshape(b, hq, d)
+
+
+def decode_function(settings):
+    """The function that serves the backend's decode rows: :func:`paged_decode_kernel` for ``decode="auto"``
+    (the C kernel on CPU, Triton on CUDA, the kernels' torch reference where neither runs), the backend's
+    own plain-torch :func:`.paged.paged_decode_reference` for ``decode="torch"``."""
+    if settings.decode == "torch":
+        from .paged import paged_decode_reference
+
+        return paged_decode_reference
+    return paged_decode_kernel

@@ -1,0 +1,133 @@
+"""One step of the backend: its indices, computed once for every layer, and a layer's forward (no vLLM import).
+
+vLLM gives every attention layer of a step the same metadata (``query_start_loc``, ``seq_lens``,
+``block_table``, ``slot_mapping``).  Everything the backend derives from it -- which rows decode, their
+coded ranges and exact slots, where each token's codes and exact copies go -- is the same for all layers,
+so :class:`StepPlan` computes it once per step (the backend caches it on the metadata) and each layer only
+turns those token indices into byte addresses of its own fields, memoized per field geometry (layers that
+share a layout share them).  Per layer and step: quantize and store the new tokens' codes
+(:func:`.writes.write_codes`), attend (:func:`forward_batch`: decode rows in one call of the decode
+function, prefill / chunk rows through :func:`.paged.paged_attention_reference`), store the exact copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .decode import DecodeRows, decode_rows
+from .layout import PageLayout
+from .paged import paged_attention_reference, paged_decode_reference
+from .writes import exact_writes, write_exact
+
+__all__ = ["StepPlan", "forward_batch", "token_positions"]
+
+
+def token_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor):
+    """(positions [T], seq_ends [T], decode [B]) of a batch: query_start_loc [B + 1], seq_lens [B] (after the step)."""
+    qsl = query_start_loc.long().cpu()
+    qlen = qsl[1:] - qsl[:-1]
+    seq_lens = seq_lens.long().cpu()
+    seq_of = torch.repeat_interleave(torch.arange(len(qlen)), qlen)
+    row = torch.arange(int(qsl[-1])) - qsl[:-1][seq_of]
+    return (seq_lens - qlen)[seq_of] + row, seq_lens[seq_of], qlen == 1
+
+
+@dataclass
+class StepPlan:
+    """The token indices of one step (see the module docstring); build with :meth:`build`.
+
+    ``query_start_loc`` [B + 1] and ``seq_lens`` [B] (tokens after the step) on the CPU; ``write_*``: the
+    tokens whose codes are stored (rows into the step's tokens, or None for all, and their block / offset);
+    ``decode_seqs`` / ``decode_token_rows`` and ``decode``: the one-token rows and their :class:`DecodeRows`;
+    ``prefill``: (sequence, first row, end row) of the other sequences; ``exact_*``: the tokens whose exact
+    copies are stored (rows, block, exact slot).
+    """
+
+    block_size: int
+    sinks: int
+    window: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    write_rows: torch.Tensor | None
+    write_blocks: torch.Tensor
+    write_offsets: torch.Tensor
+    decode_seqs: torch.Tensor
+    decode_token_rows: torch.Tensor
+    decode: DecodeRows | None
+    prefill: list
+    exact_rows: torch.Tensor
+    exact_blocks: torch.Tensor
+    exact_slots: torch.Tensor
+    memo: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, query_start_loc, seq_lens, block_table, block_size: int, sinks: int, window: int,
+              slot_mapping: torch.Tensor | None = None) -> "StepPlan":
+        """query_start_loc [B + 1], seq_lens [B] (after the step), block_table [B, max_blocks] (its device is
+        the pages'), slot_mapping [>= T] (block * block_size + offset, negative = padding; None: from the
+        block table)."""
+        dev = block_table.device
+        qsl, lens = query_start_loc.long().cpu(), seq_lens.long().cpu()
+        positions, seq_ends, is_dec = token_positions(qsl, lens)
+        t = int(qsl[-1])
+        seq_of = torch.repeat_interleave(torch.arange(len(lens)), qsl[1:] - qsl[:-1])
+        if slot_mapping is None:
+            slots = block_table.long().cpu()[seq_of, positions // block_size] * block_size + positions % block_size
+        else:
+            slots = slot_mapping[:t].long().cpu()
+        keep = slots >= 0
+        rows = None if bool(keep.all()) else keep.nonzero().flatten()
+        kept = slots if rows is None else slots[rows]
+        dec = is_dec.nonzero().flatten()
+        drows = decode_rows(block_table[dec.to(dev)], lens[dec] - 1, block_size, sinks, window) if len(dec) else None
+        prefill = [(i, int(qsl[i]), int(qsl[i + 1])) for i in (~is_dec).nonzero().flatten().tolist()
+                   if qsl[i + 1] > qsl[i]]
+        erows, eblocks, eslots = exact_writes(positions, seq_ends, slots, block_size, sinks, window)
+        return cls(block_size, sinks, window, qsl, lens, block_table, rows, (kept // block_size).to(dev),
+                   (kept % block_size).to(dev), dec, qsl[dec], drows, prefill, erows, eblocks.to(dev), eslots.to(dev))
+
+    def addresses(self, tag: str, f, num_heads: int, blocks, slots) -> torch.Tensor:
+        """``f.addresses(blocks[:, None], heads[None, :], slots[:, None])`` [N, H, entry_bytes], memoized by
+        ``tag`` and the field's geometry."""
+        key = (tag, f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, num_heads)
+        if key not in self.memo:
+            heads = torch.arange(num_heads, device=blocks.device)
+            self.memo[key] = f.addresses(blocks[:, None], heads[None, :], slots[:, None])
+        return self.memo[key]
+
+
+def _role(fields: dict, role: str) -> dict:
+    p = role + "."
+    return {n[len(p):]: f for n, f in fields.items() if n.startswith(p)}
+
+
+def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_start_loc, seq_lens, scale: float,
+                  decode=None, plan: StepPlan | None = None) -> torch.Tensor:
+    """One attention layer over a mixed batch whose codes are already written (:func:`.writes.write_codes`).
+
+    q [T, H_q, D], k/v [T, H_kv, D] the batch's own tokens; query_start_loc [B + 1] and seq_lens [B]
+    (tokens after this step) on the CPU.  One-token rows go through ``decode`` (the paged contract of
+    :mod:`.paged`, default :func:`.paged.paged_decode_reference`) in one call, the others through
+    :func:`.paged.paged_attention_reference`; then the exact copies are written.  ``plan``: the step's
+    :class:`StepPlan` (built here when None).  Returns [T, H_q, D] float32.
+    """
+    decode = paged_decode_reference if decode is None else decode
+    if plan is None:
+        plan = StepPlan.build(query_start_loc, seq_lens, block_table, layout.block_size, layout.sinks, layout.window)
+    t, hq, d = q.shape
+    out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
+    if plan.decode is not None:
+        rows = plan.decode_token_rows.to(q.device)
+        ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
+        out[rows] = decode(q[rows], _role(fields, "key"), _role(fields, "value"), plan.decode.block_table,
+                           plan.seq_lens[plan.decode_seqs] - 1, layout.block_size, key_codec=layout.key_codec,
+                           value_codec=layout.value_codec, scale=scale, num_kv_heads=k.shape[1], exact=ex,
+                           sinks=layout.sinks, window=layout.window, current=(k[rows], v[rows]), rows=plan.decode)
+    for i, r0, r1 in plan.prefill:  # prefill / chunk rows, one sequence at a time
+        out[r0:r1] = paged_attention_reference(q[r0:r1], k[r0:r1], v[r0:r1], fields, block_table[i:i + 1],
+                                               torch.tensor([0, r1 - r0]), plan.seq_lens[i:i + 1], layout, scale)
+    write_exact(plan, fields, k, v)
+    return out
