@@ -1,12 +1,16 @@
-"""Fast scan: layout round trip, C kernel against the torch reference, equality with the float LUT scan."""
+"""Fast scan: layouts round trip, C kernel against the torch reference (shortlist bit-exact), the exact scan."""
 
 import pytest
 import torch
 
 from qjl.search import Index
-from qjl.search.fastscan import (fastscan, fastscan_torch, from_blocks, nibble_tables, quantize_tables,
-                                 to_blocks)
-from qjl.search.scan import Layout, Segment, build_luts, c_available, scan_torch
+from qjl.search.codecs import SearchCodec, scan_centroids
+from qjl.search.fastscan import (FastLayout, fast_layout, fastscan, fastscan_torch, from_blocks, nibble_tables,
+                                 planes_to_rows, quantize_tables, rows_to_planes, to_blocks)
+from qjl.core.packing import pack_bits
+from qjl.search.scan import c_available
+
+needs_c = pytest.mark.skipif(not c_available(), reason="the C build is missing")
 
 
 @pytest.mark.parametrize("n", [1, 31, 32, 77])
@@ -17,6 +21,28 @@ def test_blocks_round_trip(n):
     assert torch.equal(from_blocks(blocks, n), codes)
 
 
+@pytest.mark.parametrize("bits,scan_bits", [(1, 1), (2, 2), (2, 1), (3, 2), (3, 1), (4, 4), (4, 2)])
+@pytest.mark.parametrize("nc", [37, 64])
+def test_planes_round_trip(bits, scan_bits, nc):
+    fl = FastLayout(nc, bits, scan_bits)
+    idx = torch.randint(0, 1 << bits, (50, nc))
+    rows = pack_bits(idx, bits)
+    planes = rows_to_planes(rows, fl)
+    assert planes.shape == (50, fl.row_bytes) and fl.n_nibbles % 2 == 0 and fl.n_scan % 2 == 0
+    assert torch.equal(planes_to_rows(planes, fl), rows)
+    if fl.rbits:  # each plane is the general packing of its digits
+        assert torch.equal(planes[:, :fl.n_scan // 2], pack_bits(idx >> fl.rbits, fl.scan_bits))
+        assert torch.equal(planes[:, fl.n_scan // 2:], pack_bits(idx & ((1 << fl.rbits) - 1), fl.rbits))
+    assert 8 * fl.row_bytes <= nc * bits + 16  # at most a byte of padding per plane
+
+
+def test_layout_checks():
+    for bits, sb in [(3, 4), (4, 1), (1, 2), (5, 1)]:
+        with pytest.raises(ValueError, match="bits"):
+            FastLayout(64, bits, sb)
+    assert fast_layout(64, 3).scan_bits == 2 and fast_layout(64, 1).scan_bits == 1
+
+
 def test_quantized_tables_within_half_a_step():
     lutf = torch.randn(3, 10, 16)
     lut8, delta, beta = quantize_tables(lutf)
@@ -25,37 +51,125 @@ def test_quantized_tables_within_half_a_step():
     assert torch.allclose(beta, lutf.amin(-1).sum(-1))
 
 
-@pytest.mark.skipif(not c_available(), reason="the C build is missing")
-@pytest.mark.parametrize("bits", [1, 2, 4])
-def test_c_fastscan_matches_reference_and_float_scan(bits):
-    coords, n, nq, k = 72, 700, 4, 10  # 72 * 1 bit = 9 bytes: an odd byte count
-    seg = Segment(0, (coords * bits + 7) // 8, bits, coords)
-    lay = Layout((seg,), seg.nbytes)
-    codes = torch.randint(0, 256, (n, seg.nbytes), dtype=torch.uint8)
-    table = torch.randn(nq, coords, 1 << bits)
-    lutf, f = nibble_tables(seg, table), torch.rand(n) + 0.5
-    ranges = torch.tensor([[[0, 700], [0, 0]], [[37, 500], [600, 640]], [[699, 700], [0, 3]], [[64, 96], [5, 6]]])
-    blocks = to_blocks(codes)
-    ref = scan_torch(codes, lay, f.unsqueeze(0), None, build_luts(lay, [table]), ranges, k)
-    for shortlist in (n, 40):
-        s1, i1 = fastscan(blocks, n, f, lutf, ranges, k, shortlist)
-        s2, i2 = fastscan_torch(blocks, n, f, lutf, ranges, k, shortlist)
+def test_scan_centroids_are_conditional_means():
+    cs = scan_centroids(384, 3, 2)
+    c = scan_centroids(384, 3, 3)
+    for h in range(4):  # between the two cells it merges, nearer the inner (more probable) one
+        lo, hi = sorted((c[2 * h], c[2 * h + 1]), key=abs)
+        assert min(lo, hi) < cs[h] < max(lo, hi) and abs(cs[h] - lo) < abs(cs[h] - hi)
+    assert all(abs(a + b) < 1e-9 for a, b in zip(cs, reversed(cs)))  # the density is symmetric
+
+
+def _problem(bits, scan_bits, nc=45, n=700, nq=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    fl = FastLayout(nc, bits, scan_bits)
+    idx = torch.randint(0, 1 << bits, (n, nc), generator=g)
+    blocks = to_blocks(rows_to_planes(pack_bits(idx, bits), fl))
+    c = torch.sort(torch.randn(1 << bits, generator=g)).values
+    r = bits - scan_bits
+    cs = c.view(1 << scan_bits, 1 << r).mean(1)
+    y = torch.randn(nq, nc, generator=g)
+    f = torch.rand(n, generator=g) + 0.5
+    return fl, idx, blocks, c, cs, y, f
+
+
+@needs_c
+@pytest.mark.parametrize("bits,scan_bits", [(1, 1), (2, 2), (2, 1), (3, 2), (3, 1), (4, 4), (4, 2)])
+@pytest.mark.parametrize("with_terms", [False, True])
+def test_c_fastscan_matches_reference(bits, scan_bits, with_terms):
+    fl, idx, blocks, c, cs, y, f = _problem(bits, scan_bits)
+    n, k = idx.shape[0], 10
+    add = torch.randn(n) if with_terms else None
+    ranges = torch.tensor([[[0, 700], [0, 0]], [[37, 500], [600, 640]], [[699, 700], [0, 3]],
+                           [[64, 96], [5, 6]], [[100, 101], [0, 0]]])
+    bias = torch.randn(5, 2) if with_terms else None
+    exact = f * (y @ c[idx].T) + (add if add is not None else 0)  # [nq, n]
+    for shortlist in (n, 40, 10):
+        s1, i1 = fastscan(blocks, n, fl, f, add, y, cs, c, ranges, bias, k, shortlist, threads=2)
+        s2, i2 = fastscan_torch(blocks, n, fl, f, add, y, cs, c, ranges, bias, k, shortlist)
         assert torch.equal(i1, i2)
         fin = torch.isfinite(s2)
-        assert torch.equal(fin, torch.isfinite(s1)) and torch.allclose(s1[fin], s2[fin], atol=1e-5, rtol=0)
-        # the shortlist re-scored exactly: the float scan's answer (these random tables have no near-ties)
-        assert torch.equal(i1, ref[1]) and torch.allclose(s1[fin], ref[0][fin], atol=1e-4, rtol=0)
+        assert torch.equal(fin, torch.isfinite(s1)) and torch.allclose(s1[fin], s2[fin], atol=1e-4, rtol=0)
+        # every returned score is the exact estimate of its row (+ its range's bias)
+        for q in range(5):
+            for s, i in zip(s1[q][fin[q]].tolist(), i1[q][fin[q]].tolist()):
+                b = 0.0
+                for r, (lo, hi) in enumerate(ranges[q].tolist()):
+                    if lo <= i < hi and bias is not None:
+                        b = float(bias[q, r])
+                assert abs(s - float(exact[q, i]) - b) < 1e-4
+    # a shortlist of every row: the exact top k
+    s1, i1 = fastscan(blocks, n, fl, f, add, y[:1], cs, c, ranges[:1], None if bias is None else bias[:1], k, n)
+    assert torch.equal(i1[0], torch.topk(exact[0], k).indices)
 
 
-@pytest.mark.parametrize("codec,bits", [("tq-mse-rn", 2), ("qjl", 1), ("tq-mse", 4)])
-def test_index_fast_and_float_scans_agree(codec, bits):
+@needs_c
+@pytest.mark.parametrize("nq", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_c_fastscan_batches_and_slices_agree(nq, threads):
+    """Query batches (3 per pass) and vector slices (fewer batches than threads) give one answer."""
+    fl, idx, blocks, c, cs, y, f = _problem(2, 2, nc=64, n=1000, nq=nq, seed=1)
+    ranges = torch.tensor([[[0, 1000]]]).expand(nq, 1, 2).contiguous()
+    ref = fastscan_torch(blocks, 1000, fl, f, None, y, cs, c, ranges, None, 8, 40)
+    for shared in (True, False):
+        got = fastscan(blocks, 1000, fl, f, None, y, cs, c, ranges, None, 8, 40, threads=threads, shared=shared)
+        assert torch.equal(got[1], ref[1])
+
+
+def test_bad_arguments_are_named():
+    fl, idx, blocks, c, cs, y, f = _problem(2, 2)
+    ranges = torch.tensor([[[0, 700]]] * 5)
+    with pytest.raises(ValueError, match="overlap"):
+        fastscan(blocks, 700, fl, f, None, y, cs, c, torch.tensor([[[0, 10], [5, 20]]] * 5), None, 5, 10)
+    with pytest.raises(ValueError, match="bias"):
+        fastscan(blocks, 700, fl, f, None, y, cs, c, ranges, torch.zeros(5, 2), 5, 10)
+    with pytest.raises(ValueError, match="shortlist"):
+        fastscan(blocks, 700, fl, f, None, y, cs, c, ranges, None, 5, 4)
+    with pytest.raises(ValueError, match="y must"):
+        fastscan(blocks, 700, fl, f, None, y[:, :3], cs, c, ranges, None, 5, 10)
+
+
+def test_nibble_tables_sum_to_the_scan_plane_estimate():
+    fl, idx, blocks, c, cs, y, f = _problem(3, 2, nc=45, n=50, nq=2)
+    lutf = nibble_tables(y, cs, fl)
+    planes = from_blocks(blocks, 50)
+    nib = torch.stack([planes & 15, planes >> 4], -1).reshape(50, -1)[:, :fl.n_scan].long()
+    got = lutf.reshape(2, -1)[:, nib + 16 * torch.arange(fl.n_scan)].sum(-1)
+    assert torch.allclose(got, y @ cs[idx >> 1].T, atol=1e-5)
+
+
+@pytest.mark.parametrize("codec,bits,scan_bits", [("tq-mse-rn", 2, 0), ("qjl", 1, 0), ("tq-mse", 4, 4),
+                                                  ("tq-mse-rn", 3, 0), ("tq-mse-rn", 4, 0), ("tq-mse-rn", 2, 1)])
+def test_index_fast_and_float_scans_agree(codec, bits, scan_bits):
     x, q = torch.randn(1500, 64), torch.randn(12, 64)
-    fast, slow = Index.create(64, codec=codec, bits=bits), Index.create(64, codec=codec, bits=bits, fastscan=False)
+    fast = Index.create(64, codec=codec, bits=bits, scan_bits=scan_bits)
+    slow = Index.create(64, codec=codec, bits=bits, fastscan=False)
     assert fast.fast and not slow.fast
     fast.add(x)
     slow.add(x)
     fast.remove(torch.tensor([3, 700]))
     slow.remove(torch.tensor([3, 700]))
     a, b = fast.search(q, 10), slow.search(q, 10)
-    assert (a[1] == b[1]).float().mean() > 0.97 and torch.allclose(a[0], b[0], atol=1e-4)
+    if fast.fast.rbits == 0:  # the shortlist of 64 holds the top 10 of these tables: the float scan's answer
+        assert (a[1] == b[1]).float().mean() > 0.97 and torch.allclose(a[0], b[0], atol=1e-4)
+    else:  # ranked by the top bits first: (almost) the same top 10, every score the exact estimate
+        overlap = sum(len(set(u) & set(v)) for u, v in zip(a[1].tolist(), b[1].tolist())) / a[1].numel()
+        assert overlap > (0.95 if fast.fast.scan_bits == 2 else 0.85)  # random 64-d data: near ties abound
+        full = slow.search(q, len(slow))
+        for qi in range(12):
+            pos = {i: j for j, i in enumerate(full[1][qi].tolist())}
+            want = torch.stack([full[0][qi, pos[i]] for i in a[1][qi].tolist()])
+            assert torch.allclose(a[0][qi], want, atol=1e-4)
     assert torch.equal(fast.row_codes(), slow.codes)
+    assert fast.bits_per_dim() == slow.bits_per_dim()  # 64 coordinates: no plane padding
+
+
+def test_search_codec_query_coords_and_centroids_give_its_estimate():
+    sc = SearchCodec("tq-mse-rn", 48, 3)
+    x, q = torch.randn(20, 48), torch.randn(3, 48)
+    codes, factors = sc.encode(x)
+    from qjl.core.packing import unpack_bits
+
+    idx = unpack_bits(codes, 3, sc.n_coords)
+    est = factors[0].float() * (sc.query_coords(q) @ sc.centroids()[idx].T)
+    assert torch.allclose(est, sc.score(q, codes, factors), atol=1e-5)

@@ -56,7 +56,9 @@ def check_vectors(name: str, x, dim: int, min_ndim: int = 1) -> torch.Tensor:
         raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(x.shape)}")
     if x.shape[-1] != dim:
         raise ValueError(f"{name} must have last dimension {dim}, got shape {tuple(x.shape)}")
-    if x.numel() and not bool(torch.isfinite(x).all()):
+    # a finite sum means every element is finite (NaN and Inf propagate): one pass, no [..] bool tensor;
+    # only a non-finite sum (a NaN/Inf, or an overflow of finite values) needs the element-wise check
+    if x.numel() and not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf values")
     return x
 

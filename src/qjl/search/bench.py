@@ -85,6 +85,8 @@ def _methods(cfg: BenchConfig, regime: str, dim: int):
     out = []
     for b in cfg.bits:
         for c in cfg.ours:
+            if ivf and c.endswith("+c"):  # an IVF index encodes residuals to its lists: already centered
+                continue
             out.append((f"qjl {c} b{b}", f"qjl {c}", b, "ours", c))
         if not cfg.peers:
             continue

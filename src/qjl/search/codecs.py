@@ -18,18 +18,41 @@ Every stored byte counts: codes plus one float16 factor per segment (the norms).
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from ..codecs.polarquant import PolarQuant
 from ..codecs.sketch import QJLSketch
 from ..codecs.turboquant import TurboQuantMSE, TurboQuantProd
+from ..core.lloyd_max import sphere_codebook, sphere_pdf
 from ..core.validation import check_fits
 from .encode import encode_lloyd_max
 from .scan import Layout, Segment
 
-__all__ = ["SearchCodec", "make_search_codec", "CODEC_NAMES"]
+__all__ = ["SearchCodec", "make_search_codec", "CODEC_NAMES", "FAST_CODECS", "scan_centroids"]
 
 CODEC_NAMES = ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar")
+FAST_CODECS = ("tq-mse", "tq-mse-rn", "qjl")  # one factor per vector, a sum over coordinates: fast-scannable
+
+
+@functools.lru_cache(maxsize=None)
+def scan_centroids(n: int, bits: int, scan_bits: int) -> tuple:
+    """Centroids of the scan cells of a ``bits``-bit sphere codebook (dimension ``n``) read by its top
+    ``scan_bits`` bits: cell h is the union of the cells ``h << r .. (h + 1) << r - 1`` (r = bits - scan_bits),
+    and its centroid the conditional mean ``sum_v p_v c_v / sum_v p_v`` (p_v: the cells' probabilities
+    under the coordinate density, c_v: their Lloyd-Max centroids, themselves conditional means)."""
+    book = sphere_codebook(n, bits)
+    r = bits - scan_bits
+    if r == 0:
+        return tuple(book.centroids)
+    pdf, lo, hi = sphere_pdf(n)
+    edges = [lo, *book.boundaries, hi]
+    weight = np.array([np.trapezoid(pdf(x), x) for x in (np.linspace(a, b, 20_001) for a, b in zip(edges, edges[1:]))])
+    c = np.asarray(book.centroids)
+    return tuple(float((weight[h << r:(h + 1) << r] * c[h << r:(h + 1) << r]).sum() / weight[h << r:(h + 1) << r].sum())
+                 for h in range(1 << scan_bits))
 
 
 def _mse_table(codec: TurboQuantMSE, q: torch.Tensor) -> torch.Tensor:
@@ -90,6 +113,31 @@ class SearchCodec:
     @property
     def nseg(self) -> int:
         return len(self.layout.segments) if self.layout is not None else 1
+
+    @property
+    def n_coords(self) -> int:
+        """Coordinates of a fast-scannable code (rotated / projected dimension)."""
+        return self.layout.segments[0].n_coords
+
+    @property
+    def code_bits(self) -> int:
+        """Bits per coordinate of a fast-scannable code (QJL: 1)."""
+        return self.layout.segments[0].bits
+
+    def query_coords(self, q: torch.Tensor) -> torch.Tensor:
+        """q: [nq, dim] -> y [nq, n_coords]: the estimate of a vector is ``f * sum_j y_j c[idx_j]``."""
+        if self.name in ("tq-mse", "tq-mse-rn"):
+            return self.codec.rotation.apply(q.float())
+        if self.name == "qjl":
+            return self.codec.project(q.float())
+        raise ValueError(f"codec {self.name!r} is not fast-scannable (one of {list(FAST_CODECS)})")
+
+    def centroids(self, scan_bits: int | None = None) -> torch.Tensor:
+        """[2**bits] the value of each code (QJL: -1, +1); with ``scan_bits``: the scan cells' centroids."""
+        if self.name == "qjl":
+            return torch.tensor([-1.0, 1.0])
+        n = self.codec.rotation.out_dim
+        return torch.tensor(scan_centroids(n, self.bits, scan_bits or self.bits), dtype=torch.float32)
 
     def bytes_per_vector(self) -> int:
         """Code bytes plus the float16 factors."""

@@ -1,10 +1,12 @@
 """A vector index over qjl's codecs: flat (no training) or IVF, top-k by inner product, cosine or L2.
 
 Storage, every byte counted by :meth:`Index.nbytes`: codes ``[n, stride]`` uint8 (for the fast scan:
-the same bytes in blocks of 32 vectors, :mod:`qjl.search.fastscan`, padded to 32), one float16
-factor per segment (norms), a float16 norm for ``metric='l2'``, int64 ids, the IVF centroids
-and list offsets, and, with ``rerank > 0``, the float32 vectors used to re-score a shortlist of
-``rerank * k`` candidates exactly.  Rows are kept sorted by IVF list, so a probe is a range.
+the same bits as scan and refine planes in blocks of 32 vectors, :mod:`qjl.search.fastscan`, padded
+to 32), one float16 factor per segment (norms), a float16 norm for ``metric='l2'``, int64 ids, the
+IVF centroids and list offsets, and, with ``rerank > 0``, the float32 vectors used to re-score a
+shortlist of ``rerank * k`` candidates exactly.  Rows are kept sorted by IVF list, so a probe is a
+range.  An IVF index encodes each vector's residual to its list's centroid (``by_residual``, as
+faiss and RaBitQ do): ``<q, x> = <q, c_list> + <q, x - c_list>``, the first term added per probed list.
 
 Scores: ``'ip'`` returns estimated ``<q, x>``; ``'cosine'`` normalises vectors and queries
 first; ``'l2'`` ranks by ``2 <q, x> - ||x||^2`` and returns estimated squared distances
@@ -21,8 +23,8 @@ import torch
 
 from ..core.validation import check_vectors
 from . import scan as _scan
-from .codecs import CODEC_NAMES, SearchCodec
-from .fastscan import fastscan, fastscan_ok, from_blocks, nibble_tables, to_blocks
+from .codecs import CODEC_NAMES, FAST_CODECS, SearchCodec
+from .fastscan import default_shortlist, fast_layout, fastscan, from_blocks, planes_to_rows, rows_to_planes, to_blocks
 from .ivf import assign, kmeans, probe
 
 __all__ = ["IndexConfig", "Index", "METRICS"]
@@ -38,7 +40,9 @@ class IndexConfig:
     center: encode ``x - c`` with ``c`` the mean of the first batch added (one pass, no iterations;
     ``<q, x> = <q, c> + <q, x - c>``): embeddings share a large common component (all-MiniLM-L6-v2:
     ``||mean|| ~ 0.31`` for unit vectors) that otherwise takes bits from what tells vectors apart.
-    With ``metric='l2'`` the norms are those of ``x - c`` and queries are centered too."""
+    With ``metric='l2'`` the norms are those of ``x - c`` and queries are centered too.  fastscan: store the
+    codes for the fast scan (tq-mse, tq-mse-rn, qjl); scan_bits: bits per coordinate the fast scan ranks
+    by before re-scoring a shortlist exactly (0: min(bits, 2)); by_residual (IVF): encode ``x - c_list``."""
 
     dim: int
     codec: str = "tq-mse-rn"
@@ -49,6 +53,8 @@ class IndexConfig:
     seed: int = 0
     center: bool = False
     fastscan: bool = True
+    scan_bits: int = 0
+    by_residual: bool = True
 
     def __post_init__(self):
         for name in ("dim", "nlist", "rerank", "seed"):
@@ -59,11 +65,16 @@ class IndexConfig:
             raise ValueError(f"bits must be an int in 1..4, got {self.bits!r}")
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {self.codec!r}")
-        for name in ("center", "fastscan"):
+        for name in ("center", "fastscan", "by_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {list(METRICS)}, got {self.metric!r}")
+        if isinstance(self.scan_bits, bool) or self.scan_bits not in (0, 1, 2, 4):
+            raise ValueError(f"scan_bits must be 0 (auto), 1, 2 or 4, got {self.scan_bits!r}")
+        if self.center and self.nlist and self.by_residual:
+            raise ValueError("center=True is for a flat index or by_residual=False: an IVF index that encodes "
+                             "residuals is already centered on its lists")
 
 
 class Index:
@@ -74,9 +85,17 @@ class Index:
             raise TypeError(f"config must be an IndexConfig, got {type(config).__name__}")
         self.config = config
         self.codec = SearchCodec(config.codec, config.dim, config.bits, config.seed)
-        # fast scan: 1/2/4-bit single-factor codes ranked by inner product (no per-vector term to add),
-        # stored in blocks of 32 vectors (fastscan.to_blocks)
-        self.fast = config.fastscan and fastscan_ok(self.codec.layout) and config.metric != "l2"
+        # fast scan: single-factor codes stored as scan / refine planes in blocks of 32 vectors (fastscan.py)
+        self.fast = None
+        if config.fastscan and config.codec in FAST_CODECS:
+            bits = self.codec.code_bits
+            if config.scan_bits and not (config.scan_bits <= bits and bits - config.scan_bits <= 2
+                                         and (config.scan_bits != 4 or bits == 4)):
+                raise ValueError(f"scan_bits={config.scan_bits} does not fit {bits}-bit codes: use 0 (auto), "
+                                 f"{', '.join(str(s) for s in (1, 2, 4) if s <= bits and bits - s <= 2)}")
+            self.fast = fast_layout(self.codec.n_coords, bits, config.scan_bits)
+            self._cs = self.codec.centroids(self.fast.scan_bits)
+            self._c = self.codec.centroids()
         self.codes = self._store(torch.empty(0, self.codec.stride, dtype=torch.uint8))
         self.factors = torch.empty(self.codec.nseg, 0, dtype=torch.float16)
         self.norms = torch.empty(0, dtype=torch.float16) if config.metric == "l2" else None
@@ -141,21 +160,23 @@ class Index:
         center = self.center_vec
         if self.config.center and center is None and n:
             center = x.mean(0)
-        codes, factors = self.codec.encode(x if center is None else x - center)
-        new = {"codes": codes, "factors": factors, "ids": ids, "center_vec": center,
-               "norms": None if self.norms is None else torch.linalg.vector_norm(x if center is None else x - center, dim=1).half(),
-               "vectors": None if self.vectors is None else x}
+        xc = x if center is None else x - center
         lists = assign(x, self.centroids) if self.config.nlist else torch.zeros(n, dtype=torch.int64)
+        residual = self.config.nlist and self.config.by_residual
+        codes, factors = self.codec.encode(x - self.centroids[lists] if residual else xc)
+        new = {"codes": codes, "factors": factors, "ids": ids, "center_vec": center,
+               "norms": None if self.norms is None else torch.linalg.vector_norm(xc, dim=1).half(),
+               "vectors": None if self.vectors is None else x}
         self._merge(new, lists)
         self.next_id = max(self.next_id, int(ids.max()) + 1) if n else self.next_id
         return ids
 
     def _store(self, rows: torch.Tensor) -> torch.Tensor:
-        return to_blocks(rows) if self.fast else rows
+        return to_blocks(rows_to_planes(rows, self.fast)) if self.fast else rows
 
     def row_codes(self) -> torch.Tensor:
         """The codes as rows ``[n, stride]`` uint8, whatever the storage layout."""
-        return from_blocks(self.codes, len(self)) if self.fast else self.codes
+        return planes_to_rows(from_blocks(self.codes, len(self)), self.fast) if self.fast else self.codes
 
     def set_row_codes(self, rows: torch.Tensor) -> None:
         """Replace the codes (rows ``[n, stride]`` uint8, one per stored id; used by persistence)."""
@@ -220,10 +241,14 @@ class Index:
         kk = min(len(self), k * self.config.rerank) if self.config.rerank else k
         l2, c = self.config.metric == "l2", self.center_vec
         qs = q - c if (l2 and c is not None) else q  # L2 is translation invariant: scan in centered space
-        ranges = self._ranges(q, nprobe)
+        ranges, lists = self._ranges(q, nprobe)
+        bias = None
+        if self.config.nlist and self.config.by_residual:  # <q, c_list> per probed list (x 2 for l2)
+            bias = (2.0 if l2 else 1.0) * torch.gather(qs @ self.centroids.T, 1, lists)
         scores, rows = [], []
         for s in range(0, q.shape[0], _QBATCH):
-            sc, rw = self._scan(qs[s:s + _QBATCH], ranges[s:s + _QBATCH], kk, threads, backend)
+            sc, rw = self._scan(qs[s:s + _QBATCH], ranges[s:s + _QBATCH], kk, threads, backend,
+                                None if bias is None else bias[s:s + _QBATCH])
             scores.append(sc)
             rows.append(rw)
         scores, rows = torch.cat(scores), torch.cat(rows)
@@ -237,39 +262,44 @@ class Index:
             scores = (qs * qs).sum(1, keepdim=True) - scores
         return scores, ids
 
-    def _ranges(self, q: torch.Tensor, nprobe: int) -> torch.Tensor:
+    def _ranges(self, q: torch.Tensor, nprobe: int):
+        """-> (ranges [nq, nr, 2] int64, lists [nq, nr] int64): the rows of each probed list."""
         if self.config.nlist == 0:
-            return torch.tensor([[[0, len(self)]]], dtype=torch.int64).expand(q.shape[0], 1, 2).contiguous()
+            zero = torch.zeros(q.shape[0], 1, dtype=torch.int64)
+            return torch.tensor([[[0, len(self)]]], dtype=torch.int64).expand(q.shape[0], 1, 2).contiguous(), zero
         lists = probe(q, self.centroids, nprobe, self.config.metric)  # [nq, nprobe]
-        return torch.stack([self.offsets[lists], self.offsets[lists + 1]], dim=-1).contiguous()
+        return torch.stack([self.offsets[lists], self.offsets[lists + 1]], dim=-1).contiguous(), lists
 
     def _add_term(self):
         return None if self.norms is None else -(self.norms.float() ** 2)
 
-    def _scan(self, q, ranges, k, threads, backend):
+    def _scan(self, q, ranges, k, threads, backend, bias):
         factors = self.factors.float()
         scale = 2.0 if self.config.metric == "l2" else 1.0  # rank by 2<q,x> - ||x||^2
         if self.codec.layout is None:
-            return self._scan_dense(q, ranges, k, factors, scale)
+            return self._scan_dense(q, ranges, k, factors, scale, bias)
         if backend == "torch":  # the reference LUT scan, chunked over the vectors
-            return self._scan_dense(q, ranges, k, factors, scale) if len(self) > 65536 else _scan.scan_torch(
+            return self._scan_dense(q, ranges, k, factors, scale, bias) if len(self) > 65536 else _scan.scan_torch(
                 self.row_codes(), self.codec.layout, factors, self._add_term(),
-                _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)]), ranges, k)
-        tables = [scale * t for t in self.codec.tables(q)]
+                _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)]), ranges, k, bias)
         if backend == "triton":
             from ..kernels.triton.scan import scan_triton
 
-            luts = _scan.build_luts(self.codec.layout, tables)
-            return scan_triton(self.row_codes(), self.codec.layout, factors, self._add_term(), luts, ranges, k)
+            luts = _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)])
+            return scan_triton(self.row_codes(), self.codec.layout, factors, self._add_term(), luts, ranges, k,
+                               bias=bias)
         if backend == "c" and not _scan.c_available():
             raise RuntimeError("backend='c' asked but the C scan could not be built")
         if self.fast:
-            lutf = nibble_tables(self.codec.layout.segments[0], tables[0])
-            return fastscan(self.codes, len(self), factors[0], lutf, ranges, k, max(4 * k, 64), threads)
-        luts = _scan.build_luts(self.codec.layout, tables)
-        return _scan.scan(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k, threads)
+            y = self.codec.query_coords(q)
+            y = y * scale if scale != 1.0 else y
+            shared = self.config.nlist == 0
+            return fastscan(self.codes, len(self), self.fast, factors[0], self._add_term(), y, self._cs, self._c,
+                            ranges, bias, k, max(default_shortlist(k), k), threads, shared=shared)
+        luts = _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)])
+        return _scan.scan(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k, threads, bias)
 
-    def _scan_dense(self, q, ranges, k, factors, scale):
+    def _scan_dense(self, q, ranges, k, factors, scale, bias):
         """Reference path: the codec's own estimate for every vector in range (chunked), then top-k."""
         best_s = torch.full((q.shape[0], k), -float("inf"))
         best_i = torch.full((q.shape[0], k), -1, dtype=torch.int64)
@@ -281,8 +311,10 @@ class Index:
             if add is not None:
                 sc = sc + add[s:e]
             rows = torch.arange(s, e)
-            inside = ((rows >= ranges[..., :1]) & (rows < ranges[..., 1:])).any(1)  # [nq, chunk]
-            sc = torch.where(inside, sc, torch.tensor(-float("inf")))
+            member = (rows >= ranges[..., :1]) & (rows < ranges[..., 1:])  # [nq, nr, chunk]
+            if bias is not None:
+                sc = sc + (member.float() * bias.unsqueeze(-1)).sum(1)
+            sc = torch.where(member.any(1), sc, torch.tensor(-float("inf")))
             cat_s, cat_i = torch.cat([best_s, sc], 1), torch.cat([best_i, rows.expand(q.shape[0], -1)], 1)
             top = torch.topk(cat_s, k, dim=1)
             best_s, best_i = top.values, cat_i.gather(1, top.indices)
@@ -312,9 +344,14 @@ class Index:
             out["list_offsets"] = 8 * self.offsets.numel()
         return out
 
+    def bytes_per_vector(self) -> int:
+        """Code bytes as stored (the fast scan's planes may round up each plane to a byte) + factors (+ norm)."""
+        code = self.fast.row_bytes if self.fast else self.codec.stride
+        return code + 2 * self.codec.nseg + (2 if self.norms is not None else 0)
+
     def bits_per_dim(self, with_ids: bool = False) -> float:
         """Per-vector bits / dim: codes + factors (+ norms, + rerank vectors)(+ ids)."""
-        per = self.codec.bytes_per_vector() + (2 if self.norms is not None else 0)
+        per = self.bytes_per_vector()
         per += 4 * self.config.dim if self.vectors is not None else 0
         per += 8 if with_ids else 0
         return 8 * per / self.config.dim

@@ -4,12 +4,13 @@
  * groups of `gbits` bits (8: one byte; 6: two 3-bit codes, four groups per 3 bytes).  Each
  * group indexes a per-query table, so
  *
- *     score[i] = sum_s factor[s][i] * sum_g lut[s][g][group_g(code_i)] + add[i]
+ *     score[i] = sum_s factor[s][i] * sum_g lut[s][g][group_g(code_i)] + add[i] + bias[q][r]
  *
  * which is <q', x_hat_i> for any codec whose estimate is a sum over coordinates of a
  * function of one code (TurboQuant MSE / Prod, QJL): the tables hold those sums for every
  * value a group can take (built by qjl.search.scan.build_luts, in torch).  Bytes past a
- * segment's end read as 0 (the tables give 0 for padding coordinates).
+ * segment's end read as 0 (the tables give 0 for padding coordinates).  bias (optional, [nq, nr]) is
+ * a per-(query, range) term: an IVF index encoding residuals adds <q, centroid of the list> there.
  *
  * OpenMP over queries: each query scans its own ranges of vectors into its own min-heap of
  * the k best (score, index) pairs, so threads share nothing but the read-only codes.
@@ -71,7 +72,7 @@ int qjl_scan(const uint8_t *codes, int64_t n, int64_t stride,
              int nseg, const int32_t *seg_off, const int32_t *seg_bytes, const int32_t *seg_gbits,
              const int64_t *lut_off, const float *factors, const float *add,
              const float *luts, int64_t lut_size, int64_t nq,
-             const int64_t *ranges, int64_t nr, int k,
+             const int64_t *ranges, int64_t nr, const float *bias, int k,
              float *out_scores, int64_t *out_idx, int nthreads)
 {
     if (nseg < 1 || nseg > 4 || k < 1) return -1;
@@ -88,6 +89,7 @@ int qjl_scan(const uint8_t *codes, int64_t n, int64_t stride,
         const float *lq = luts + q * lut_size;
         for (int64_t r = 0; r < nr; r++) {
             int64_t lo = ranges[(q * nr + r) * 2], hi_end = ranges[(q * nr + r) * 2 + 1];
+            float br = bias ? bias[q * nr + r] : 0.f;
             for (int64_t i = lo; i < hi_end; i++) {
                 const uint8_t *c = codes + i * stride;
                 float score = add ? add[i] : 0.f;
@@ -97,6 +99,7 @@ int qjl_scan(const uint8_t *codes, int64_t n, int64_t stride,
                                                    : seg_sum6(c + seg_off[s], seg_bytes[s], t);
                     score += factors[s * n + i] * part;
                 }
+                score = score + br;
                 if (score > hs[0] || (score == hs[0] && i < hi[0])) {
                     hs[0] = score; hi[0] = i;
                     heap_sift(hs, hi, k, 0);

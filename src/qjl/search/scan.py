@@ -7,12 +7,13 @@ one code, times a per-vector factor: ``<Pi q, c[idx]> * ||x||`` for TurboQuant M
 or 8-bit codes; six bits = two 3-bit codes), and for each query a table holds, for every
 group and every value the group can take, the sum of its coordinates' contributions.  Then
 
-    score[i] = sum_s factors[s, i] * sum_g luts[q, off_s + 256 g' + group_g(code_i)] + add[i]
+    score[i] = sum_s factors[s, i] * sum_g luts[q, off_s + 256 g' + group_g(code_i)] + add[i] + bias[q, r]
 
 (a segment's groups are laid out 256 entries per byte for gbits 8, per 3 bytes for gbits 6).
 :func:`build_luts` makes the tables from per-coordinate tables ``[nq, n_coords, 2**bits]``;
 :func:`scan` runs the C kernel (``scan.c``, OpenMP over queries) and :func:`scan_torch` is
-the plain-torch reference of the same signature.  The two sum in different orders, so
+the plain-torch reference of the same signature.  ``bias [nq, nr]`` (optional) adds a term per
+query and range (an IVF index that encodes residuals adds ``<q, centroid>`` of the probed list).  The two sum in different orders, so
 scores agree to float32 rounding: ``|diff| <= 1e-5 * sum_s |factor| * sum_g max|lut|``.
 """
 
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Segment", "Layout", "build_luts", "scan", "scan_torch", "c_available", "check_scan_args", "extension"]
+__all__ = ["Segment", "Layout", "build_luts", "scan", "scan_torch", "c_available", "check_scan_args", "extension",
+           "range_terms"]
 
 _SRC = Path(__file__).with_name("scan.c")
 # one extension: the LUT scan, the encoder and the fast scan
@@ -99,7 +101,7 @@ def build_luts(layout: Layout, tables: list) -> torch.Tensor:
     return torch.cat([_group_table(t, seg) for t, seg in zip(tables, layout.segments)], dim=1).contiguous()
 
 
-def check_scan_args(codes, layout, factors, add, luts, ranges, k) -> None:
+def check_scan_args(codes, layout, factors, add, luts, ranges, k, bias=None) -> None:
     """The shared argument checks of every scan backend (names the bad argument)."""
     if codes.dtype != torch.uint8 or codes.ndim != 2 or codes.shape[1] != layout.stride:
         raise ValueError(f"codes must be uint8 [n, {layout.stride}], got {codes.dtype} {tuple(codes.shape)}")
@@ -112,15 +114,31 @@ def check_scan_args(codes, layout, factors, add, luts, ranges, k) -> None:
         raise ValueError(f"luts must be [nq, {layout.lut_size}], got {tuple(luts.shape)}")
     if ranges.dtype != torch.int64 or ranges.ndim != 3 or ranges.shape[0] != luts.shape[0] or ranges.shape[2] != 2:
         raise ValueError(f"ranges must be int64 [nq, nr, 2], got {ranges.dtype} {tuple(ranges.shape)}")
+    if bias is not None and bias.shape != ranges.shape[:2]:
+        raise ValueError(f"bias must be [nq, nr] = {tuple(ranges.shape[:2])} or None, got {tuple(bias.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive int, got {k!r}")
 
 
-def scan_torch(codes, layout: Layout, factors, add, luts, ranges, k: int):
+def range_terms(ranges: torch.Tensor, bias, n: int):
+    """ranges [nq, nr, 2], bias [nq, nr] or None -> (inside [nq, n] bool, per-row bias [nq, n] float32)."""
+    nq = ranges.shape[0]
+    inside = torch.zeros(nq, n, dtype=torch.bool)
+    per = torch.zeros(nq, n)
+    for q in range(nq):
+        for r, (lo, hi) in enumerate(ranges[q].tolist()):
+            inside[q, lo:hi] = True
+            if bias is not None:
+                per[q, lo:hi] = bias[q, r].float()
+    return inside, per
+
+
+def scan_torch(codes, layout: Layout, factors, add, luts, ranges, k: int, bias=None):
     """Reference. codes: [n, stride] uint8; factors: [nseg, n] float32; add: [n] or None;
-    luts: [nq, lut_size]; ranges: [nq, nr, 2] int64 (half-open row ranges, may be empty) ->
-    (scores [nq, k] descending, indices [nq, k] int64; -inf / -1 past the vectors in range)."""
-    check_scan_args(codes, layout, factors, add, luts, ranges, k)
+    luts: [nq, lut_size]; ranges: [nq, nr, 2] int64 (half-open row ranges, may be empty, disjoint per
+    query); bias: [nq, nr] or None -> (scores [nq, k] descending, indices [nq, k] int64; -inf / -1 past
+    the vectors in range)."""
+    check_scan_args(codes, layout, factors, add, luts, ranges, k, bias)
     n, nq = codes.shape[0], luts.shape[0]
     total = torch.zeros(nq, n) + (add.float() if add is not None else 0)
     c = codes.long()
@@ -136,11 +154,8 @@ def scan_torch(codes, layout: Layout, factors, add, luts, ranges, k: int):
             idx = (grp + base).reshape(n, -1)
         table = luts[:, off:off + seg.lut_size].float()  # [nq, lut]
         total += table[:, idx].sum(-1) * f  # [nq, n]
-    inside = torch.zeros(nq, n, dtype=torch.bool)
-    for q in range(nq):
-        for lo, hi in ranges[q].tolist():
-            inside[q, lo:hi] = True
-    total = torch.where(inside, total, torch.tensor(-float("inf")))
+    inside, per = range_terms(ranges, bias, n)
+    total = torch.where(inside, total + per, torch.tensor(-float("inf")))
     kk = min(k, n)
     # descending score, ties by the lower index (as the kernel): stable sort on -score
     order = torch.sort(-total, dim=1, stable=True).indices[:, :kk]
@@ -174,13 +189,13 @@ def c_available() -> bool:
     return extension() is not None
 
 
-def scan(codes, layout: Layout, factors, add, luts, ranges, k: int, threads: int = 0):
+def scan(codes, layout: Layout, factors, add, luts, ranges, k: int, threads: int = 0, bias=None):
     """The C kernel (same contract as :func:`scan_torch`); ``threads`` 0 = OpenMP's default.
     Falls back to :func:`scan_torch` where the extension cannot be built."""
-    check_scan_args(codes, layout, factors, add, luts, ranges, k)
+    check_scan_args(codes, layout, factors, add, luts, ranges, k, bias)
     mod = extension()
     if mod is None:
-        return scan_torch(codes, layout, factors, add, luts, ranges, k)
+        return scan_torch(codes, layout, factors, add, luts, ranges, k, bias)
     ffi, lib = mod.ffi, mod.lib
     nseg = len(layout.segments)
     codes = codes.contiguous()
@@ -188,6 +203,7 @@ def scan(codes, layout: Layout, factors, add, luts, ranges, k: int, threads: int
     add = None if add is None else add.float().contiguous()
     luts = luts.float().contiguous()
     ranges = ranges.contiguous()
+    bias = None if bias is None else bias.float().contiguous()
     seg_off = torch.tensor([s.offset for s in layout.segments], dtype=torch.int32)
     seg_bytes = torch.tensor([s.nbytes for s in layout.segments], dtype=torch.int32)
     seg_gbits = torch.tensor([s.gbits for s in layout.segments], dtype=torch.int32)
@@ -202,7 +218,7 @@ def scan(codes, layout: Layout, factors, add, luts, ranges, k: int, threads: int
     rc = lib.qjl_scan(p(codes, "uint8_t *"), codes.shape[0], layout.stride, nseg, p(seg_off, "int32_t *"),
                       p(seg_bytes, "int32_t *"), p(seg_gbits, "int32_t *"), p(lut_off, "int64_t *"),
                       p(factors, "float *"), p(add, "float *"), p(luts, "float *"), layout.lut_size, nq,
-                      p(ranges, "int64_t *"), ranges.shape[1], k, p(scores, "float *"), p(idx, "int64_t *"),
+                      p(ranges, "int64_t *"), ranges.shape[1], p(bias, "float *"), k, p(scores, "float *"), p(idx, "int64_t *"),
                       int(threads))
     if rc != 0:
         raise RuntimeError(f"qjl_scan failed with code {rc}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...search.scan import Layout, check_scan_args
+from ...search.scan import Layout, check_scan_args, range_terms
 
 __all__ = ["scan_triton", "triton_available"]
 
@@ -53,12 +53,12 @@ if triton is not None:
         tl.store(out_ptr + q.to(tl.int64) * n + rows, acc, mask=live)
 
 
-def scan_triton(codes, layout: Layout, factors, add, luts, ranges, k: int, block: int = 128):
+def scan_triton(codes, layout: Layout, factors, add, luts, ranges, k: int, block: int = 128, bias=None):
     """Same contract as :func:`qjl.search.scan.scan_torch`; every tensor on one device (a GPU, or
     the CPU under ``TRITON_INTERPRET=1``)."""
     if triton is None:
         raise RuntimeError("scan_triton needs triton (pip install triton)")
-    check_scan_args(codes, layout, factors, add, luts, ranges, k)
+    check_scan_args(codes, layout, factors, add, luts, ranges, k, bias)
     n, nq = codes.shape[0], luts.shape[0]
     codes, luts = codes.contiguous(), luts.float().contiguous()
     total = torch.zeros(nq, n, device=codes.device) + (add.float() if add is not None else 0)
@@ -69,8 +69,10 @@ def scan_triton(codes, layout: Layout, factors, add, luts, ranges, k: int, block
                                    GBITS=seg.gbits, BLOCK=block)
         total += part * f
     rows = torch.arange(n, device=codes.device)
-    inside = ((rows >= ranges[..., :1]) & (rows < ranges[..., 1:])).any(1)  # [nq, n]
-    total = torch.where(inside, total, torch.tensor(-float("inf"), device=codes.device))
+    member = (rows >= ranges[..., :1]) & (rows < ranges[..., 1:])  # [nq, nr, n]
+    if bias is not None:
+        total = total + (member.float() * bias.float().unsqueeze(-1)).sum(1)  # ranges are disjoint
+    total = torch.where(member.any(1), total, torch.tensor(-float("inf"), device=codes.device))
     kk = min(k, n)
     order = torch.sort(-total, dim=1, stable=True).indices[:, :kk]
     scores = total.gather(1, order)
