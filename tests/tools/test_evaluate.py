@@ -122,8 +122,7 @@ def test_memory_from_captured_kv_equals_memory_through_the_model(lm, name):
     through_model = evaluate.memory_at(model, ids, cfg, 400)
     fed = evaluate.memory_at(model, ids, cfg, 400, kv=evaluate.capture_kv(model, ids, 400))
     # through the model the cache also holds each row's first real position (row_start, read from the attention
-    # mask: a few bytes
-    # of bookkeeping, counted with the exact part here); everything else is the same storage
+    # mask: a few bytes of bookkeeping, counted with the exact part here); everything else is the same storage
     loose = ("bytes", "exact_bytes", "bits_per_value", "x_vs_fp16")
     assert {k: v for k, v in fed.items() if k not in loose} == {k: v for k, v in through_model.items() if k not in loose}
     assert 0 <= through_model["bytes"] - fed["bytes"] == through_model["exact_bytes"] - fed["exact_bytes"] <= 64
