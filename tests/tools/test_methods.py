@@ -1,6 +1,5 @@
 """Method names for `qjl eval`, the caches they make, and the bytes those caches hold."""
 
-import importlib.util
 
 import pytest
 import torch
@@ -55,7 +54,7 @@ def test_cache_memory_counts_storage_for_every_kind():
     assert mem["bits_per_value"] == pytest.approx(16 * mem["bytes"] / mem["fp16_bytes"])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("optimum.quanto") is None, reason="optimum-quanto not installed")
+@pytest.mark.skipif(not methods.has_quanto(), reason="optimum-quanto not installed")
 def test_cache_memory_of_transformers_quantized_cache():
     import qjl
     from tiny_models import tiny_model

@@ -58,6 +58,14 @@ def _has_auto() -> bool:
     return callable(getattr(QJLConfig, "auto", None))
 
 
+def has_quanto() -> bool:
+    """Whether optimum-quanto (the ``peers`` extra) is importable; False also when ``optimum`` itself is missing."""
+    try:
+        return importlib.util.find_spec("optimum.quanto") is not None
+    except ModuleNotFoundError:  # find_spec imports the parent package
+        return False
+
+
 def method_names() -> list:
     """Every name ``--methods`` accepts (presets, peers, and ``auto-<bits>`` where available)."""
     from qjl.cache.presets import PRESETS
@@ -71,7 +79,7 @@ def _check(name: str) -> None:
     if name in PRESETS:
         return
     if name in _PEERS:
-        if importlib.util.find_spec("optimum.quanto") is None:
+        if not has_quanto():
             raise ValueError(f"methods: {name!r} needs optimum-quanto (pip install optimum-quanto)")
         return
     if name.startswith("auto-") and _has_auto():
@@ -91,9 +99,9 @@ def resolve_methods(names=None, everything: bool = False) -> list:
     from qjl.cache.presets import DEFAULT_PRESET, PRESETS
 
     if everything:
-        names = [*PRESETS] + [p for p in _PEERS if importlib.util.find_spec("optimum.quanto") is not None]
+        names = [*PRESETS] + [p for p in _PEERS if has_quanto()]
     elif names is None:
-        names = [n for n in QUICK_METHODS if n not in _PEERS or importlib.util.find_spec("optimum.quanto") is not None]
+        names = [n for n in QUICK_METHODS if n not in _PEERS or has_quanto()]
     out = [REFERENCE]
     for n in names:
         n = DEFAULT_PRESET if n == "default" else n
