@@ -39,28 +39,19 @@
 #define FS_NQ 3 /* queries per pass: 12 accumulators + 7 working registers (4 per pass, 16 accumulators,
                      spills on AVX2's 16 registers: measured no faster, benchmarks/search_speed.py) */
 
-static void fs_sift(float *hs, int64_t *hi, int k, int pos) {
-    for (;;) {
-        int l = 2 * pos + 1, r = l + 1, m = pos;
-        if (l < k && (hs[l] < hs[m] || (hs[l] == hs[m] && hi[l] > hi[m]))) m = l;
-        if (r < k && (hs[r] < hs[m] || (hs[r] == hs[m] && hi[r] > hi[m]))) m = r;
-        if (m == pos) return;
-        float ts = hs[m]; hs[m] = hs[pos]; hs[pos] = ts;
-        int64_t ti = hi[m]; hi[m] = hi[pos]; hi[pos] = ti;
-        pos = m;
-    }
-}
+/* heap_sift (the k-heap's sift-down, worst score at the root) is scan.c's: the search sources are compiled as one
+   translation unit, scan.c first (scan.py, _SOURCES). */
 
 /* a min-heap of the k best (score desc, index asc) */
 static inline void fs_push(float *hs, int64_t *hi, int k, float s, int64_t i) {
-    if (s > hs[0] || (s == hs[0] && i < hi[0])) { hs[0] = s; hi[0] = i; fs_sift(hs, hi, k, 0); }
+    if (s > hs[0] || (s == hs[0] && i < hi[0])) { hs[0] = s; hi[0] = i; heap_sift(hs, hi, k, 0); }
 }
 
 static void fs_sort(float *hs, int64_t *hi, int k) {
     for (int end = k - 1; end > 0; end--) {
         float ts = hs[0]; hs[0] = hs[end]; hs[end] = ts;
         int64_t ti = hi[0]; hi[0] = hi[end]; hi[end] = ti;
-        fs_sift(hs, hi, end, 0);
+        heap_sift(hs, hi, end, 0);
     }
 }
 

@@ -29,7 +29,7 @@ __all__ = ["Segment", "Layout", "build_luts", "scan", "scan_torch", "c_available
            "range_terms"]
 
 _SRC = Path(__file__).with_name("scan.c")
-# one extension: the LUT scan, the encoder and the fast scan
+# one extension, one translation unit in this order: the LUT scan (heap_sift, shared), the encoder, the fast scan
 _SOURCES = (_SRC, Path(__file__).with_name("encode.c"), Path(__file__).with_name("fastscan.c"))
 
 

@@ -4,7 +4,7 @@ Imported only inside vLLM processes (it imports vLLM).  Per layer and step:
 
 ``forward`` (which includes the cache update, ``forward_includes_kv_cache_update``) quantizes the
 new keys and values into their pages (codes for every token, :mod:`.layout`), attends -- decode rows
-in one call of :func:`decode_fn` (the paged kernel of :mod:`qjl.kernels`: sinks and window exact,
+in one call of :func:`.decode.decode_function`'s choice (the paged kernel of :mod:`qjl.kernels`: sinks and window exact,
 codes in between, the current token exact from ``forward``'s own key/value), prefill and chunk rows
 through :func:`.paged.paged_attention_reference` (the chunk attended exactly and causally) -- then
 writes the exact copies of the sinks and of the last ``window`` tokens (after the attention, so a
@@ -31,7 +31,7 @@ from .step import StepPlan, forward_batch
 from .writes import write_codes
 from .settings import VLLMSettings, load_settings
 
-__all__ = ["QJLAttentionBackend", "QJLAttentionImpl", "QJLMetadata", "QJLMetadataBuilder", "decode_fn",
+__all__ = ["QJLAttentionBackend", "QJLAttentionImpl", "QJLMetadata", "QJLMetadataBuilder",
            "current_settings", "content_bytes", "layer_layout"]
 
 logger = init_logger("vllm.qjl")
@@ -47,12 +47,6 @@ def _num_layers() -> int | None:
     if cfg is None or cfg.model_config is None:
         return None
     return cfg.model_config.hf_text_config.num_hidden_layers
-
-
-def decode_fn(settings: VLLMSettings):
-    """The function that serves decode rows (:func:`.decode.decode_function`: the paged kernel of
-    :mod:`qjl.kernels` for ``decode="auto"``, the plain-torch reference for ``"torch"``)."""
-    return decode_function(settings)
 
 
 class QJLAttentionBackend(AttentionBackend):
@@ -150,7 +144,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         self.num_layers = _num_layers()
         self.layout = None
         self._fields_key = self._fields = None
-        self._decode = decode_fn(self.settings)
+        self._decode = decode_function(self.settings)
         s = self.settings
         logger.info_once(f"qjl backend: preset {s.preset}, {s.sink_tokens} exact sinks, exact window {s.window_tokens}, "
                          f"decode {self._decode.__module__}.{self._decode.__name__}")
