@@ -11,7 +11,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-__all__ = ["embedded_gguf", "load_model", "check_model_name", "DEFAULT_MODEL"]
+__all__ = ["embedded_gguf", "model_dir", "load_model", "check_model_name", "DEFAULT_MODEL"]
 
 DEFAULT_MODEL = "smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,13 +46,12 @@ def check_model_name(name_or_path: str) -> None:
                                 f"got {name_or_path!r}")
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None):
-    """Return (model, tokenizer) in eval mode.
-
-    ``name_or_path``: "smollm2" (embedded), a directory with a Hugging Face model, or a .gguf file.
-    """
+def model_dir(name_or_path: str = DEFAULT_MODEL, dtype=None) -> Path:
+    """A Hugging Face model directory for ``name_or_path``: "smollm2" (embedded) or a .gguf file is converted once
+    into ``$QJL_CACHE_DIR/models/<stem>-<dtype>`` (default ``~/.cache/qjl``; transformers dequantizes the GGUF
+    weights to ``dtype``, default float32) and that directory returned; a model directory is returned as it is.
+    Raises FileNotFoundError naming what is missing."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if dtype is None else dtype
     if name_or_path == DEFAULT_MODEL:
@@ -65,10 +64,11 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None):
         path = Path(name_or_path)
         if not path.is_dir():
             raise FileNotFoundError(f"model must be 'smollm2', a model directory or a .gguf file; {path} is neither")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        return model, AutoTokenizer.from_pretrained(path)
+        return path
     converted = _cache_root() / (gguf.stem + "-" + str(dtype).replace("torch.", ""))
     if not (converted / "config.json").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
@@ -80,5 +80,18 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None):
         tok.save_pretrained(tmp)
         if not converted.exists():
             tmp.rename(converted)
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=dtype).eval()
-    return model, AutoTokenizer.from_pretrained(converted)
+    return converted
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None):
+    """Return (model, tokenizer) in eval mode.
+
+    ``name_or_path``: "smollm2" (embedded), a directory with a Hugging Face model, or a .gguf file.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
+    path = model_dir(name_or_path, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(path)
