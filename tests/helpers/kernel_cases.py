@@ -1,5 +1,8 @@
 """Shared cases for the kernel tests: codec pairs, codes in contiguous and paged layouts, the reference."""
 
+import copy
+import os
+
 import torch
 
 from qjl.codecs.outliers import OutlierQJL
@@ -8,6 +11,12 @@ from qjl.codecs.tokenwise import TokenwiseQuantizer
 from qjl.codecs.turboquant import TurboQuantMSE
 from qjl.kernels.paged import PagedField
 from qjl.kernels.reference import paged_decode_reference
+
+
+# Where the Triton kernel tests run: the CPU through Triton's interpreter (conftest.py sets TRITON_INTERPRET=1
+# unless it is set already), or natively on CUDA with ``TRITON_INTERPRET=0 pytest tests/kernels/test_triton*.py``
+# on a machine with a GPU.  References always run on the CPU.
+TRITON_DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 
 
 def codec_pair(name: str, d: int):
@@ -74,6 +83,17 @@ class Case:
 
     def reference(self):
         return paged_decode_reference(*self.args(), exact=self.exact, code_bias=self.bias)
+
+    def on(self, device):
+        """This case with every tensor on ``device`` (codecs follow their inputs); ``self`` stays as it is."""
+        other = copy.copy(self)
+        for name in ("k", "v", "q", "block_table", "start", "end", "bias"):
+            t = getattr(self, name)
+            setattr(other, name, None if t is None else t.to(device))
+        other.kcodes, other.vcodes = self.kcodes.to(device), self.vcodes.to(device)
+        other.kf, other.vf = fields_of(other.kcodes), fields_of(other.vcodes)
+        other.exact = None if self.exact is None else tuple(t.to(device) for t in self.exact)
+        return other
 
 
 def close(got, want, tol):

@@ -12,7 +12,7 @@ import torch
 from qjl.kernels.paged import PagedField
 
 
-def paged_pool(per_token: dict, shared: dict, lengths, block_size: int, seed: int = 0):
+def paged_pool(per_token: dict, shared: dict, lengths, block_size: int, seed: int = 0, device="cpu"):
     """per_token {name: [B, H, N, *shape]}, shared {name: [B, H, n_blocks_max, *shape]} (one entry per block)
     -> (fields {name: PagedField}, block_table [B, max_blocks] int32)."""
     b, h, n = next(iter(per_token.values())).shape[:3]
@@ -44,6 +44,7 @@ def paged_pool(per_token: dict, shared: dict, lengths, block_size: int, seed: in
                         dst.copy_(raw[i, :, t0:t1])
                 else:
                     pool[blk, :, o:o + entry] = raw[i, :, j]
+    pool, table = pool.to(device), table.to(device)
     fields = {}
     for name in names:
         o, entry = layout[name]

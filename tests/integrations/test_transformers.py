@@ -198,6 +198,23 @@ def test_sliding_layers_stay_exact():
     assert kinds == ["DynamicSlidingWindowLayer", "QJLCacheLayer"] * 2
 
 
+def test_layers_built_with_the_older_layer_kwargs_api(monkeypatch):
+    """transformers before 5.19 returns one kwargs dict for all layers (5.17 on a GPU image built no layer at all)."""
+    from qjl.integrations.transformers import cache as cache_mod
+
+    real = cache_mod.get_layer_types_and_kwargs
+
+    def old_api(config):
+        types, per_layer = real(config)
+        return types, dict(per_layer[0])
+
+    model = _patched("gemma3")
+    want = [type(layer).__name__ for layer in QJLCache(model, GENEROUS).layers]
+    monkeypatch.setattr(cache_mod, "get_layer_types_and_kwargs", old_api)
+    got = QJLCache(model, GENEROUS)
+    assert [type(layer).__name__ for layer in got.layers] == want and len(want) == 4
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_models(dtype):
     model = _patched("llama", dtype=dtype)

@@ -5,11 +5,13 @@ One layer's page pool is filled the way the backend fills it (a prefill step thr
 at every decode step all decode rows of the batch go through :func:`paged_decode_kernel` in one call and
 through :func:`.paged.paged_decode_reference`, with the same arguments.  Histories shorter than
 ``sinks + window`` (down to none), GQA, several presets and layouts, the C kernel and the Triton kernel
-(through its interpreter, set in conftest.py) are covered.  No vLLM import.
+(through its interpreter, set in conftest.py; natively on a GPU with ``TRITON_INTERPRET=0``, the pool then
+on CUDA) are covered.  No vLLM import.
 """
 
 import pytest
 import torch
+from kernel_cases import TRITON_DEVICE
 
 from qjl import kernels
 from qjl.integrations.vllm.decode import (code_ranges, decode_function, decode_rows, paged_decode_kernel)
@@ -26,7 +28,7 @@ TOL = 1e-4  # relative to the output's largest entry: float32 sums in another or
 def _backends():
     out = []
     out.append(pytest.param("cpu", marks=pytest.mark.skipif(not kernels.cpu_available(), reason="no C build")))
-    out.append(pytest.param("triton", marks=pytest.mark.skipif(not kernels.triton_usable(torch.device("cpu")),
+    out.append(pytest.param("triton", marks=pytest.mark.skipif(not kernels.triton_usable(TRITON_DEVICE),
                                                                 reason="Triton interpreter unavailable")))
     return out
 
@@ -35,9 +37,11 @@ class Pool:
     """One layer of a preset in a shuffled page pool, sequences written as the backend writes them."""
 
     def __init__(self, settings: VLLMSettings, hkv: int, hq: int, block_size: int, layer: int = 20,
-                 num_blocks: int = 40, seed: int = 0):
+                 num_blocks: int = 40, seed: int = 0, device="cpu"):
         self.lay = layer_layout(settings, layer, 30, D, block_size, torch.bfloat16)
-        self.pages = torch.zeros(num_blocks, hkv, block_size, self.lay.content_bytes // 2, dtype=torch.bfloat16)
+        self.device = torch.device(device)
+        self.pages = torch.zeros(num_blocks, hkv, block_size, self.lay.content_bytes // 2, dtype=torch.bfloat16,
+                                 device=device)
         self.fields = page_fields(self.lay, self.pages)
         self.gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_blocks, generator=self.gen).tolist()
@@ -45,7 +49,7 @@ class Pool:
         self.blocks, self.lens = {}, {}
 
     def _x(self, *shape):
-        return (torch.randn(*shape, generator=self.gen) * 2).bfloat16()
+        return (torch.randn(*shape, generator=self.gen) * 2).bfloat16().to(self.device)
 
     def step(self, chunks: dict, decode=paged_decode_reference, compare=None):
         """Run one step of {seq: new tokens}; ``compare(decode args, kw)`` is called on the decode rows
@@ -60,10 +64,10 @@ class Pool:
             self.lens[i] = n0 + chunks[i]
             qsl.append(qsl[-1] + chunks[i]), lens.append(n0 + chunks[i])
         width = max(len(self.blocks[i]) for i in ids) + 1  # a spare column: the table is wider than needed
-        table = torch.tensor([self.blocks[i] + [0] * (width - len(self.blocks[i])) for i in ids])
+        table = torch.tensor([self.blocks[i] + [0] * (width - len(self.blocks[i])) for i in ids], device=self.device)
         t = qsl[-1]
         q, k, v = self._x(t, self.hq, D), self._x(t, self.hkv, D), self._x(t, self.hkv, D)
-        qsl, lens = torch.tensor(qsl), torch.tensor(lens)
+        qsl, lens = torch.tensor(qsl, device=self.device), torch.tensor(lens, device=self.device)
         lay = self.lay
         plan = StepPlan.build(qsl, lens, table, lay.block_size, lay.sinks, lay.window)
         write_codes(lay, self.fields, k, v, None, plan=plan)
@@ -101,7 +105,7 @@ CASES = [  # (preset, settings overrides, KV heads, query heads, block size)
 @pytest.mark.parametrize("preset,over,hkv,hq,bs", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_kernel_decode_matches_the_reference(preset, over, hkv, hq, bs, backend):
     s = VLLMSettings(preset=preset, **over)
-    pool = Pool(s, hkv, hq, bs)
+    pool = Pool(s, hkv, hq, bs, device=TRITON_DEVICE if backend == "triton" else "cpu")
     assert kernels.supports(pool.lay.key_codec, pool.lay.value_codec)
     # histories: none, shorter than sinks + window, straddling blocks, several blocks
     short = max(1, pool.lay.sinks + pool.lay.window - 2)

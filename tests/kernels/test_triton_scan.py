@@ -1,7 +1,9 @@
-"""The vector-search Triton scan (qjl.kernels.triton.scan) against the torch reference, through Triton's interpreter (conftest sets TRITON_INTERPRET)."""
+"""The vector-search Triton scan (qjl.kernels.triton.scan) against the torch reference, through Triton's interpreter
+(conftest sets TRITON_INTERPRET), or natively on a GPU with ``TRITON_INTERPRET=0`` (see kernel_cases.TRITON_DEVICE)."""
 
 import pytest
 import torch
+from kernel_cases import TRITON_DEVICE as DEV
 
 from qjl.search.scan import Layout, Segment, build_luts, scan_torch
 from qjl.kernels.triton.scan import scan_triton, triton_available
@@ -22,7 +24,8 @@ def test_triton_scan_matches_reference(bits_list):
     luts = build_luts(lay, [torch.randn(nq, coords, 1 << b) for b in bits_list])
     factors, add = torch.rand(len(bits_list), n), torch.randn(n)
     ranges = torch.tensor([[[0, 60], [100, 150]], [[3, 9], [0, 0]]])
-    s1, i1 = scan_triton(codes, lay, factors, add, luts, ranges, k, block=64)
+    s1, i1 = (t.cpu() for t in scan_triton(codes.to(DEV), lay, factors.to(DEV), add.to(DEV), luts.to(DEV),
+                                             ranges.to(DEV), k, block=64))
     s2, i2 = scan_torch(codes, lay, factors, add, luts, ranges, k)
     fin = torch.isfinite(s2)
     assert torch.equal(fin, torch.isfinite(s1))
@@ -30,6 +33,7 @@ def test_triton_scan_matches_reference(bits_list):
     assert torch.equal(i1, i2)
 
 
+@pytest.mark.skipif(DEV.type != "cpu", reason="an Index keeps its codes on the CPU; its 'triton' backend is the interpreter's")
 def test_index_triton_backend_matches_c():
     from qjl.search import Index
 

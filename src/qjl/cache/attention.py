@@ -104,6 +104,11 @@ def _attend_sdpa(store, query: torch.Tensor, attention_mask, scaling: float) -> 
     mask = attention_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.float()
+    g = query.shape[1] // k.shape[1]
+    if query.is_cuda and g > 1:
+        # CUDA's fused kernels take no enable_gqa with a mask: the math fallback would hold [B, H_q, t, L]
+        # float32 logits (17 GB for a 4k chunk over 32k tokens); K/V once per query head costs far less
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling,
                                          enable_gqa=query.shape[1] != k.shape[1])
     return out.transpose(1, 2)
@@ -133,11 +138,11 @@ def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: 
         mx = torch.cat([mask[..., :n_sink], mask[..., n_sink + n_codes:]], dim=-1)  # [B, 1, t, n_x]
         # row g * t + i of KV head h is query head h * g + g' at new token i: broadcast over heads (and the group)
         bias_x = mx if t == 1 else mx.unsqueeze(2).expand(b, 1, hq // hkv, t, ne).reshape(b, 1, rows, ne)
-    block_table = torch.zeros(b, 1, dtype=torch.int32) + torch.arange(b, dtype=torch.int32)[:, None]
-    start = torch.zeros(b, dtype=torch.int32)
-    end = torch.full((b,), n_codes, dtype=torch.int32)
+    dev = qg.device  # built where the kernel reads them: no host-to-device copies per layer and step
+    block_table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
+    start = torch.zeros(b, dtype=torch.int32, device=dev)
+    end = torch.full((b,), n_codes, dtype=torch.int32, device=dev)
     out = kernels.paged_decode(qg * scaling, store.key_codec, _fields(store.key_codes), store.value_codec,
-                               _fields(store.value_codes), block_table.to(qg.device), max(n_codes, 1),
-                               start.to(qg.device), end.to(qg.device), exact=(keys, values, bias_x), code_bias=bias,
-                               backend=store.backend)
+                               _fields(store.value_codes), block_table, max(n_codes, 1), start, end,
+                               exact=(keys, values, bias_x), code_bias=bias, backend=store.backend)
     return out.reshape(b, hq, t, d).transpose(1, 2)

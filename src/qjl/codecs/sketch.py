@@ -52,6 +52,7 @@ from qjl.codecs.base import BitBudget, Codec, Codes
 from qjl.codecs.params import Param, choice, integer, multiple_of_8, seed as seed_param
 from qjl.core.validation import NORM_DTYPES, check_fits, check_positive_int, check_vectors, storage_dtype
 from qjl.core.hadamard import hadamard_rotate, hadamard_rotate_t, next_pow2, random_signs
+from qjl.core.devices import on_device
 from qjl.core.packing import pack_signs, unpack_signs
 
 __all__ = ["QJLSketch", "KINDS", "sphere_abs_moment", "scale_constant", "DEFAULT_HADAMARD_ROUNDS"]
@@ -134,18 +135,18 @@ class QJLSketch(Codec):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """S x: [..., dim] float32 -> [..., sketch_dim] float32 (O(d log d) per block for hadamard)."""
         if self._matrix is not None:
-            return torch.matmul(x, self._matrix.to(x.device).T)
-        y = hadamard_rotate(x.unsqueeze(-2), self._signs.to(x.device))  # [..., blocks, n]
+            return torch.matmul(x, on_device(self._matrix, x.device).T)
+        y = hadamard_rotate(x.unsqueeze(-2), on_device(self._signs, x.device))  # [..., blocks, n]
         return y.flatten(-2)[..., : self.sketch_dim] * math.sqrt(self._n)
 
     def project_t(self, z: torch.Tensor) -> torch.Tensor:
         """S^T z: [..., sketch_dim] float32 -> [..., dim] float32."""
         if self._matrix is not None:
-            return torch.matmul(z, self._matrix.to(z.device))
+            return torch.matmul(z, on_device(self._matrix, z.device))
         pad = self._blocks * self._n - self.sketch_dim
         z = torch.nn.functional.pad(z, (0, pad)) if pad else z
         parts = z.reshape(*z.shape[:-1], self._blocks, self._n)
-        out = hadamard_rotate_t(parts, self._signs.to(z.device), self.dim)  # [..., blocks, dim]
+        out = hadamard_rotate_t(parts, on_device(self._signs, z.device), self.dim)  # [..., blocks, dim]
         return out.sum(dim=-2) * math.sqrt(self._n)
 
     def matrix(self) -> torch.Tensor:

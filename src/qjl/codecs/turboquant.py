@@ -25,6 +25,7 @@ from qjl.codecs.outliers import derive_seed
 from qjl.codecs.params import Param, boolean, choice, integer, multiple_of_8, optional, seed as seed_param
 from qjl.codecs.sketch import KINDS, QJLSketch
 from qjl.core.lloyd_max import bucket, sphere_codebook
+from qjl.core.devices import on_device
 from qjl.core.packing import pack_bits, packed_size, unpack_bits
 from qjl.core.rotation import ROTATIONS, Rotation
 from qjl.core.validation import NORM_DTYPES, check_fits, check_positive_int, check_vectors, storage_dtype
@@ -80,9 +81,9 @@ class TurboQuantMSE(Codec):
         check_fits("norm of x", norm, self.norm_dtype)
         unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
         y = self.rotation.apply(unit)
-        idx = bucket(y, self._boundaries.to(y.device))
+        idx = bucket(y, on_device(self._boundaries, y.device))
         if self.correct_norm:
-            cos = (y * self._centroids.to(y.device)[idx]).sum(-1)  # <u, u_hat> > 0 for any b >= 1
+            cos = (y * on_device(self._centroids, y.device)[idx]).sum(-1)  # <u, u_hat> > 0 for any b >= 1
             norm = norm / torch.where(cos > 0, cos, torch.ones_like(cos))
             check_fits("corrected norm of x", norm, self.norm_dtype)
         return Codes(tuple(x.shape[:-1]), {"codes": pack_bits(idx, self.bits), "norm": norm.to(self.norm_dtype)})
@@ -107,7 +108,7 @@ class TurboQuantMSE(Codec):
         if packed.shape[-1] != packed_size(n, self.bits):
             raise ValueError(f"codes hold {packed.shape[-1]} bytes per vector; this codec stores {packed_size(n, self.bits)}")
         idx = unpack_bits(packed, self.bits, n)
-        return self._centroids.to(packed.device)[idx] * codes.fields["norm"].float().unsqueeze(-1)
+        return on_device(self._centroids, packed.device)[idx] * codes.fields["norm"].float().unsqueeze(-1)
 
     def dequantize(self, codes: Codes) -> torch.Tensor:
         return self.rotation.inverse(self.rotated(codes))

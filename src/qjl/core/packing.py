@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from qjl.core.devices import on_device
+
 __all__ = ["pack_signs", "unpack_signs", "pack_bits", "unpack_bits", "packed_size"]
 
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
@@ -31,13 +33,13 @@ def _pack_bool(bits: torch.Tensor) -> torch.Tensor:
     if pad:
         bits = torch.nn.functional.pad(bits, (0, pad))
     grouped = bits.reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8).to(torch.uint8)
-    weights = _BIT_WEIGHTS.to(bits.device)
+    weights = on_device(_BIT_WEIGHTS, bits.device)
     return (grouped * weights).sum(dim=-1, dtype=torch.uint8)
 
 
 def _unpack_bool(packed: torch.Tensor, length: int) -> torch.Tensor:
     """packed: [..., nbytes] uint8 -> [..., length] bool."""
-    weights = _BIT_WEIGHTS.to(packed.device)
+    weights = on_device(_BIT_WEIGHTS, packed.device)
     bits = (packed.unsqueeze(-1) & weights) != 0
     return bits.flatten(-2)[..., :length]
 

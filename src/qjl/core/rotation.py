@@ -16,6 +16,7 @@ import functools
 
 import torch
 
+from qjl.core.devices import on_device
 from qjl.core.validation import check_choice, check_positive_int
 from qjl.core.hadamard import hadamard_rotate, hadamard_rotate_t, next_pow2, random_signs
 
@@ -73,16 +74,16 @@ class Rotation:
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., dim] float32 -> [..., out_dim]."""
         if self.kind == "hadamard":
-            return hadamard_rotate(x, self._signs.to(x.device))
+            return hadamard_rotate(x, on_device(self._signs, x.device))
         pad = self.out_dim - self.dim
         x = torch.nn.functional.pad(x, (0, pad)) if pad else x
-        return torch.matmul(x, self._matrix.to(x.device).T)
+        return torch.matmul(x, on_device(self._matrix, x.device).T)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """y: [..., out_dim] -> [..., dim] (the transpose, then the padding dropped)."""
         if self.kind == "hadamard":
-            return hadamard_rotate_t(y, self._signs.to(y.device), self.dim)
-        return torch.matmul(y, self._matrix.to(y.device))[..., : self.dim]
+            return hadamard_rotate_t(y, on_device(self._signs, y.device), self.dim)
+        return torch.matmul(y, on_device(self._matrix, y.device))[..., : self.dim]
 
     def matrix(self) -> torch.Tensor:
         """Dense [out_dim, dim] float32 map (for tests and references)."""

@@ -21,7 +21,8 @@ import torch
 
 from qjl.core.packing import unpack_bits
 
-__all__ = ["paged_decode_reference", "gather_codes", "merge_partials", "partial_softmax", "finite_max"]
+__all__ = ["paged_decode_reference", "gather_codes", "merge_partials", "merge_stacked_partials", "partial_softmax",
+           "finite_max"]
 
 
 def gather_codes(fields: dict, names, block_row: torch.Tensor, block_size: int, h: int, start: int, end: int) -> dict:
@@ -137,3 +138,11 @@ def merge_partials(partials):
         l_tot = l_tot + w * pl
         o_tot = o_tot + w.unsqueeze(-1) * po
     return m, l_tot, o_tot
+
+
+def merge_stacked_partials(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, dim: int = 1):
+    """:func:`merge_partials` of parts stacked along ``dim`` (m, l: [..., S, ...], o: m's shape + [n]) in a
+    fixed number of tensor operations, whatever the number of parts S (a kernel's split-K partials)."""
+    mx = m.amax(dim=dim)
+    w = torch.exp(m - finite_max(mx).unsqueeze(dim))
+    return mx, (w * l).sum(dim=dim), (w.unsqueeze(-1) * o).sum(dim=dim)

@@ -65,6 +65,8 @@ class QJLCache(Cache):
             config = replace(config, smooth_keys=False)
         text = model.config.get_text_config(decoder=True)
         layer_types, kwargs = get_layer_types_and_kwargs(text)
+        if isinstance(kwargs, dict):  # transformers before 5.19: one kwargs dict for every layer
+            kwargs = [kwargs] * len(layer_types)
         unknown = set(layer_types) - _COMPRESSIBLE - _SLIDING - {"dummy"}
         if unknown:
             raise ValueError(f"QJLCache supports full and sliding-window attention layers; this model has {sorted(unknown)}")

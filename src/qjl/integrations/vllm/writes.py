@@ -24,8 +24,8 @@ def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Co
     (QJL) are chosen from the tokens written first into a block and stored in it."""
     if "outlier_idx" not in key_fields:
         return codec.quantize(k.float())
-    h = k.shape[1]
-    heads = torch.arange(h)
+    h, dev = k.shape[1], k.device
+    heads = torch.arange(h, device=dev)
     out = []
     for blk in torch.unique(blocks).tolist():
         sel = (blocks == blk).nonzero().flatten()
@@ -33,12 +33,13 @@ def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Co
         field = key_fields["outlier_idx"]
         if bool((offs[sel] == 0).any()):  # the block starts in this write: choose its channels now
             idx = codec.select_outliers(kb)
-            field.scatter(torch.tensor(blk), heads, torch.tensor(0), idx)
+            field.scatter(torch.tensor(blk, device=dev), heads, torch.tensor(0, device=dev), idx)
         else:
-            idx = field.gather(torch.tensor(blk), heads, torch.tensor(0))
+            idx = field.gather(torch.tensor(blk, device=dev), heads, torch.tensor(0, device=dev))
         c = codec.quantize(kb, idx.long())
         out.append((sel, c))
-    fields = {n: torch.empty(k.shape[0], h, *t.shape[2:], dtype=t.dtype) for n, t in out[0][1].fields.items()}
+    fields = {n: torch.empty(k.shape[0], h, *t.shape[2:], dtype=t.dtype, device=dev)
+              for n, t in out[0][1].fields.items()}
     for sel, c in out:
         for n, t in c.fields.items():
             fields[n][sel] = t.transpose(0, 1)

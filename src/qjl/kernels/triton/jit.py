@@ -2,8 +2,9 @@
 the grid, are in :mod:`qjl.kernels.triton.launch`.  Import only where Triton is installed.
 
 * ``quantize_kernel`` -- one pass per block of vectors: (channel mask) -> norm -> (normalize) -> project
-  with a dense matrix -> sign or Lloyd-Max cell -> (norm correction) -> LSB-first packing, done as one
-  small exact matrix product per bit plane (``byte_j = sum_c bit_r(idx_c) 2^(c*b + r - 8j)``).
+  with a dense matrix, in tiles of output coordinates -> sign or Lloyd-Max cell -> (norm correction) ->
+  LSB-first packing, done as one small exact matrix product per bit plane and tile
+  (``byte_j = sum_c bit_r(idx_c) 2^(c*b + r - 8j)``).
 * ``paged_decode_kernel`` -- split-K decode attention over paged codes: one program per (sequence x KV
   head, token split); the query rows of the GQA group are loaded once, then per block of tokens the
   block table gives each token's page, the key codes (1 or 2 terms) are unpacked and scored against all
@@ -21,10 +22,12 @@ __all__ = ["quantize_kernel", "paged_decode_kernel"]
 
 @triton.jit
 def quantize_kernel(x_ptr, mat_ptr, mask_ptr, bnd_ptr, cent_ptr, pm_ptr, codes_ptr, norm_ptr,
-                     seq_len, D, M, NBYTES,
-                     DP: tl.constexpr, MP: tl.constexpr, NBP: tl.constexpr, BLOCK: tl.constexpr,
+                     seq_len, D, M, NBYTES, NTILES,
+                     DP: tl.constexpr, MT: tl.constexpr, NBT: tl.constexpr, NBTP: tl.constexpr, BLOCK: tl.constexpr,
                      MAT_PER_SEQ: tl.constexpr, MASK_MODE: tl.constexpr, NORMALIZE: tl.constexpr,
                      SIGN: tl.constexpr, NBND: tl.constexpr, CORRECT: tl.constexpr, BITS: tl.constexpr):
+    """Projected coordinates in tiles of MT (MT * BITS a multiple of 8: a tile packs into NBT whole bytes,
+    NBTP its power-of-two padding), so the matrix tile [MT, DP] stays small at any M and D."""
     seq = tl.program_id(0)
     tok = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     tmask = tok < seq_len
@@ -41,30 +44,35 @@ def quantize_kernel(x_ptr, mat_ptr, mask_ptr, bnd_ptr, cent_ptr, pm_ptr, codes_p
     norm = tl.sqrt(tl.sum(x * x, axis=1))
     if NORMALIZE:
         x = x / tl.where(norm > 0, norm, 1.0)[:, None]
-    outs = tl.arange(0, MP)
     mat_base = mat_ptr + seq * M * D if MAT_PER_SEQ else mat_ptr
-    mat = tl.load(mat_base + outs[:, None] * D + cols[None, :], mask=(outs[:, None] < M) & cmask[None, :], other=0.0)
-    y = tl.dot(x, tl.trans(mat), input_precision="ieee")  # [BLOCK, MP]
-    if SIGN:
-        idx = (y >= 0).to(tl.int32)
-    else:
-        idx = tl.zeros([BLOCK, MP], dtype=tl.int32)
-        for k in tl.static_range(NBND):
-            idx += (y > tl.load(bnd_ptr + k)).to(tl.int32)
+    tile_outs = tl.arange(0, MT)
+    nb = tl.arange(0, NBTP)
+    cos = tl.zeros([BLOCK], dtype=tl.float32)
+    for tile in range(0, NTILES):
+        outs = tile * MT + tile_outs
+        mat = tl.load(mat_base + outs[:, None] * D + cols[None, :], mask=(outs[:, None] < M) & cmask[None, :],
+                      other=0.0)
+        y = tl.dot(x, tl.trans(mat), input_precision="ieee")  # [BLOCK, MT]
+        if SIGN:
+            idx = (y >= 0).to(tl.int32)
+        else:
+            idx = tl.zeros([BLOCK, MT], dtype=tl.int32)
+            for k in tl.static_range(NBND):
+                idx += (y > tl.load(bnd_ptr + k)).to(tl.int32)
+        if CORRECT:
+            cos += tl.sum(tl.where((outs < M)[None, :], y * tl.load(cent_ptr + idx), 0.0), axis=1)
+        idx = tl.where((outs < M)[None, :], idx, 0)
+        packed = tl.zeros([BLOCK, NBTP], dtype=tl.float32)
+        for r in tl.static_range(BITS):
+            plane = ((idx >> r) & 1).to(tl.float32)
+            pm = tl.load(pm_ptr + r * MT * NBTP + tile_outs[:, None] * NBTP + nb[None, :])
+            packed += tl.dot(plane, pm, input_precision="ieee")
+        byte = tile * NBT + nb
+        tl.store(codes_ptr + rows[:, None] * NBYTES + byte[None, :], packed.to(tl.int32).to(tl.uint8),
+                 mask=tmask[:, None] & ((nb < NBT) & (byte < NBYTES))[None, :])
     if CORRECT:
-        cos = tl.sum(tl.where((outs < M)[None, :], y * tl.load(cent_ptr + idx), 0.0), axis=1)
         norm = norm / tl.where(cos > 0, cos, 1.0)
-    idx = tl.where((outs < M)[None, :], idx, 0)
-    nb = tl.arange(0, NBP)
-    packed = tl.zeros([BLOCK, NBP], dtype=tl.float32)
-    for r in tl.static_range(BITS):
-        plane = ((idx >> r) & 1).to(tl.float32)
-        pm = tl.load(pm_ptr + r * MP * NBP + outs[:, None] * NBP + nb[None, :])
-        packed += tl.dot(plane, pm, input_precision="ieee")
-    tl.store(codes_ptr + rows[:, None] * NBYTES + nb[None, :], packed.to(tl.int32).to(tl.uint8),
-             mask=tmask[:, None] & (nb < NBYTES)[None, :])
     tl.store(norm_ptr + rows, norm, mask=tmask)
-
 
 
 @triton.jit
@@ -104,11 +112,12 @@ def _term_scores(q_ptr, c_base, c_off, n_base, n_off, cent_ptr, q_row0, q_tok, o
     code, ok = _unpack(c_base, c_off, offs_c, NC, offs_t_ok, BITS)
     k = tl.where(ok, tl.load(cent_ptr + code), 0.0)  # [BLOCK_N, CP]
     nrm = tl.where(offs_t_ok, _scalar(n_base, tl.where(offs_t_ok, n_off, 0), NDT), 0.0)
-    if PER_BLOCK:  # the query rows of each token's page: [BLOCK_N, RP, CP]
-        qm = offs_t_ok[:, None, None] & (offs_r[None, :, None] < R) & (offs_c[None, None, :] < NC)
-        qt = tl.load(q_ptr + q_tok[:, None, None] + offs_r[None, :, None] * NC + offs_c[None, None, :], mask=qm,
-                     other=0.0)
-        s = tl.trans(tl.sum(qt * k[:, None, :], axis=2))
+    if PER_BLOCK:  # the query rows of each token's page, one row at a time ([BLOCK_N, CP] each)
+        s = tl.zeros([RP, k.shape[0]], dtype=tl.float32)
+        qm = offs_t_ok[:, None] & (offs_c[None, :] < NC)
+        for r in range(0, R):
+            qr = tl.load(q_ptr + q_tok[:, None] + r * NC + offs_c[None, :], mask=qm, other=0.0)
+            s = tl.where(offs_r[:, None] == r, tl.sum(qr * k, axis=1)[None, :], s)
     else:
         q = tl.load(q_ptr + q_row0 + offs_r[:, None] * NC + offs_c[None, :],
                     mask=(offs_r[:, None] < R) & (offs_c[None, :] < NC), other=0.0)

@@ -12,11 +12,17 @@ import math
 import torch
 import triton
 
+from qjl.core.devices import on_device
 from qjl.kernels.triton.jit import paged_decode_kernel, quantize_kernel
 
 __all__ = ["quantize", "paged_decode", "pack_matrix"]
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
+
+
+def _on(t: torch.Tensor, device) -> torch.Tensor:
+    """A codec constant as contiguous float32 on ``device`` (copied there once: :func:`qjl.core.devices.on_device`)."""
+    return on_device(t, device).float().contiguous()
 
 
 def _p2(n: int, lo: int = 16) -> int:
@@ -36,7 +42,7 @@ def _pack_matrix_cpu(n: int, bits: int) -> torch.Tensor:
 
 def pack_matrix(n: int, bits: int, device) -> torch.Tensor:
     """[bits, NP, NBP] float32: ``byte_j = sum_r sum_c bit_r(idx_c) * M[r, c, j]`` (LSB-first packing)."""
-    return _pack_matrix_cpu(n, bits).to(device)
+    return on_device(_pack_matrix_cpu(n, bits), device)
 
 
 def quantize(x: torch.Tensor, matrix: torch.Tensor, bits: int, *, sign: bool = False, boundaries=None,
@@ -57,15 +63,21 @@ def quantize(x: torch.Tensor, matrix: torch.Tensor, bits: int, *, sign: bool = F
     codes = torch.empty(s, t, nbytes, dtype=torch.uint8, device=x.device)
     norms = torch.empty(s, t, dtype=torch.float32, device=x.device)
     dummy = torch.zeros(1, dtype=torch.float32, device=x.device)
-    bnd = boundaries.float().contiguous() if boundaries is not None else dummy
-    cent = centroids.float().contiguous() if centroids is not None else dummy
+    bnd = _on(boundaries, x.device) if boundaries is not None else dummy
+    cent = _on(centroids, x.device) if centroids is not None else dummy
     mask = channel_mask.float().contiguous() if channel_mask is not None else dummy
     grid = (s, triton.cdiv(t, block))
+    # output coordinates in tiles of mt (a [mt, DP] fp32 matrix tile of at most 16 KiB; mt >= 16, so a tile's
+    # mt * bits codes fill whole bytes), each packed with the same [bits, mt, NBTP] matrix; one pipeline stage:
+    # at 5 bits and d = 128 the default stages asked an H100 for 246 KB of shared memory (it has 227 KB)
+    mt = min(_p2(m), max(16, 4096 // _p2(d)))
+    nbt = mt * bits // 8
     quantize_kernel[grid](x.contiguous(), matrix.float().contiguous(), mask, bnd, cent,
-                           pack_matrix(m, bits, x.device), codes, norms, t, d, m, nbytes,
-                           DP=_p2(d), MP=_p2(m), NBP=_p2(nbytes), BLOCK=block, MAT_PER_SEQ=per_seq,
+                           pack_matrix(mt, bits, x.device), codes, norms, t, d, m, nbytes, triton.cdiv(m, mt),
+                           DP=_p2(d), MT=mt, NBT=nbt, NBTP=_p2(nbt), BLOCK=block, MAT_PER_SEQ=per_seq,
                            MASK_MODE=mask_mode if channel_mask is not None else 0, NORMALIZE=normalize,
-                           SIGN=sign, NBND=0 if sign else bnd.numel(), CORRECT=correct_norm, BITS=bits)
+                           SIGN=sign, NBND=0 if sign else bnd.numel(), CORRECT=correct_norm, BITS=bits,
+                           num_stages=1)
     return codes, norms
 
 
@@ -77,13 +89,14 @@ def _field(f):
 
 
 def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end,
-                 *, exact=None, code_bias=None, block_n: int = 16, splits: int | None = None) -> torch.Tensor:
+                 *, exact=None, code_bias=None, block_n: int = 16, splits: int | None = None,
+                 num_warps: int = 4) -> torch.Tensor:
     """The Triton backend of :func:`qjl.kernels.paged.paged_decode` (same arguments and result): split-K
     partials of the coded tokens, merged in torch with the exact tokens' partial; then the value codec's
     ``unmix`` once per row."""
     from qjl.codecs.views import kernel_readable
     from qjl.kernels.paged import check_paged, term_queries
-    from qjl.kernels.reference import merge_partials, partial_softmax
+    from qjl.kernels.reference import merge_stacked_partials, partial_softmax
 
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the Triton kernel does not read {type(key_codec).__name__} keys with "
@@ -106,7 +119,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     args, consts = [], {}
     for i, (term, qt) in enumerate(zip(terms[:2], qts[:2])):
         c, n = key_fields[term.codes.field], key_fields[term.norm]
-        args += [qt, *_field(c), *_field(n), term.codes.centroids.float().to(dev)]
+        args += [qt, *_field(c), *_field(n), _on(term.codes.centroids, dev)]
         consts[f"NDT{i + 1}"] = _DTYPES[n.dtype]
     vc, vs = value_fields[vview.codes.field], value_fields[vview.scale]
     vz = value_fields[vview.zero] if vview.zero else vs
@@ -119,15 +132,14 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
     bias = code_bias.float().contiguous() if code_bias is not None else dummy
     paged_decode_kernel[(b * hkv, splits)](
-        *args, *_field(vc), *_field(vs), *_field(vz), vview.codes.centroids.float().to(dev), bt, starts, ends, bias,
+        *args, *_field(vc), *_field(vs), *_field(vz), _on(vview.codes.centroids, dev), bt, starts, ends, bias,
         m, l_, o, hkv, r, bt.shape[1], int(block_size), chunk, splits, bias.shape[-1] if code_bias is not None else 0,
         terms[0].codes.length, terms[1].codes.length, vview.codes.length, vview.group_size, vview.groups,
         RP=_p2(r), CP1=_p2(terms[0].codes.length), CP2=_p2(terms[1].codes.length), VP=_p2(vview.codes.length),
         BITS1=terms[0].codes.bits, BITS2=terms[1].codes.bits, VBITS=vview.codes.bits, SDT=_DTYPES[vs.dtype],
         ZDT=_DTYPES[vz.dtype], SB=vs.entry_bytes // max(1, vs.shape[0] if vs.shape else 1), ZB=vz.entry_bytes // max(1, vz.shape[0] if vz.shape else 1), HAS2=len(kview.terms) == 2, HAS_ZERO=vview.zero is not None,
-        HAS_BIAS=code_bias is not None, PER_BLOCK=bool(kview.shared), BLOCK_N=block_n, **consts)
-    parts = [(m[:, i], l_[:, i], o[:, i]) for i in range(splits)]
-    m_c, l_c, o_c = merge_partials(parts) if splits > 1 else parts[0]
+        HAS_BIAS=code_bias is not None, PER_BLOCK=bool(kview.shared), BLOCK_N=block_n, num_warps=num_warps, **consts)
+    m_c, l_c, o_c = merge_stacked_partials(m, l_, o, dim=1) if splits > 1 else (m[:, 0], l_[:, 0], o[:, 0])
     m_c, l_c = m_c.reshape(b, hkv, r), l_c.reshape(b, hkv, r)
     o_c = o_c.reshape(b, hkv, r, -1)
     if exact is None or exact[0].shape[2] == 0:
