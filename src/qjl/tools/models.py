@@ -66,21 +66,38 @@ def model_dir(name_or_path: str = DEFAULT_MODEL, dtype=None) -> Path:
             raise FileNotFoundError(f"model must be 'smollm2', a model directory or a .gguf file; {path} is neither")
         return path
     converted = _cache_root() / (gguf.stem + "-" + str(dtype).replace("torch.", ""))
-    if not (converted / "config.json").exists():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    if (converted / "config.json").exists():
+        return converted
+    from qjl.core.locks import cache_lock
 
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
-        # the weights are plain dequantized tensors now; drop the GGUF marker so they can be saved
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+    with cache_lock(converted):  # processes started together convert once; the others wait and reuse it
+        if not (converted / "config.json").exists():
+            _convert(gguf, dtype, converted)
+    return converted
+
+
+def _convert(gguf: Path, dtype, converted: Path) -> None:
+    """Dequantize ``gguf`` to ``dtype`` and save it as a model directory at ``converted``: written aside and
+    renamed into place, so no process ever reads a half-written directory."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
+    # the weights are plain dequantized tensors now; drop the GGUF marker so they can be saved
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if not converted.exists():
-            tmp.rename(converted)
-    return converted
+        if converted.exists():  # an incomplete directory (no config.json) left by an older, interrupted run
+            shutil.rmtree(converted)
+        tmp.rename(converted)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, dtype=None):

@@ -65,6 +65,11 @@ def _import(path: Path, name: str):
     return module
 
 
+def _built(target: Path, name: str) -> Path | None:
+    found = sorted(target.glob(f"{name}*.so")) + sorted(target.glob(f"{name}*.pyd"))
+    return found[0] if found else None
+
+
 def _build(target: Path, name: str, code: str, cdef: str, flags: tuple) -> Path:
     import cffi
 
@@ -87,8 +92,12 @@ def _load_cached(name: str, sources: tuple, cdef: str | None, flags: tuple):
             declaration(s, fn) for s in sources for fn in _exported(Path(s).read_text()))
         code = "\n".join(texts)
         target = cache_root() / "ext" / _key(texts + [cdef], flags)
-        found = sorted(target.glob(f"{name}*.so")) + sorted(target.glob(f"{name}*.pyd"))
-        path = found[0] if found else _build(target, name, code, cdef, flags)
+        path = _built(target, name)
+        if path is None:
+            from qjl.core.locks import cache_lock
+
+            with cache_lock(target):  # processes started together compile once; the others wait and load it
+                path = _built(target, name) or _build(target, name, code, cdef, flags)
         return _import(path, name)
     except Exception as e:  # noqa: BLE001 - no source / cffi / compiler / OpenMP: the caller falls back
         warnings.warn(f"qjl: the C extension {name!r} could not be built or loaded ({type(e).__name__}: {e}); "
