@@ -17,6 +17,15 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+def pytest_configure(config):
+    # Under pytest-xdist (`-n auto`), tests marked `xdist_group` run on one worker, so an expensive module
+    # fixture (the 10,000-seed sketch families) is computed once, not once per worker that draws one of its
+    # tests: plain `-n` means `--dist load`, which ignores the groups; make it `loadgroup` (same scheduling
+    # for every unmarked test).
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_global_rng():
     torch.manual_seed(0)

@@ -45,7 +45,9 @@ def _estimates(kind, d, m, n_seeds):
     return pairs, est, true
 
 
-@pytest.fixture(scope="module", params=["gaussian", "orthogonal", "hadamard"])
+# one pytest-xdist worker per family: its 10,000 seeds are drawn once (tests/conftest.py)
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.xdist_group(f"sketch-{k}"))
+                                        for k in ("gaussian", "orthogonal", "hadamard")])
 def family(request):
     return request.param, *_estimates(request.param, D, M, N_SEEDS)
 
