@@ -19,11 +19,19 @@ torch.set_num_threads(1)
 
 def pytest_configure(config):
     # Under pytest-xdist (`-n auto`), tests marked `xdist_group` run on one worker, so an expensive module
-    # fixture (the 10,000-seed sketch families) is computed once, not once per worker that draws one of its
-    # tests: plain `-n` means `--dist load`, which ignores the groups; make it `loadgroup` (same scheduling
-    # for every unmarked test).
+    # fixture (a 10,000-seed sketch family) is computed once, not once per worker that draws one of its tests.
+    # Plain `-n` means `--dist load`, which ignores the groups: make it `loadgroup` (the same scheduling for
+    # every unmarked test).  Workers parse the command line again, so they learn it from the controller.
     if getattr(config.option, "dist", "no") == "load":
         config.option.dist = "loadgroup"
+    if getattr(config, "workerinput", {}).get("qjl_dist") == "loadgroup":
+        config.option.loadgroup = True  # the worker then suffixes node ids with their group
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist's controller, before starting a worker: pass on the distribution mode chosen above."""
+    node.workerinput["qjl_dist"] = node.config.option.dist
 
 
 @pytest.fixture(autouse=True)

@@ -82,8 +82,15 @@ def test_wrong_constant_is_caught(family):
             assert z[i] > 3, f"{kind}, {name}: a 0.2% wrong constant went unnoticed (z={z[i]:.2f})"
 
 
-def test_gaussian_variance_matches_theory():
-    _, est, true = _estimates("gaussian", 64, 128, 4000)
+@pytest.fixture(scope="module")
+def gaussian_64():
+    """4,000 seeds of the Gaussian family at d = 64, m = 128 (shared by the two tests below, on one worker)."""
+    return _estimates("gaussian", 64, 128, 4000)
+
+
+@pytest.mark.xdist_group("sketch-gaussian-64")
+def test_gaussian_variance_matches_theory(gaussian_64):
+    _, est, true = gaussian_64
     for i, (name, q, k) in enumerate(_keys(64)):
         theory = (math.pi / 2 * q.double().norm() ** 2 * k.double().norm() ** 2 - true[i] ** 2) / 128
         # relative standard error of a sample variance of 4000 draws is ~2.2-3%: allow 4 of them
@@ -104,10 +111,11 @@ def corrected_tail_bound(m, eps):
     return 2 * math.exp(-m * eps ** 2 / (math.pi + 4 * eps / 3))
 
 
-def test_gaussian_tail_below_corrected_lemma_3_5():
+@pytest.mark.xdist_group("sketch-gaussian-64")
+def test_gaussian_tail_below_corrected_lemma_3_5(gaussian_64):
     """Lemma 3.5 as printed (2 exp(-3/4 m eps^2 / (1 + eps))) drops the pi/2 of E z^2 and is too
     optimistic; the corrected bound holds.  See README, "Where the paper is off"."""
-    _, est, true = _estimates("gaussian", 64, 128, 4000)
+    _, est, true = gaussian_64
     for i, (name, q, k) in enumerate(_keys(64)):
         scale = (q.norm() * k.norm()).item()
         for eps in (0.1, 0.2, 0.3, 0.4):
