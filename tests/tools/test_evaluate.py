@@ -141,3 +141,33 @@ def test_a_method_repeats_exactly(lm):
     a, _, _ = evaluate.score_method(model, ids, setup, cfg)
     b, _, _ = evaluate.score_method(model, ids, setup, cfg)
     assert torch.equal(a, b)
+
+
+def test_a_run_equals_each_method_on_its_own(lm, text_file, tmp_path):
+    """Shared prefills change no number: each method's KL, perplexity, top-1, bytes and passkey hits equal
+    those of the method run alone (its own prefill; one ``model.generate`` per passkey prompt).  The prompts
+    (700 tokens) are compressed during the prefill."""
+    from qjl.tools.methods import REFERENCE, has_quanto, make_cache, make_method
+    from qjl.tools.passkey import passkey_prompts
+
+    model, tok = lm
+    methods = ("full precision", "tq-k45v3", "tq-k3v2", "qjl-paper", "kivi-k2v2") + (("hf-quanto-k4v4",) if
+                                                                                     has_quanto() else ())
+    plan = evalrun.EvalPlan(methods=methods, texts=(text_file,), contexts=(700,), score=48, chunk=16,
+                            passkey_lengths=(700,), passkey_trials=2, memory_tokens=0, threads=1)
+    res = evalrun.run_eval(plan, tmp_path / "run", show_progress=False, model_and_tokenizer=lm)["results"]
+    ids, _ = evaluate.load_text_ids(tok, text_file, 748)
+    setup = evaluate.EvalSetup(context=700, score=48, chunk=16)
+    _, ref = evaluate.evaluate_method(model, ids, setup, None)
+    prompts = passkey_prompts(tok, 700, 2)
+    for name in methods:
+        alone, _ = evaluate.evaluate_method(model, ids, setup, make_method(name), None if name == REFERENCE else ref)
+        got = res[name]["texts"][text_file]["700"]
+        assert {k: got[k] for k in ("nll", "ppl", "cache")} == {k: alone[k] for k in ("nll", "ppl", "cache")}, name
+        if name != REFERENCE:
+            assert (got["kl"], got["top1"]) == (alone["kl"], alone["top1"]), name
+        hits = sum(key in tok.decode(model.generate(p, past_key_values=make_cache(model, make_method(name)),
+                                                    max_new_tokens=12, do_sample=False,
+                                                    pad_token_id=tok.eos_token_id)[0, p.shape[1]:])
+                   for p, key in prompts)
+        assert res[name]["passkey"]["700"]["hits"] == hits, name
