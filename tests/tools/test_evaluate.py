@@ -131,6 +131,28 @@ def test_memory_from_captured_kv_equals_memory_through_the_model(lm, name):
         evaluate.memory_at(model, ids, cfg, 300, kv=evaluate.capture_kv(model, ids, 400))
 
 
+@pytest.mark.parametrize("name", ["full precision", "tq-k3v2", "kivi-k2v2", "qjl-paper", "hf-quanto-k4v4"])
+def test_memory_from_repeated_keys_equals_memory_from_captured_keys(lm, name):
+    """Bytes depend on the token count, not the values: a full-precision cache's keys and values repeated to
+    400 tokens give the bytes of 400 captured ones (what ``qjl eval`` uses instead of another prefill)."""
+    from qjl.tools.methods import has_quanto, make_cache, make_method
+
+    if name.startswith("hf-") and not has_quanto():
+        pytest.skip("needs optimum-quanto")
+    model, _ = lm
+    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(1))
+    cache = make_cache(model, None)
+    model(ids[None], past_key_values=cache, use_cache=True)
+    tiled = evaluate.tile_kv(evaluate.held_kv(cache), 400)
+    assert [k.shape[-2] for k, _ in tiled] == [400] * len(tiled)
+    assert torch.equal(tiled[0][0][..., 150:300, :], cache.layers[0].keys)
+    cfg = make_method(name)
+    captured = evaluate.capture_kv(model, torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0)), 400)
+    assert evaluate.memory_at(model, ids, cfg, 400, kv=tiled) == evaluate.memory_at(model, ids, cfg, 400, kv=captured)
+    with pytest.raises(ValueError, match="tokens"):
+        evaluate.tile_kv(tiled, 0)
+
+
 def test_a_method_repeats_exactly(lm):
     import qjl
 

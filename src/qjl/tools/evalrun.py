@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from qjl.tools.evaluate import (EvalSetup, capture_kv, load_text_ids, measure, memory_at, prefill_methods,
-                                score_prefilled)
+from qjl.tools.evaluate import (EvalSetup, capture_kv, held_kv, load_text_ids, measure, memory_at,
+                                prefill_methods, score_prefilled, tile_kv)
 from qjl.tools.methods import REFERENCE, make_cache, make_method
 from qjl.tools.passkey import passkey_hits_by_method, passkey_prompts
 
@@ -130,6 +130,7 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
              + (len(plan.methods) if plan.memory_tokens else 0))
     results = {name: {"config": _describe(cfg, model), "texts": {}} for name, cfg in cfgs.items()}
     bar = _Progress(total, show_progress)
+    kv_src = None
 
     def checkpoint(done: bool = False) -> dict:
         """Summarize what is measured so far and write the run directory (``partial`` until the end)."""
@@ -153,6 +154,8 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
                 m = measure(logp, cache, secs, ids[text], setup, ref)
                 if name == REFERENCE:
                     m, ref = {**m, "kl": 0.0, "top1": 1.0}, logp
+                    if text == plan.texts[0] and plan.memory_tokens and (kv_src is None or ctx > kv_src[1]):
+                        kv_src = (held_kv(cache), ctx)  # real keys and values for the memory measure
                 _record(results[name], text, ctx, m)
                 del cache, logp
                 bar.update(1)
@@ -167,7 +170,11 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
                 results[name].setdefault("passkey", {})[str(n)] = {"hits": hits[name], "trials": len(prompts)}
             bar.update(len(cfgs))
         checkpoint()
-    kv = capture_kv(model, ids[plan.texts[0]], plan.memory_tokens) if plan.memory_tokens else None
+    kv = None
+    if plan.memory_tokens:  # bytes depend on the token count, not the values: the reference's keys, repeated
+        kv = (tile_kv(kv_src[0], plan.memory_tokens) if kv_src is not None
+              else capture_kv(model, ids[plan.texts[0]], plan.memory_tokens))
+    del kv_src
     for name, cfg in cfgs.items():
         r = results[name]
         if plan.memory_tokens:

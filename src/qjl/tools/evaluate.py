@@ -14,7 +14,8 @@ Protocol (every method sees exactly the same tokens):
 5. passkey retrieval (:mod:`qjl.tools.passkey`) at one or more prompt lengths.
 
 Memory: the bytes a cache holds after scoring (``cache_memory``: storage actually held, codes and exact
-tokens apart) and at ``memory_tokens`` tokens (a prefill of that length plus one decode step).
+tokens apart) and at ``memory_tokens`` tokens (a prefill of that length plus one decode step; the keys and
+values fed are real ones, repeated to that length, as the bytes depend on the token count, not the values).
 Results of one run go to a run directory as ``config.json`` + ``metrics.json`` (:mod:`qjl.tools.evalrun`).
 """
 
@@ -29,7 +30,7 @@ import torch
 from qjl.tools.methods import cache_memory, make_cache, prefill_groups
 
 __all__ = ["EvalSetup", "load_text_ids", "prefill_methods", "score_prefilled", "score_method", "quality", "measure",
-           "evaluate_method", "capture_kv", "memory_at", "DEFAULT_TEXT"]
+           "evaluate_method", "capture_kv", "held_kv", "tile_kv", "memory_at", "DEFAULT_TEXT"]
 
 DEFAULT_TEXT = "gpl-3"
 
@@ -168,12 +169,29 @@ def capture_kv(model, ids: torch.Tensor, tokens: int) -> list:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
+def held_kv(cache) -> list:
+    """The keys and values a full-precision cache (``DynamicCache``) holds -> [(keys, values)] per layer,
+    each ``[B, H_kv, n, D]``."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def tile_kv(kv: list, tokens: int) -> list:
+    """[(keys, values)] per layer, each ``[B, H_kv, n, D]`` -> the same repeated along the tokens and cut to
+    exactly ``tokens`` (for :func:`memory_at`, whose bytes depend on the token count, not on the values)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+    if not kv or kv[0][0].shape[-2] == 0:
+        raise ValueError("kv must hold at least one token")
+    reps = -(-tokens // kv[0][0].shape[-2])
+    return [(k.repeat(1, 1, reps, 1)[..., :tokens, :], v.repeat(1, 1, reps, 1)[..., :tokens, :]) for k, v in kv]
+
+
 @torch.no_grad()
 def memory_at(model, ids: torch.Tensor, cfg, tokens: int, kv: list | None = None) -> dict:
     """Bytes a cache holds for ``tokens`` tokens: a prefill of ``tokens - 1`` tokens, then one decode step
     (which moves the prompt's overflow into codes) -> :func:`qjl.tools.methods.cache_memory`.
 
-    With ``kv`` (from :func:`capture_kv`) the cache receives those keys and values through its own
+    With ``kv`` (from :func:`capture_kv`, or :func:`tile_kv` of a full-precision cache's :func:`held_kv`) the cache receives those keys and values through its own
     ``update`` in the same two steps, without running the model again: the same tensors held, as a cache's
     bytes depend on its configuration and the token count, not on the values.  Configurations that choose
     anything from the prompt's queries need the model run (``kv=None``).
