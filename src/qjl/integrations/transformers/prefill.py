@@ -13,8 +13,10 @@ would have left, bit for bit, at the cost of one forward.
     out = shared_prefill(model, caches, lambda c: model(input_ids, past_key_values=c, use_cache=True))
 
 What makes two prefills the same (:func:`prefill_key`), per layer: a compressed layer's exact storage dtype,
-key smoothing and kernel setting (codecs, window and sink sizes only act after the attention); for
-transformers' layers, the layer class and its sliding window.  Configurations that choose anything from the
+key smoothing and kernel setting (codecs, window and sink sizes only act after the attention); transformers'
+``DynamicLayer``, ``DynamicSlidingWindowLayer`` and ``QuantizedLayer`` attend over the keys and values they
+were given at the prefill (a ``QuantizedLayer`` quantizes them for later), so they share one by their
+sliding window.  Configurations that choose anything from the
 prompt's queries (``QJLConfig.auto``) and cache classes not listed have no key: they prefill on their own.
 """
 
@@ -29,12 +31,16 @@ from qjl.integrations.transformers.layer import QJLCacheLayer
 
 __all__ = ["prefill_key", "record_updates", "replay_prefill", "shared_prefill"]
 
+_EXACT_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
 
 def prefill_key(model, cache):
     """What the prefill of an empty ``cache`` on ``model`` depends on besides the prompt, as a hashable
     tuple (one entry per layer); equal keys mean equal prefills.  None: the cache cannot share a prefill."""
-    from transformers.cache_utils import DynamicLayer
+    from transformers import cache_utils as cu
 
+    # transformers' layers whose first update returns the keys and values it was given (or an equal copy)
+    exact = tuple(c for c in (getattr(cu, n, None) for n in _EXACT_LAYERS) if c is not None)
     if not hasattr(cache, "layers"):
         raise TypeError(f"cache must be a transformers Cache, got {type(cache).__name__}")
     parts = []
@@ -45,8 +51,8 @@ def prefill_key(model, cache):
                 return None
             parts.append(("qjl", layer.is_sliding, exact_storage(cfg.exact_dtype, model.dtype), cfg.smooth_keys,
                           cfg.kernel))
-        elif isinstance(layer, DynamicLayer):
-            parts.append((type(layer).__name__, layer.is_sliding, getattr(layer, "sliding_window", None)))
+        elif type(layer) in exact or isinstance(layer, getattr(cu, "QuantizedLayer", ())):
+            parts.append(("exact", layer.is_sliding, getattr(layer, "sliding_window", None)))
         else:
             return None
     return tuple(parts)
