@@ -126,7 +126,7 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
             ids[text], metas[text] = load_text_ids(tok, text, min(plan.contexts) + plan.score)
     held = [t for t in plan.texts if t in CORPUS and t != TUNING_TEXT] or list(plan.texts)
     total = (len(plan.texts) * len(plan.contexts) * len(plan.methods)
-             + (len(plan.methods) * len(plan.passkey_lengths) if plan.passkey_trials else 0)
+             + len(plan.methods) * len(plan.passkey_lengths) * plan.passkey_trials  # one per method and prompt
              + (len(plan.methods) if plan.memory_tokens else 0))
     results = {name: {"config": _describe(cfg, model), "texts": {}} for name, cfg in cfgs.items()}
     bar = _Progress(total, show_progress)
@@ -165,10 +165,9 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
         makers = {name: (lambda cfg=cfg: make_cache(model, cfg)) for name, cfg in cfgs.items()}
         for n in plan.passkey_lengths:
             prompts = passkey_prompts(tok, n, plan.passkey_trials)
-            hits = passkey_hits_by_method(model, tok, prompts, makers)
+            hits = passkey_hits_by_method(model, tok, prompts, makers, on_prompt=lambda: bar.update(len(cfgs)))
             for name in cfgs:
                 results[name].setdefault("passkey", {})[str(n)] = {"hits": hits[name], "trials": len(prompts)}
-            bar.update(len(cfgs))
         checkpoint()
     kv = None
     if plan.memory_tokens:  # bytes depend on the token count, not the values: the reference's keys, repeated

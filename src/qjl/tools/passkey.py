@@ -45,15 +45,19 @@ def passkey_hits(model, tokenizer, prompts: list, make_cache, max_new_tokens: in
 
 
 @torch.no_grad()
-def passkey_hits_by_method(model, tokenizer, prompts: list, makers: dict, max_new_tokens: int = 12) -> dict:
+def passkey_hits_by_method(model, tokenizer, prompts: list, makers: dict, max_new_tokens: int = 12,
+                           on_prompt=None) -> dict:
     """{name: make_cache} -> {name: hits}: :func:`passkey_hits` for several methods, each prompt prefilled
-    once per group of methods whose caches prefill alike (:func:`generate_by_method`)."""
+    once per group of methods whose caches prefill alike (:func:`generate_by_method`).  ``on_prompt()`` (if
+    given) is called after each prompt (a progress bar)."""
     hits = dict.fromkeys(makers, 0)
     for ids, key in prompts:
         caches = {name: make() for name, make in makers.items()}
         outs = generate_by_method(model, ids, caches, max_new_tokens, pad_token_id=tokenizer.eos_token_id)
         for name, out in outs.items():
             hits[name] += key in tokenizer.decode(out[0, ids.shape[1]:])
+        if on_prompt is not None:
+            on_prompt()
     return hits
 
 
