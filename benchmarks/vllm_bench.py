@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_bench.py                       # native, tq-k45v3, tq-k3v2
     python benchmarks/vllm_bench.py --configs native,tq-k45v3,tq-k45v3:sinks=0:window=0 --no-speed
+    python benchmarks/vllm_bench.py --no-quality --no-speed --throughput 24 --chunk 512   # concurrent requests
 
 Every configuration runs in its own process (the plugin is switched on by the environment) with the
 same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager``, 2 threads, a fixed
@@ -23,6 +24,13 @@ same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager
   prefill), the median of ``--repeats`` requests; ``diff`` beside it is the older estimate N / (wall time of
   1 + N tokens - wall time of 1 token), which also drops the prefill but is noisier.  The load average before
   and after each configuration is recorded (configurations run one after the other, not interleaved).
+
+* **throughput** (``--throughput N``): the same workload for every configuration at the same cache space: N
+  requests at once, each a distinct ``--tp-prompt``-token real-text prompt (no shared prefix) generating
+  ``--tp-gen`` tokens (``ignore_eos``); total generated tokens / wall time of the whole batch.  A cache that
+  holds fewer tokens runs the requests in waves (vLLM queues what does not fit), one that holds more runs
+  them together: that difference is the point of a compressed cache in a server.  ``max_num_seqs`` is raised
+  to N so the cache space, not the scheduler, is the limit; the engine's "Maximum concurrency" line is kept.
 
 Writes ``results.json``, ``table.md`` and each configuration's engine log to ``--out``.
 """
@@ -69,7 +77,7 @@ def worker(args) -> None:
     from qjl.integrations.vllm.convert import vllm_model_dir
 
     llm = LLM(model=vllm_model_dir(), enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=args.max_len,
-              max_num_batched_tokens=args.chunk, max_num_seqs=16, max_logprobs=args.topk,
+              max_num_batched_tokens=args.chunk, max_num_seqs=max(16, args.throughput), max_logprobs=args.topk,
               enable_prefix_caching=True,  # decode timing re-reads its prompt from the prefix cache
               disable_log_stats=False)  # per-request engine timestamps (first / last token) for decode speed
     tok = llm.get_tokenizer()
@@ -78,6 +86,8 @@ def worker(args) -> None:
         res.update(_quality(llm, tok, args))
     if args.speed:
         res["decode_tps"] = _decode_speed(llm, tok, args)
+    if args.throughput:
+        res["throughput"] = _throughput(llm, tok, args)
     Path(args.json).write_text(json.dumps(res))
 
 
@@ -137,6 +147,30 @@ def _decode_speed(llm, tok, args) -> dict:
     return out
 
 
+def _throughput(llm, tok, args) -> dict:
+    """N distinct real-text prompts at once, each generating ``tp_gen`` tokens: generated tokens per second."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = []
+    for name in TEXTS:
+        ids += tok(_text(name))["input_ids"]
+    n, p, g = args.throughput, args.tp_prompt, args.tp_gen
+    if len(ids) < p:
+        raise SystemExit(f"the texts hold {len(ids)} tokens, fewer than --tp-prompt {p}")
+    prompts = []
+    for i in range(n):  # its own first token and offset: no two prompts share a cached block
+        start = (i * 997) % (len(ids) - p + 1)
+        prompts.append(TokensPrompt(prompt_token_ids=[100 + i % 1000] + ids[start:start + p - 1]))
+    sp = SamplingParams(max_tokens=g, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    wall = time.perf_counter() - t0
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"requests": n, "prompt_tokens": p, "generated_tokens": gen, "seconds": wall,
+            "generated_tps": gen / wall, "total_tps": (gen + n * p) / wall}
+
+
 def _kl(native: list, other: list, start: int) -> tuple[float, float, int]:
     """Mean KL(native || other) over native's top-k + rest, positions >= start; mean rest mass."""
     total = rest_mass = 0.0
@@ -192,6 +226,9 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", default="1024,8000", help="decode-speed context lengths, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="decode-speed repetitions per context (median)")
     ap.add_argument("--no-speed", dest="speed", action="store_false")
+    ap.add_argument("--throughput", type=int, default=0, help="N concurrent requests (0: skip)")
+    ap.add_argument("--tp-prompt", type=int, default=4096, help="prompt tokens per throughput request")
+    ap.add_argument("--tp-gen", type=int, default=128, help="generated tokens per throughput request")
     ap.add_argument("--no-quality", dest="quality", action="store_false", help="skip KL and greedy agreement")
     ap.add_argument("--out", default=None)
     ap.add_argument("--native-from", default=None, help="reuse a native.json of an earlier run with the same settings "
@@ -219,7 +256,8 @@ def main(argv=None) -> None:
         cmd = [sys.executable, __file__, "--worker", spec, "--json", str(js), "--chunk", str(args.chunk),
                "--kl-tokens", str(args.kl_tokens), "--topk", str(args.topk), "--decode-tokens",
                str(args.decode_tokens), "--max-len", str(args.max_len), "--contexts", args.contexts,
-               "--repeats", str(args.repeats)] + ([] if args.speed else ["--no-speed"]) + \
+               "--repeats", str(args.repeats), "--throughput", str(args.throughput), "--tp-prompt",
+               str(args.tp_prompt), "--tp-gen", str(args.tp_gen)] + ([] if args.speed else ["--no-speed"]) + \
             ([] if args.quality else ["--no-quality"])
         t0, load0 = time.perf_counter(), os.getloadavg()
         with open(log, "w") as fh:
@@ -229,6 +267,8 @@ def main(argv=None) -> None:
         r = json.loads(js.read_text())
         m = re.search(r"KV cache size: ([\d,]+) tokens", log.read_text())
         r["kv_tokens"] = int(m.group(1).replace(",", "")) if m else None
+        m = re.search(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x", log.read_text())
+        r["max_concurrency"] = [int(m.group(1).replace(",", "")), float(m.group(2))] if m else None
         r["seconds"] = time.perf_counter() - t0
         r["loadavg_before_after"] = [load0, os.getloadavg()]
         results[spec] = r
@@ -240,7 +280,8 @@ def main(argv=None) -> None:
     rows = []
     for spec, r in results.items():
         row = {"config": spec, "kv_tokens": r["kv_tokens"], "decode_tps": r.get("decode_tps"),
-               "loadavg_before_after": r.get("loadavg_before_after"), "seconds": r.get("seconds")}
+               "loadavg_before_after": r.get("loadavg_before_after"), "seconds": r.get("seconds"),
+               "throughput": r.get("throughput"), "max_concurrency": r.get("max_concurrency")}
         if base is not None:
             row["kv_x"] = r["kv_tokens"] / base["kv_tokens"] if r["kv_tokens"] and base["kv_tokens"] else None
         if base is not None and args.quality:
@@ -263,6 +304,16 @@ def main(argv=None) -> None:
         ppl = f"{row['ppl_change_pct']:+.2f}%" if "ppl_change_pct" in row else "-"
         kv = f"{row['kv_tokens']:,}" if row["kv_tokens"] else "-"
         lines.append(f"| {row['config']} | {kl} | {ppl} | {agree} | {kv} | {row.get('kv_x') or 1:.2f}x |{speed}")
+    if args.throughput:
+        lines += ["", f"| config | {args.throughput} requests x ({args.tp_prompt} prompt + {args.tp_gen} generated): "
+                      "seconds | generated tok/s | x native | requests that fit at once |", "|---|---|---|---|---|"]
+        nat = (base or {}).get("throughput")
+        for row in rows:
+            t = row.get("throughput")
+            if t:
+                fit = row["kv_tokens"] // (args.tp_prompt + args.tp_gen) if row["kv_tokens"] else None
+                x = f"{t['generated_tps'] / nat['generated_tps']:.2f}x" if nat else "-"
+                lines.append(f"| {row['config']} | {t['seconds']:.1f} | {t['generated_tps']:.1f} | {x} | {fit} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results in {out}")

@@ -111,6 +111,15 @@ def test_paged_decode_head_dims_gqa_and_ragged_lengths(name, d, rows):
     close(tk.paged_decode(*g.args(), code_bias=g.bias, block_n=16, splits=2).cpu(), c.reference(), TOL)
 
 
+def test_vouched_max_codes_skips_only_the_checks():
+    """max_codes (the caller vouches for its ranges: no read-back from the GPU) gives the same output."""
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=40, n_exact=2)
+    g = c.on(DEV)
+    want = tk.paged_decode(*g.args(), exact=g.exact, code_bias=g.bias)
+    got = tk.paged_decode(*g.args(), exact=g.exact, code_bias=g.bias, max_codes=int((g.end - g.start).max()))
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name", ["tq4-uni3", "qjl-outliers-uni2"])
 def test_paged_decode_from_a_shuffled_pool(name):
     c = Case(name, b=2, h=2, rows=4, n=29, n_exact=3, ragged=True)

@@ -43,3 +43,14 @@ def test_index_triton_backend_matches_c():
     q = torch.randn(2, 32)
     a, b = ix.search(q, 5, backend="triton"), ix.search(q, 5)
     assert torch.equal(a[1], b[1]) and torch.allclose(a[0], b[0], atol=1e-5)
+
+
+def test_index_triton_backend_on_cpu_codes_is_refused_clearly(monkeypatch):
+    """Natively (no interpreter) Triton cannot read the CPU codes an Index holds: a ValueError says so."""
+    from qjl.search import Index
+
+    ix = Index.create(32, codec="tq-prod", bits=4)
+    ix.add(torch.randn(50, 32))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="triton"):
+        ix.search(torch.randn(1, 32), 3, backend="triton")

@@ -144,5 +144,6 @@ def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: 
     end = torch.full((b,), n_codes, dtype=torch.int32, device=dev)
     out = kernels.paged_decode(qg * scaling, store.key_codec, _fields(store.key_codes), store.value_codec,
                                _fields(store.value_codes), block_table, max(n_codes, 1), start, end,
-                               exact=(keys, values, bias_x), code_bias=bias, backend=store.backend)
+                               exact=(keys, values, bias_x), code_bias=bias, backend=store.backend,
+                               max_codes=n_codes)
     return out.reshape(b, hq, t, d).transpose(1, 2)

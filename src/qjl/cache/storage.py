@@ -263,11 +263,7 @@ class LayerStore:
         return self._quantize(self.key_codec, k, *fit), self._quantize(self.value_codec, v)
 
     def _quantize(self, codec, x: torch.Tensor, *fit) -> Codes:
-        if self.backend == "triton" and kernels.can_quantize(codec):
-            return kernels.quantize(codec, x, *fit)
-        if self.backend == "cpu" and not fit and kernels.can_quantize_cpu(codec):
-            return kernels.quantize_cpu(codec, x)
-        return codec.quantize(x, *fit)
+        return kernels.quantize_with(self.backend, codec, x, *fit)
 
     # -- undo ----------------------------------------------------------------------------------
     def snapshot(self):

@@ -9,7 +9,8 @@ Backends (:data:`BACKENDS`, defined here once):
 ``pick_backend(device, "auto")`` gives "triton" on CUDA when Triton imports, "cpu" on the CPU when the C
 build loads, else "torch".  Entry points: :func:`qjl.kernels.paged.paged_decode` (decode attention over
 paged codes, one call per layer and step) and :mod:`qjl.kernels.encode` (codes from keys/values:
-``quantize``, ``quantize_cpu`` and their ``can_*`` tests, also importable from here).
+``quantize``, ``quantize_cpu``, their ``can_*`` tests and ``quantize_with(backend, ...)``, which picks among
+them; also importable from here).
 Which codecs a kernel reads is declared by the codecs themselves (:mod:`qjl.codecs.views`).
 """
 
@@ -20,12 +21,12 @@ import importlib
 import os
 
 __all__ = ["BACKENDS", "pick_backend", "cpu_available", "triton_usable", "supports", "paged_decode", "PagedField",
-           "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu"]
+           "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu", "quantize_with"]
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 _LAZY = {"paged_decode": "qjl.kernels.paged", "PagedField": "qjl.kernels.paged", "quantize": "qjl.kernels.encode",
          "can_quantize": "qjl.kernels.encode", "quantize_cpu": "qjl.kernels.encode",
-         "can_quantize_cpu": "qjl.kernels.encode"}
+         "can_quantize_cpu": "qjl.kernels.encode", "quantize_with": "qjl.kernels.encode"}
 
 
 def __getattr__(name):

@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu"]
+__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "quantize_with"]
 
 
 def can_quantize(codec) -> bool:
@@ -127,3 +127,15 @@ def quantize_cpu(codec, x: torch.Tensor):
         norm = norm / torch.where(cos > 0, cos, torch.ones_like(cos))
         _check_norm(p.norm_dtype, norm)
     return Codes(tuple(x.shape[:-1]), {p.codes: codes, p.norm: norm.to(p.norm_dtype)})
+
+
+def quantize_with(backend: str, codec, x: torch.Tensor, *fit):
+    """The codes of x with the fastest quantizer ``backend`` has for ``codec`` ("triton": the Triton kernel for
+    codecs with a quantize view; "cpu": the C bucketing for TurboQuant MSE when there is no per-sequence fit;
+    otherwise, and for "torch", ``codec.quantize``).  Every path gives ``codec.quantize(x, *fit)``'s codes
+    (tested bit-exact).  ``fit``: the codec's per-sequence choice (outlier channels), if any."""
+    if backend == "triton" and can_quantize(codec):
+        return quantize(codec, x, *fit)
+    if backend == "cpu" and not fit and can_quantize_cpu(codec):
+        return quantize_cpu(codec, x)
+    return codec.quantize(x, *fit)

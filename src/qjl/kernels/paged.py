@@ -226,7 +226,8 @@ def check_exact(exact, q) -> None:
 
 def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, value_fields: dict,
                  block_table: torch.Tensor, block_size: int, code_start: torch.Tensor, code_end: torch.Tensor, *,
-                 exact=None, code_bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+                 exact=None, code_bias: torch.Tensor | None = None, backend: str = "auto",
+                 max_codes: int | None = None) -> torch.Tensor:
     """Decode attention over paged codes (+ exact tokens), one call per layer and step.
 
     Args:
@@ -243,6 +244,10 @@ def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, valu
             additive (0 / -inf, e.g. a causal mask or ragged lengths; axes of size 1 broadcast) or None.
         code_bias: [B, >= max(code_end)] additive over coded token indices (e.g. left padding) or None.
         backend: "auto" (by device), "cpu", "triton" or "torch" (:func:`qjl.kernels.reference.paged_decode_reference`).
+        max_codes: for callers that build the ranges and the block table from their own state (the transformers
+            cache): they vouch that the arguments are valid and that ``max(code_end - code_start) == max_codes``.
+            The Triton path then skips the checks that read those tensors back from the GPU (each a
+            synchronization, several per layer and step); the other backends check as always.
 
     Returns:
         [B, H_kv, R, D] float32: ``softmax(q . k) v`` over the sequence's coded and exact tokens, keys scored
@@ -264,7 +269,7 @@ def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, valu
         from qjl.kernels.triton import launch
 
         return launch.paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size,
-                                   code_start, code_end, exact=exact, code_bias=code_bias)
+                                   code_start, code_end, exact=exact, code_bias=code_bias, max_codes=max_codes)
     from qjl.kernels.reference import paged_decode_reference
 
     return paged_decode_reference(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size,

@@ -283,8 +283,12 @@ class Index:
                 self.row_codes(), self.codec.layout, factors, self._add_term(),
                 _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)]), ranges, k, bias)
         if backend == "triton":
+            from .. import kernels
             from ..kernels.triton.scan import scan_triton
 
+            if not kernels.triton_usable(self.codes.device):
+                raise ValueError(f"backend='triton' scans CUDA tensors (or the CPU under TRITON_INTERPRET=1); this "
+                                 f"index holds its codes on {self.codes.device}: use backend='auto' or 'c'")
             luts = _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)])
             return scan_triton(self.row_codes(), self.codec.layout, factors, self._add_term(), luts, ranges, k,
                                bias=bias)

@@ -19,11 +19,19 @@ def _role(fields: dict, role: str) -> dict:
     return {n[len(p):]: f for n, f in fields.items() if n.startswith(p)}
 
 
+def _codes(codec, x: torch.Tensor) -> Codes:
+    """x [N, H, D] -> codec.quantize(x)'s codes, through the fastest quantizer for x's device (C on CPU
+    tensors, Triton on CUDA; bit-exact with the codec's own)."""
+    from ... import kernels
+
+    return kernels.quantize_with(kernels.pick_backend(x.device), codec, x.float())
+
+
 def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Codes:
     """k: [N, H, D] of tokens at (blocks, offs) -> Codes lead [N, H]; per-block outlier channels
     (QJL) are chosen from the tokens written first into a block and stored in it."""
     if "outlier_idx" not in key_fields:
-        return codec.quantize(k.float())
+        return _codes(codec, k)
     h, dev = k.shape[1], k.device
     heads = torch.arange(h, device=dev)
     out = []
@@ -67,7 +75,7 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
     h = key.shape[1]
     kf, vf = _role(fields, "key"), _role(fields, "value")
     kc = _quantize_keys(layout.key_codec, key, blocks, offs, kf)
-    vc = layout.value_codec.quantize(value.float())
+    vc = _codes(layout.value_codec, value)
     for role, role_fields, codes in (("key", kf, kc), ("value", vf, vc)):
         for name, t in codes.fields.items():
             f = role_fields[name]

@@ -90,7 +90,7 @@ def _field(f):
 
 def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end,
                  *, exact=None, code_bias=None, block_n: int = 16, splits: int | None = None,
-                 num_warps: int = 4) -> torch.Tensor:
+                 num_warps: int = 4, max_codes: int | None = None) -> torch.Tensor:
     """The Triton backend of :func:`qjl.kernels.paged.paged_decode` (same arguments and result): split-K
     partials of the coded tokens, merged in torch with the exact tokens' partial; then the value codec's
     ``unmix`` once per row."""
@@ -101,13 +101,15 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the Triton kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
-    check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end)
+    if max_codes is None:  # else the caller vouches for the arguments (qjl.kernels.paged.paged_decode)
+        check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
+                    code_end)
     kview, vview = key_codec.score_view(), value_codec.mix_view()
     b, hkv, r, d = q.shape
     dev = q.device
     bt = block_table.to(torch.int32).contiguous()
     starts, ends = code_start.to(torch.int32).contiguous(), code_end.to(torch.int32).contiguous()
-    max_len = int((ends - starts).max()) if b else 0
+    max_len = (int((ends - starts).max()) if b else 0) if max_codes is None else int(max_codes)
     if splits is None:
         splits = max(1, min(64, max_len // 512))
     chunk = max(block_n, math.ceil(math.ceil(max(max_len, 1) / splits) / block_n) * block_n)
