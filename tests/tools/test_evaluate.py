@@ -147,7 +147,8 @@ def test_memory_from_repeated_keys_equals_memory_from_captured_keys(lm, name):
     assert [k.shape[-2] for k, _ in tiled] == [400] * len(tiled)
     assert torch.equal(tiled[0][0][..., 150:300, :], cache.layers[0].keys)
     cfg = make_method(name)
-    captured = evaluate.capture_kv(model, torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0)), 400)
+    other = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0))
+    captured = evaluate.capture_kv(model, other, 400)
     assert evaluate.memory_at(model, ids, cfg, 400, kv=tiled) == evaluate.memory_at(model, ids, cfg, 400, kv=captured)
     with pytest.raises(ValueError, match="tokens"):
         evaluate.tile_kv(tiled, 0)

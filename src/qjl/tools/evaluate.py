@@ -191,10 +191,11 @@ def memory_at(model, ids: torch.Tensor, cfg, tokens: int, kv: list | None = None
     """Bytes a cache holds for ``tokens`` tokens: a prefill of ``tokens - 1`` tokens, then one decode step
     (which moves the prompt's overflow into codes) -> :func:`qjl.tools.methods.cache_memory`.
 
-    With ``kv`` (from :func:`capture_kv`, or :func:`tile_kv` of a full-precision cache's :func:`held_kv`) the cache receives those keys and values through its own
-    ``update`` in the same two steps, without running the model again: the same tensors held, as a cache's
-    bytes depend on its configuration and the token count, not on the values.  Configurations that choose
-    anything from the prompt's queries need the model run (``kv=None``).
+    With ``kv`` (from :func:`capture_kv`, or :func:`tile_kv` of a full-precision cache's :func:`held_kv`) the
+    cache receives those keys and values through its own ``update`` in the same two steps, without running
+    the model again: the same tensors held, as a cache's bytes depend on its configuration and the token
+    count, not on the values.  Configurations that choose anything from the prompt's queries need the model
+    run (``kv=None``).
     """
     cache = make_cache(model, cfg)
     if kv is None:
