@@ -131,6 +131,29 @@ def test_memory_from_captured_kv_equals_memory_through_the_model(lm, name):
         evaluate.memory_at(model, ids, cfg, 300, kv=evaluate.capture_kv(model, ids, 400))
 
 
+@pytest.mark.parametrize("name", ["full precision", "tq-k3v2", "kivi-k2v2", "qjl-paper", "hf-quanto-k4v4"])
+def test_memory_from_repeated_keys_equals_memory_from_captured_keys(lm, name):
+    """Bytes depend on the token count, not the values: a full-precision cache's keys and values repeated to
+    400 tokens give the bytes of 400 captured ones (what ``qjl eval`` uses instead of another prefill)."""
+    from qjl.tools.methods import has_quanto, make_cache, make_method
+
+    if name.startswith("hf-") and not has_quanto():
+        pytest.skip("needs optimum-quanto")
+    model, _ = lm
+    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(1))
+    cache = make_cache(model, None)
+    model(ids[None], past_key_values=cache, use_cache=True)
+    tiled = evaluate.tile_kv(evaluate.held_kv(cache), 400)
+    assert [k.shape[-2] for k, _ in tiled] == [400] * len(tiled)
+    assert torch.equal(tiled[0][0][..., 150:300, :], cache.layers[0].keys)
+    cfg = make_method(name)
+    other = torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0))
+    captured = evaluate.capture_kv(model, other, 400)
+    assert evaluate.memory_at(model, ids, cfg, 400, kv=tiled) == evaluate.memory_at(model, ids, cfg, 400, kv=captured)
+    with pytest.raises(ValueError, match="tokens"):
+        evaluate.tile_kv(tiled, 0)
+
+
 def test_a_method_repeats_exactly(lm):
     import qjl
 
@@ -141,3 +164,33 @@ def test_a_method_repeats_exactly(lm):
     a, _, _ = evaluate.score_method(model, ids, setup, cfg)
     b, _, _ = evaluate.score_method(model, ids, setup, cfg)
     assert torch.equal(a, b)
+
+
+def test_a_run_equals_each_method_on_its_own(lm, text_file, tmp_path):
+    """Shared prefills change no number: each method's KL, perplexity, top-1, bytes and passkey hits equal
+    those of the method run alone (its own prefill; one ``model.generate`` per passkey prompt).  The prompts
+    (700 tokens) are compressed during the prefill."""
+    from qjl.tools.methods import REFERENCE, has_quanto, make_cache, make_method
+    from qjl.tools.passkey import passkey_prompts
+
+    model, tok = lm
+    methods = ("full precision", "tq-k45v3", "tq-k3v2", "qjl-paper", "kivi-k2v2") + (("hf-quanto-k4v4",) if
+                                                                                     has_quanto() else ())
+    plan = evalrun.EvalPlan(methods=methods, texts=(text_file,), contexts=(700,), score=48, chunk=16,
+                            passkey_lengths=(700,), passkey_trials=2, memory_tokens=0, threads=1)
+    res = evalrun.run_eval(plan, tmp_path / "run", show_progress=False, model_and_tokenizer=lm)["results"]
+    ids, _ = evaluate.load_text_ids(tok, text_file, 748)
+    setup = evaluate.EvalSetup(context=700, score=48, chunk=16)
+    _, ref = evaluate.evaluate_method(model, ids, setup, None)
+    prompts = passkey_prompts(tok, 700, 2)
+    for name in methods:
+        alone, _ = evaluate.evaluate_method(model, ids, setup, make_method(name), None if name == REFERENCE else ref)
+        got = res[name]["texts"][text_file]["700"]
+        assert {k: got[k] for k in ("nll", "ppl", "cache")} == {k: alone[k] for k in ("nll", "ppl", "cache")}, name
+        if name != REFERENCE:
+            assert (got["kl"], got["top1"]) == (alone["kl"], alone["top1"]), name
+        hits = sum(key in tok.decode(model.generate(p, past_key_values=make_cache(model, make_method(name)),
+                                                    max_new_tokens=12, do_sample=False,
+                                                    pad_token_id=tok.eos_token_id)[0, p.shape[1]:])
+                   for p, key in prompts)
+        assert res[name]["passkey"]["700"]["hits"] == hits, name

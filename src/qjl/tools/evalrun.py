@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from qjl.tools.evaluate import EvalSetup, capture_kv, evaluate_method, load_text_ids, memory_at
+from qjl.tools.evaluate import (EvalSetup, capture_kv, held_kv, load_text_ids, measure, memory_at,
+                                prefill_methods, score_prefilled, tile_kv)
 from qjl.tools.methods import REFERENCE, make_cache, make_method
-from qjl.tools.passkey import passkey_hits, passkey_prompts
+from qjl.tools.passkey import passkey_hits_by_method, passkey_prompts
 
 __all__ = ["EvalPlan", "run_eval", "worst_over", "fix_threads"]
 
@@ -124,12 +125,12 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
         except ValueError:  # shorter than the longest context: evaluate the contexts it holds
             ids[text], metas[text] = load_text_ids(tok, text, min(plan.contexts) + plan.score)
     held = [t for t in plan.texts if t in CORPUS and t != TUNING_TEXT] or list(plan.texts)
-    methods = plan.methods[1:]
     total = (len(plan.texts) * len(plan.contexts) * len(plan.methods)
-             + (len(plan.methods) * len(plan.passkey_lengths) if plan.passkey_trials else 0)
+             + len(plan.methods) * len(plan.passkey_lengths) * plan.passkey_trials  # one per method and prompt
              + (len(plan.methods) if plan.memory_tokens else 0))
     results = {name: {"config": _describe(cfg, model), "texts": {}} for name, cfg in cfgs.items()}
     bar = _Progress(total, show_progress)
+    kv_src = None
 
     def checkpoint(done: bool = False) -> dict:
         """Summarize what is measured so far and write the run directory (``partial`` until the end)."""
@@ -147,25 +148,34 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
                                 f"{setup.tokens} tokens"})
                 bar.update(len(plan.methods))
                 continue
-            m, ref = evaluate_method(model, ids[text], setup, None)
-            _record(results[REFERENCE], text, ctx, {**m, "kl": 0.0, "top1": 1.0})
-            bar.update(1)
-            for name in methods:
-                m, _ = evaluate_method(model, ids[text], setup, cfgs[name], ref)
+            ref = None  # the reference's group comes first: every other method is measured against it
+            for name, cache, first in prefill_methods(model, ids[text][:ctx], cfgs):
+                logp, secs = score_prefilled(model, ids[text], setup, cache, first)
+                m = measure(logp, cache, secs, ids[text], setup, ref)
+                if name == REFERENCE:
+                    m, ref = {**m, "kl": 0.0, "top1": 1.0}, logp
+                    if text == plan.texts[0] and plan.memory_tokens and (kv_src is None or ctx > kv_src[1]):
+                        kv_src = (held_kv(cache), ctx)  # real keys and values for the memory measure
                 _record(results[name], text, ctx, m)
+                del cache, logp
                 bar.update(1)
             del ref
             checkpoint()  # long runs keep every finished text
-    kv = capture_kv(model, ids[plan.texts[0]], plan.memory_tokens) if plan.memory_tokens else None
+    if plan.passkey_trials:
+        makers = {name: (lambda cfg=cfg: make_cache(model, cfg)) for name, cfg in cfgs.items()}
+        for n in plan.passkey_lengths:
+            prompts = passkey_prompts(tok, n, plan.passkey_trials)
+            hits = passkey_hits_by_method(model, tok, prompts, makers, on_prompt=lambda: bar.update(len(cfgs)))
+            for name in cfgs:
+                results[name].setdefault("passkey", {})[str(n)] = {"hits": hits[name], "trials": len(prompts)}
+        checkpoint()
+    kv = None
+    if plan.memory_tokens:  # bytes depend on the token count, not the values: the reference's keys, repeated
+        kv = (tile_kv(kv_src[0], plan.memory_tokens) if kv_src is not None
+              else capture_kv(model, ids[plan.texts[0]], plan.memory_tokens))
+    del kv_src
     for name, cfg in cfgs.items():
         r = results[name]
-        if plan.passkey_trials:
-            r["passkey"] = {}
-            for n in plan.passkey_lengths:
-                prompts = passkey_prompts(tok, n, plan.passkey_trials)
-                r["passkey"][str(n)] = {"hits": passkey_hits(model, tok, prompts, lambda: make_cache(model, cfg)),
-                                        "trials": len(prompts)}
-                bar.update(1)
         if plan.memory_tokens:
             # configurations that read the prompt's queries (auto-*) are measured through the model
             r["memory_at"] = memory_at(model, ids[plan.texts[0]], cfg, plan.memory_tokens,

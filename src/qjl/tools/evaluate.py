@@ -5,7 +5,8 @@ Protocol (every method sees exactly the same tokens):
 1. tokenize a text (:mod:`qjl.tools.texts`), take ``context`` tokens as the prompt and the next
    ``score`` tokens as the scored part;
 2. prefill the prompt in one forward pass (exact attention over the prompt; the cache then holds it
-   compressed except the sinks and the recent window);
+   compressed except the sinks and the recent window); methods whose prefill computes the same (the same
+   exact storage dtype and key smoothing, :mod:`qjl.integrations.transformers.prefill`) share one forward;
 3. feed the scored tokens in chunks of ``chunk`` tokens; each chunk attends to the compressed history +
    exact window + itself, and yields next-token distributions;
 4. against the full-precision cache (``DynamicCache``) run the same way: mean KL(p_full || p_method) in
@@ -13,7 +14,8 @@ Protocol (every method sees exactly the same tokens):
 5. passkey retrieval (:mod:`qjl.tools.passkey`) at one or more prompt lengths.
 
 Memory: the bytes a cache holds after scoring (``cache_memory``: storage actually held, codes and exact
-tokens apart) and at ``memory_tokens`` tokens (a prefill of that length plus one decode step).
+tokens apart) and at ``memory_tokens`` tokens (a prefill of that length plus one decode step; the keys and
+values fed are real ones, repeated to that length, as the bytes depend on the token count, not the values).
 Results of one run go to a run directory as ``config.json`` + ``metrics.json`` (:mod:`qjl.tools.evalrun`).
 """
 
@@ -25,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from qjl.tools.methods import cache_memory, make_cache
+from qjl.tools.methods import cache_memory, make_cache, prefill_groups
 
-__all__ = ["EvalSetup", "load_text_ids", "score_method", "quality", "evaluate_method", "capture_kv", "memory_at",
-           "DEFAULT_TEXT"]
+__all__ = ["EvalSetup", "load_text_ids", "prefill_methods", "score_prefilled", "score_method", "quality", "measure",
+           "evaluate_method", "capture_kv", "held_kv", "tile_kv", "memory_at", "DEFAULT_TEXT"]
 
 DEFAULT_TEXT = "gpl-3"
 
@@ -75,6 +77,45 @@ def load_text_ids(tokenizer, text: str, n_tokens: int) -> tuple:
 
 
 @torch.no_grad()
+def prefill_methods(model, prompt: torch.Tensor, cfgs: dict):
+    """Prefill ``prompt`` ([T] token ids) into a fresh cache per configuration (``cfgs``: name -> cfg, None for
+    full precision), one forward per group of configurations that prefill alike
+    (:func:`qjl.tools.methods.prefill_groups`; each cache ends as its own prefill would leave it, bit for bit).
+
+    Yields (name, cache, log-probs of the next token [1, V] float32), group after group.
+    """
+    from qjl.integrations.transformers.prefill import shared_prefill
+
+    caches = {name: make_cache(model, cfg) for name, cfg in cfgs.items()}
+    for names in prefill_groups(model, caches):
+        group = [caches.pop(n) for n in names]
+        out = shared_prefill(model, group, lambda c: model(prompt.unsqueeze(0), past_key_values=c, use_cache=True))
+        logp = torch.log_softmax(out.logits[0, -1:].float(), dim=-1)
+        del out
+        for name, cache in zip(names, group):
+            yield name, cache, logp
+        del group
+
+
+@torch.no_grad()
+def score_prefilled(model, ids: torch.Tensor, setup: EvalSetup, cache, first: torch.Tensor) -> tuple:
+    """Score ``ids[context:context + score]`` in chunks on a cache that holds the prefilled ``ids[:context]``;
+    ``first``: the prefill's log-probs of the next token [1, V].  -> (log-probs [score, V], seconds of the chunks)."""
+    if ids.numel() < setup.tokens:
+        raise ValueError(f"ids holds {ids.numel()} tokens; the setup needs {setup.tokens}")
+    if cache.get_seq_length() != setup.context:
+        raise ValueError(f"cache holds {cache.get_seq_length()} tokens; the setup's context is {setup.context}")
+    logps = [first]
+    scored = ids[setup.context: setup.tokens]
+    t0 = time.perf_counter()
+    for start in range(0, setup.score - 1, setup.chunk):
+        piece = scored[start: min(start + setup.chunk, setup.score - 1)].unsqueeze(0)
+        out = model(piece, past_key_values=cache, use_cache=True)
+        logps.append(torch.log_softmax(out.logits[0].float(), dim=-1))
+    return torch.cat(logps)[: setup.score], time.perf_counter() - t0
+
+
+@torch.no_grad()
 def score_method(model, ids: torch.Tensor, setup: EvalSetup, cfg) -> tuple:
     """Prefill ``ids[:context]``, then score the next ``score`` tokens in chunks.
 
@@ -82,17 +123,9 @@ def score_method(model, ids: torch.Tensor, setup: EvalSetup, cfg) -> tuple:
     """
     if ids.numel() < setup.tokens:
         raise ValueError(f"ids holds {ids.numel()} tokens; the setup needs {setup.tokens}")
-    cache = make_cache(model, cfg)
-    out = model(ids[: setup.context].unsqueeze(0), past_key_values=cache, use_cache=True)
-    logps = [torch.log_softmax(out.logits[0, -1:].float(), dim=-1)]
-    del out
-    scored = ids[setup.context: setup.tokens]
-    t0 = time.perf_counter()
-    for start in range(0, setup.score - 1, setup.chunk):
-        piece = scored[start: min(start + setup.chunk, setup.score - 1)].unsqueeze(0)
-        out = model(piece, past_key_values=cache, use_cache=True)
-        logps.append(torch.log_softmax(out.logits[0].float(), dim=-1))
-    return torch.cat(logps)[: setup.score], cache, time.perf_counter() - t0
+    ((_, cache, first),) = prefill_methods(model, ids[: setup.context], {"method": cfg})
+    logp, secs = score_prefilled(model, ids, setup, cache, first)
+    return logp, cache, secs
 
 
 def quality(logp: torch.Tensor, targets: torch.Tensor, reference: torch.Tensor | None = None) -> dict:
@@ -113,10 +146,17 @@ def quality(logp: torch.Tensor, targets: torch.Tensor, reference: torch.Tensor |
 def evaluate_method(model, ids: torch.Tensor, setup: EvalSetup, cfg, reference: torch.Tensor | None = None) -> tuple:
     """:func:`score_method` + :func:`quality` + the bytes held after scoring -> (metrics, log-probs [score, V])."""
     logp, cache, secs = score_method(model, ids, setup, cfg)
+    return measure(logp, cache, secs, ids, setup, reference), logp
+
+
+def measure(logp: torch.Tensor, cache, secs: float, ids: torch.Tensor, setup: EvalSetup,
+            reference: torch.Tensor | None = None) -> dict:
+    """Metrics of one scored method: :func:`quality` of ``logp`` [score, V] against ``reference``, the scoring
+    speed and the bytes ``cache`` holds after scoring."""
     m = quality(logp, ids[setup.context: setup.tokens], reference)
     m.update(tokens_per_s=(setup.score - 1) / secs if secs > 0 else float("nan"), cache=cache_memory(cache))
     m["compressed_bits"] = (m["cache"]["key_bits"] + m["cache"]["value_bits"]) / 2
-    return m, logp
+    return m
 
 
 @torch.no_grad()
@@ -129,15 +169,33 @@ def capture_kv(model, ids: torch.Tensor, tokens: int) -> list:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
+def held_kv(cache) -> list:
+    """The keys and values a full-precision cache (``DynamicCache``) holds -> [(keys, values)] per layer,
+    each ``[B, H_kv, n, D]``."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def tile_kv(kv: list, tokens: int) -> list:
+    """[(keys, values)] per layer, each ``[B, H_kv, n, D]`` -> the same repeated along the tokens and cut to
+    exactly ``tokens`` (for :func:`memory_at`, whose bytes depend on the token count, not on the values)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+    if not kv or kv[0][0].shape[-2] == 0:
+        raise ValueError("kv must hold at least one token")
+    reps = -(-tokens // kv[0][0].shape[-2])
+    return [(k.repeat(1, 1, reps, 1)[..., :tokens, :], v.repeat(1, 1, reps, 1)[..., :tokens, :]) for k, v in kv]
+
+
 @torch.no_grad()
 def memory_at(model, ids: torch.Tensor, cfg, tokens: int, kv: list | None = None) -> dict:
     """Bytes a cache holds for ``tokens`` tokens: a prefill of ``tokens - 1`` tokens, then one decode step
     (which moves the prompt's overflow into codes) -> :func:`qjl.tools.methods.cache_memory`.
 
-    With ``kv`` (from :func:`capture_kv`) the cache receives those keys and values through its own
-    ``update`` in the same two steps, without running the model again: the same tensors held, as a cache's
-    bytes depend on its configuration and the token count, not on the values.  Configurations that choose
-    anything from the prompt's queries need the model run (``kv=None``).
+    With ``kv`` (from :func:`capture_kv`, or :func:`tile_kv` of a full-precision cache's :func:`held_kv`) the
+    cache receives those keys and values through its own ``update`` in the same two steps, without running
+    the model again: the same tensors held, as a cache's bytes depend on its configuration and the token
+    count, not on the values.  Configurations that choose anything from the prompt's queries need the model
+    run (``kv=None``).
     """
     cache = make_cache(model, cfg)
     if kv is None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["REFERENCE", "QUICK_METHODS", "HFQuantized", "method_names", "resolve_methods", "make_method",
-           "make_cache", "cache_memory", "held_bytes"]
+           "make_cache", "prefill_groups", "cache_memory", "held_bytes"]
 
 REFERENCE = "full precision"
 
@@ -141,6 +141,19 @@ def make_cache(model, cfg):
     if isinstance(cfg, QJLConfig):
         return QJLCache(model, cfg)
     raise TypeError(f"cfg must be None, a QJLConfig or an HFQuantized, got {type(cfg).__name__}")
+
+
+def prefill_groups(model, caches: dict) -> list:
+    """{name: empty cache} -> lists of names whose caches prefill alike (equal
+    :func:`qjl.integrations.transformers.prefill.prefill_key`), in the order of their first name; a cache
+    without a key is a group of its own.  One forward prefills a group (``shared_prefill``)."""
+    from qjl.integrations.transformers.prefill import prefill_key
+
+    groups = {}
+    for name, cache in caches.items():
+        key = prefill_key(model, cache)
+        groups.setdefault(("alone", name) if key is None else key, []).append(name)
+    return list(groups.values())
 
 
 def held_bytes(tensors) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["passkey_prompts", "passkey_hits"]
+__all__ = ["passkey_prompts", "passkey_hits", "passkey_hits_by_method", "generate_by_method"]
 
 _FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -41,9 +41,51 @@ def passkey_prompts(tokenizer, n_tokens: int, trials: int, seed: int = 1234) -> 
 def passkey_hits(model, tokenizer, prompts: list, make_cache, max_new_tokens: int = 12) -> int:
     """How many of ``prompts`` (from :func:`passkey_prompts`) the model answers with a fresh cache
     from ``make_cache()`` per prompt, greedy decoding."""
-    hits = 0
+    return passkey_hits_by_method(model, tokenizer, prompts, {"method": make_cache}, max_new_tokens)["method"]
+
+
+@torch.no_grad()
+def passkey_hits_by_method(model, tokenizer, prompts: list, makers: dict, max_new_tokens: int = 12,
+                           on_prompt=None) -> dict:
+    """{name: make_cache} -> {name: hits}: :func:`passkey_hits` for several methods, each prompt prefilled
+    once per group of methods whose caches prefill alike (:func:`generate_by_method`).  ``on_prompt()`` (if
+    given) is called after each prompt (a progress bar)."""
+    hits = dict.fromkeys(makers, 0)
     for ids, key in prompts:
-        out = model.generate(ids, past_key_values=make_cache(), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
-        hits += key in tokenizer.decode(out[0, ids.shape[1]:])
+        caches = {name: make() for name, make in makers.items()}
+        outs = generate_by_method(model, ids, caches, max_new_tokens, pad_token_id=tokenizer.eos_token_id)
+        for name, out in outs.items():
+            hits[name] += key in tokenizer.decode(out[0, ids.shape[1]:])
+        if on_prompt is not None:
+            on_prompt()
     return hits
+
+
+@torch.no_grad()
+def generate_by_method(model, ids: torch.Tensor, caches: dict, max_new_tokens: int, pad_token_id=None) -> dict:
+    """Greedy answers to ``ids`` [1, T] with each of ``caches`` ({name: empty cache}) -> {name: [1, T + n] ids},
+    each equal, token for token, to ``model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens,
+    do_sample=False)``.
+
+    One prefill per group of caches that prefill alike (:func:`qjl.tools.methods.prefill_groups`): the group's
+    generate stops after the prefill's token (``max_new_tokens=1``), every cache of the group then holds what
+    its own prefill would (:func:`qjl.integrations.transformers.prefill.shared_prefill`), and generate goes on
+    from the prompt and that token -- a one-token forward on the prefilled cache, as generate's second step is.
+    """
+    from qjl.integrations.transformers.prefill import shared_prefill
+    from qjl.tools.methods import prefill_groups
+
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    stop = model.generation_config.eos_token_id
+    stop = set(stop if isinstance(stop, (list, tuple)) else [] if stop is None else [stop])
+    gen = dict(do_sample=False, pad_token_id=pad_token_id)
+    out = {}
+    for names in prefill_groups(model, caches):
+        group = [caches[n] for n in names]
+        first = shared_prefill(model, group, lambda c: model.generate(ids, past_key_values=c, max_new_tokens=1, **gen))
+        for name, cache in zip(names, group):
+            out[name] = first
+            if max_new_tokens > 1 and int(first[0, -1]) not in stop:
+                out[name] = model.generate(first, past_key_values=cache, max_new_tokens=max_new_tokens - 1, **gen)
+    return {name: out[name] for name in caches}

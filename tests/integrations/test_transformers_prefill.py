@@ -1,0 +1,145 @@
+"""One prefill for several caches: every cache of a group ends bit for bit as its own prefill leaves it."""
+
+import pytest
+import torch
+
+import qjl
+from cache_state import same, state
+from qjl.integrations.transformers.layer import QJLCacheLayer
+from qjl.integrations.transformers.prefill import prefill_key, record_updates, replay_prefill, shared_prefill
+from qjl.tools.methods import has_quanto, make_cache, make_method, prefill_groups
+from tiny_models import tiny_model
+
+torch.set_grad_enabled(False)
+
+# the quick set's prefill groups (exact storage dtype x key smoothing) and a few more presets
+NAMES = ["full precision", "tq-k45v3", "tq-k3v2", "qjl-paper", "kivi-k2v2", "tq-k4v3", "tq-k3v3"]
+PROMPT = 720  # > residual 128 + block 32 + EAGER_FLUSH 512: the prefill compresses the prompt right away
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_model("llama")
+    qjl.patch_attention(m)
+    return m
+
+
+def _ids(n, seed=0):
+    return torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _names():
+    return NAMES + (["hf-quanto-k4v4"] if has_quanto() else [])
+
+
+def _forward(model, ids):
+    return lambda cache: model(ids, past_key_values=cache, use_cache=True)
+
+
+def _held(cache) -> list:
+    """What a cache holds, layer by layer, as plain tensors (compressed stores, or a layer's tensors)."""
+    out = []
+    for layer in cache.layers:
+        if isinstance(layer, QJLCacheLayer):
+            out.append(state(layer.store))
+        else:
+            out.append({n: t.clone() for n, t in vars(layer).items() if isinstance(t, torch.Tensor)})
+    return out
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+
+
+def test_groups_follow_exact_dtype_and_smoothing(model):
+    caches = {n: make_cache(model, make_method(n)) for n in _names()}
+    groups = prefill_groups(model, caches)
+    assert ["tq-k45v3", "tq-k3v2", "tq-k3v3"] in groups  # fp16 window, smoothed keys
+    assert ["qjl-paper", "kivi-k2v2", "tq-k4v3"] in groups  # fp16 window, keys as they are
+    # transformers' QuantizedCache attends over the prompt as given, as DynamicCache does
+    assert (["full precision", "hf-quanto-k4v4"] if has_quanto() else ["full precision"]) in groups
+    assert prefill_key(model, make_cache(model, qjl.QJLConfig.auto(bits_per_value=3.0))) is None
+    fp32 = make_cache(model, qjl.QJLConfig.preset("tq-k4v3", exact_dtype="fp32"))
+    assert prefill_key(model, fp32) != prefill_key(model, caches["tq-k4v3"])
+
+
+def test_a_shared_prefill_leaves_every_cache_as_its_own(model):
+    """Logits, what each cache holds, and the next chunk's logits: all bit for bit equal to a prefill of
+    each cache through the model."""
+    ids, nxt = _ids(PROMPT), _ids(40, seed=1)
+    caches = {n: make_cache(model, make_method(n)) for n in _names()}
+    for names in prefill_groups(model, caches):
+        group = [caches[n] for n in names]
+        out = shared_prefill(model, group, _forward(model, ids))
+        for name, cache in zip(names, group):
+            own = make_cache(model, make_method(name))
+            own_out = model(ids, past_key_values=own, use_cache=True)
+            assert torch.equal(out.logits, own_out.logits), name
+            assert cache.get_seq_length() == own.get_seq_length() == PROMPT
+            assert _same(_held(cache), _held(own)), name
+            a = model(nxt, past_key_values=cache, use_cache=True).logits
+            b = model(nxt, past_key_values=own, use_cache=True).logits
+            assert torch.equal(a, b), name
+            if isinstance(cache, qjl.QJLCache):
+                assert cache.memory_report()["key_code_bytes"] > 0  # the prompt was compressed
+
+
+def test_a_short_prompt_waits_for_the_next_append(model):
+    """Below the eager flush the window keeps the prompt until the next forward: the same after a replay."""
+    cfg = qjl.QJLConfig.preset("tq-k3v2")
+    ids, nxt = _ids(300), _ids(8, seed=2)
+    a, b = make_cache(model, cfg), make_cache(model, qjl.QJLConfig.preset("tq-k45v3"))
+    shared_prefill(model, [b, a], _forward(model, ids))
+    own = make_cache(model, cfg)
+    model(ids, past_key_values=own, use_cache=True)
+    assert _same(_held(a), _held(own))
+    assert torch.equal(model(nxt, past_key_values=a).logits, model(nxt, past_key_values=own).logits)
+
+
+def test_padding_rows_start_where_the_mask_says(model):
+    cfg = qjl.QJLConfig.preset("tq-k45v3", residual_length=16, flush_block=16)
+    ids = _ids(2 * 64).reshape(2, 64)
+    mask = torch.ones(2, 64, dtype=torch.long)
+    mask[1, :5] = 0
+    a, b = make_cache(model, cfg), make_cache(model, cfg)
+    shared_prefill(model, [a, b], lambda c: model(ids, attention_mask=mask, past_key_values=c), attention_mask=mask)
+    own = make_cache(model, cfg)
+    model(ids, attention_mask=mask, past_key_values=own)
+    assert _same(_held(b), _held(own))
+    assert own.layers[0].store.row_start.tolist() == [0, 5]
+
+
+def test_bad_input_is_refused_and_leaves_the_caches_empty(model):
+    ids = _ids(40)
+    full, tq, paper = (make_cache(model, make_method(n)) for n in ("full precision", "tq-k45v3", "qjl-paper"))
+    with pytest.raises(ValueError, match="share one prefill"):
+        shared_prefill(model, [tq, paper], _forward(model, ids))
+    with pytest.raises(ValueError, match="must not be empty"):
+        shared_prefill(model, [], _forward(model, ids))
+    model(ids, past_key_values=full)
+    with pytest.raises(ValueError, match=r"caches\[0\] must be empty"):
+        shared_prefill(model, [full], _forward(model, ids))
+    with pytest.raises(ValueError, match="attention_mask"):
+        shared_prefill(model, [tq, make_cache(model, make_method("tq-k3v2"))], _forward(model, ids),
+                       attention_mask=torch.ones(40))
+    assert tq.get_seq_length() == 0
+    with pytest.raises(ValueError, match="one forward"):
+        with record_updates(full) as calls:
+            model(ids, past_key_values=full)
+            model(ids[:, :3], past_key_values=full)
+        replay_prefill(tq, calls)
+    assert tq.get_seq_length() == 0 and "update" not in vars(full)
+    auto = make_cache(model, qjl.QJLConfig.auto(bits_per_value=3.0))
+    with record_updates(make_cache(model, None)) as calls:
+        pass
+    with pytest.raises(ValueError, match="each of"):
+        replay_prefill(auto, calls)
+    dyn = make_cache(model, None)
+    with record_updates(dyn) as calls:
+        model(ids, past_key_values=dyn)
+    with pytest.raises(ValueError, match="QJLConfig.auto"):
+        replay_prefill(auto, calls)
+    assert auto.get_seq_length() == 0
+    # a single cache without a key prefills on its own
+    out = shared_prefill(model, [auto], _forward(model, ids))
+    assert auto.get_seq_length() == 40 and out.logits.shape[1] == 40
