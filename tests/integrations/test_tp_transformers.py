@@ -14,7 +14,8 @@ import textwrap
 import pytest
 
 # two processes for a minute or more on two busy cores: run with the engine tests (`pytest -m vllm`)
-pytestmark = pytest.mark.vllm
+# two balanced halves for `-n 2` (.ci/run): engine + server (~190 s) and the two TP=2 tests (~190 s)
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-tp")]
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys

@@ -13,7 +13,8 @@ import pytest
 
 from vllm_helpers import ENGINE_ENV
 
-pytestmark = pytest.mark.vllm
+# two balanced halves for `-n 2` (.ci/run): engine + server (~190 s) and the two TP=2 tests (~190 s)
+pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm-engine-server")]
 pytest.importorskip("vllm")
 httpx = pytest.importorskip("httpx")
 
