@@ -25,3 +25,12 @@ def test_a_new_tensor_at_a_reused_address_gets_its_own_copy():
     u = torch.ones(4)
     devices._COPIES[(id(u), "meta")] = (lambda: None, torch.empty(0, device="meta"))  # a stale entry at u's id
     assert devices.on_device(u, "meta").shape == (4,)
+
+
+def test_bad_arguments_are_named():
+    import pytest
+
+    with pytest.raises(TypeError, match="t must be"):
+        devices.on_device([1.0], "cpu")
+    with pytest.raises(RuntimeError):
+        devices.on_device(torch.zeros(1), "no-such-device")

@@ -39,3 +39,12 @@ def test_cpu_quantize_refuses_bad_input_like_the_reference():
     with pytest.raises(TypeError, match="codec"):
         kernels.quantize_cpu(PolarQuant(64), torch.randn(2, 64))
     assert kernels.can_quantize_cpu(codec) and not kernels.can_quantize_cpu(QJLSketch(64, 128))
+
+
+def test_quantize_with_names_a_bad_backend():
+    c, x = TurboQuantMSE(32, 3), torch.randn(2, 5, 32)
+    ref = c.quantize(x)
+    got = kernels.quantize_with("torch", c, x)
+    assert all(torch.equal(got.fields[n], ref.fields[n]) for n in ref.fields)
+    with pytest.raises(ValueError, match="backend"):
+        kernels.quantize_with("auto", c, x)

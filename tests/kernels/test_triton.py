@@ -118,6 +118,8 @@ def test_vouched_max_codes_skips_only_the_checks():
     want = tk.paged_decode(*g.args(), exact=g.exact, code_bias=g.bias)
     got = tk.paged_decode(*g.args(), exact=g.exact, code_bias=g.bias, max_codes=int((g.end - g.start).max()))
     assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="max_codes"):
+        kernels.paged_decode(*g.args(), max_codes=-1, backend="triton")
 
 
 @pytest.mark.parametrize("name", ["tq4-uni3", "qjl-outliers-uni2"])

@@ -18,6 +18,8 @@ _COPIES: dict = {}  # (id(constant), device) -> (weak reference to the constant,
 def on_device(t: torch.Tensor, device) -> torch.Tensor:
     """``t`` on ``device``: ``t`` itself when it is there already, else one copy per (tensor, device), kept for
     as long as ``t`` lives.  Only for tensors that are never modified in place (codec constants)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

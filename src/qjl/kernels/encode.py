@@ -134,6 +134,11 @@ def quantize_with(backend: str, codec, x: torch.Tensor, *fit):
     codecs with a quantize view; "cpu": the C bucketing for TurboQuant MSE when there is no per-sequence fit;
     otherwise, and for "torch", ``codec.quantize``).  Every path gives ``codec.quantize(x, *fit)``'s codes
     (tested bit-exact).  ``fit``: the codec's per-sequence choice (outlier channels), if any."""
+    from qjl.kernels import BACKENDS
+
+    if backend not in BACKENDS[1:]:
+        raise ValueError(f"backend must be one of {BACKENDS[1:]} (pick one with qjl.kernels.pick_backend), "
+                         f"got {backend!r}")
     if backend == "triton" and can_quantize(codec):
         return quantize(codec, x, *fit)
     if backend == "cpu" and not fit and can_quantize_cpu(codec):

@@ -259,6 +259,8 @@ def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, valu
     from qjl import kernels
 
     backend = kernels.pick_backend(q.device, backend)
+    if max_codes is not None and (isinstance(max_codes, bool) or not isinstance(max_codes, int) or max_codes < 0):
+        raise ValueError(f"max_codes must be None or a non-negative int, got {max_codes!r}")
     check_exact(exact, q)
     if backend == "cpu":
         from qjl.kernels.cpu import launch
