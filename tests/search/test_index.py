@@ -196,3 +196,38 @@ def test_center_keeps_scores_estimates_and_helps_offset_data(metric):
     exact = (q.unsqueeze(1) * x[ids]).sum(-1) if metric == "ip" else ((q.unsqueeze(1) - x[ids]) ** 2).sum(-1)
     assert (s - exact).abs().max() < 0.1 * exact.abs().max()
     assert cent.nbytes()["center"] == 4 * 64
+
+
+def test_center_scores_queries_centered_and_counts_center_dots():
+    """A centered 'ip' index scores <q - c, x - c> from the codes (+ stored <c, x>): its error scales with
+    ||q - c|| ||x - c|| whatever ||c|| is; centering the vectors only would leave it growing with ||q||."""
+    d, n = 64, 1000
+    errs = {}
+    for offset in (1.0, 10.0):
+        g = torch.Generator().manual_seed(3)
+        c = torch.randn(d, generator=g)
+        c = offset * c / c.norm()
+        x = c + torch.randn(n, d, generator=g) / d ** 0.5  # ||x - c|| ~ 1
+        q = c + torch.randn(50, d, generator=g) / d ** 0.5
+        plain, cent = Index.create(d, bits=2), Index.create(d, bits=2, center=True)
+        plain.add(x)
+        cent.add(x)
+        for name, ix in (("plain", plain), ("center", cent)):
+            s, ids = ix.search(q, 20)
+            errs[name, offset] = float((s - (q.unsqueeze(1) * x[ids]).sum(-1)).abs().mean())
+    assert errs["center", 10.0] < 1.5 * errs["center", 1.0], errs  # ~ the same error at 10x the offset
+    assert errs["center", 10.0] < 0.2 * errs["plain", 10.0], errs
+    nb = cent.nbytes()
+    assert nb["center_dots"] == 2 * n and "center_dots" not in plain.nbytes()
+    assert cent.bytes_per_vector() == plain.bytes_per_vector() + 2
+    assert Index.create(d, bits=2, metric="l2", center=True).bytes_per_vector() == \
+        Index.create(d, bits=2, metric="l2").bytes_per_vector()  # l2 keeps its centered norm, no <c, x>
+
+
+def test_center_dots_that_overflow_float16_are_refused_and_leave_the_index_unchanged():
+    ix = Index.create(8, bits=2, center=True)
+    ix.add(torch.randn(10, 8, generator=torch.Generator().manual_seed(0)))
+    big = (ix.center_vec / ix.center_vec.norm() * 1e6).expand(3, 8).clone()  # <c, x> = 1e6 ||c|| > 65504
+    with pytest.raises(ValueError, match="center"):
+        ix.add(big)
+    assert len(ix) == 10 and ix.cdots.shape == (10,)

@@ -143,22 +143,35 @@ class SearchCodec:
         """Code bytes plus the float16 factors."""
         return self.stride + 2 * self.nseg
 
-    def _encode_mse(self, x: torch.Tensor):
-        """TurboQuantMSE.quantize with the bucket + pack step in C (codes bit-exact with it)."""
+    def _encode_mse(self, x: torch.Tensor, rbits: int = 0):
+        """TurboQuantMSE.quantize with the scale + bucket + pack step in C: ``x`` is rotated first and divided
+        by its norm in the kernel (codes equal TurboQuantMSE's up to float32 rounding at cell edges: encode.py)."""
         codec = self.codec
         norm = torch.linalg.vector_norm(x, dim=-1)
         check_fits("norm of x", norm, torch.float16)
-        y = codec.rotation.apply(x / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1))
-        codes, dot = encode_lloyd_max(y.contiguous(), codec.codebook, codec.bits)
+        y = codec.rotation.apply(x)
+        codes, dot = encode_lloyd_max(y.contiguous(), codec.codebook, codec.bits,
+                                      norm=torch.where(norm > 0, norm, torch.ones_like(norm)), rbits=rbits)
         if codec.correct_norm:
             norm = norm / torch.where(dot > 0, dot, torch.ones_like(dot))
             check_fits("corrected norm of x", norm, torch.float16)
         return codes, norm.half().unsqueeze(0)
 
-    def encode(self, x: torch.Tensor):
-        """x: [n, dim] float32 (finite) -> (codes [n, stride] uint8, factors [nseg, n] float16)."""
+    def encode(self, x: torch.Tensor, planes=None):
+        """x: [n, dim] float32 (finite) -> (codes [n, stride] uint8, factors [nseg, n] float16).
+
+        ``planes``: a :class:`~qjl.search.fastscan.FastLayout` -> the codes as its planes
+        ``[n, planes.row_bytes]`` (``rows_to_planes(codes, planes)``; written so by the C encoder directly)."""
         if self.name in ("tq-mse", "tq-mse-rn"):
-            return self._encode_mse(x.float())
+            return self._encode_mse(x.float(), planes.rbits if planes is not None else 0)
+        codes, factors = self._encode_other(x)
+        if planes is not None:
+            from .fastscan import rows_to_planes
+
+            codes = rows_to_planes(codes, planes)
+        return codes, factors
+
+    def _encode_other(self, x: torch.Tensor):
         c = self.codec.quantize(x.float()).fields
         if self.name == "qjl":
             return c["signs"], (c["norm"].float() * self.codec.scale).half().unsqueeze(0)

@@ -19,8 +19,8 @@ from .index import Index, IndexConfig
 
 __all__ = ["save_index", "load_index", "FORMAT"]
 
-FORMAT = "qjl.search.Index/1"  # center_vec added before any release: still version 1
-_FIELDS = ("codes", "factors", "norms", "ids", "vectors", "centroids", "offsets", "center_vec")
+FORMAT = "qjl.search.Index/2"  # 2: a centered inner-product index stores <c, x> (cdots); /1 files are refused
+_FIELDS = ("codes", "factors", "norms", "cdots", "ids", "vectors", "centroids", "offsets", "center_vec")
 
 
 def _fingerprint(index: Index) -> torch.Tensor:
@@ -53,6 +53,10 @@ def load_index(path) -> Index:
     if state["codes"].shape != (n, index.codec.stride) or state["factors"].shape != (index.codec.nseg, n):
         raise ValueError(f"{path} is corrupt: codes {tuple(state['codes'].shape)}, factors "
                          f"{tuple(state['factors'].shape)} for {n} ids")
+    for name in ("norms", "cdots", "vectors"):
+        held, stored = getattr(index, name), state.get(name)
+        if (held is None) != (stored is None) or (stored is not None and stored.shape[0] != n):
+            raise ValueError(f"{path} is corrupt: {name} does not match its config and {n} ids")
     for name in _FIELDS:
         if name != "codes":
             setattr(index, name, state[name])
