@@ -61,25 +61,25 @@ def rank(model, tok, text, context, score, smooth) -> dict:
     from qjl.cache.allocation import predicted_error
     from qjl.tools.evaluate import EvalSetup, evaluate_method, load_text_ids
 
-    setup = EvalSetup(context=context, score=score, passkey_trials=0)
-    ids = load_text_ids(tok, text, context + score + 1)
+    setup = EvalSetup(context=context, score=score)
+    ids, _ = load_text_ids(tok, text, setup.tokens)
     auto_cfg = QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth)
     cache = QJLCache(model, auto_cfg)
     model(ids[:context].unsqueeze(0), past_key_values=cache)
     stores = [layer.store for layer in cache.layers if hasattr(layer, "store")]
     stats = [s.auto_stats for s in stores]
-    ref_m, ref = evaluate_method(model, tok, ids, setup, None)
+    ref_m, ref = evaluate_method(model, ids, setup, None)
     rows = []
     for name, (cfg, picks) in _configs(auto_cfg.allocation, len(stores)).items():
         cfg = replace(cfg, smooth_keys=smooth)
-        m, _ = evaluate_method(model, tok, ids, setup, cfg, ref)
+        m, _ = evaluate_method(model, ids, setup, cfg, ref)
         rows.append({"config": name, "predicted": predicted_error(stats, picks), "kl": m["kl"],
-                     "ppl_delta_pct": 100 * (m["ppl"] / ref_m["ppl"] - 1), "bits_per_value": m["bits_per_value"]})
+                     "ppl_delta_pct": 100 * (m["ppl"] / ref_m["ppl"] - 1), "bits_per_value": m["compressed_bits"]})
         print(f"  {name:28s} predicted {rows[-1]['predicted']:10.4g}  KL {m['kl']:.4f}", flush=True)
-    m, _ = evaluate_method(model, tok, ids, setup, auto_cfg, ref)
+    m, _ = evaluate_method(model, ids, setup, auto_cfg, ref)
     rho = _spearman([r["predicted"] for r in rows], [r["kl"] for r in rows])
     print(f"Spearman(predicted, KL) = {rho:.3f} over {len(rows)} configurations; auto(3.0): KL {m['kl']:.4f}")
-    return {"rows": rows, "spearman": rho, "auto_kl": m["kl"], "auto_bits": (m["key_bits"] + m["value_bits"]) / 2}
+    return {"rows": rows, "spearman": rho, "auto_kl": m["kl"], "auto_bits": m["compressed_bits"]}
 
 
 def cost(model, tok, text, context, repeats, smooth) -> dict:
@@ -87,7 +87,7 @@ def cost(model, tok, text, context, repeats, smooth) -> dict:
     from qjl.cache import allocation
     from qjl.tools.evaluate import load_text_ids
 
-    ids = load_text_ids(tok, text, context).unsqueeze(0)
+    ids = load_text_ids(tok, text, context)[0].unsqueeze(0)
     spent = []
     real_observe, real_allocate = allocation.Allocator.observe, allocation.Allocator.allocate
 

@@ -96,7 +96,7 @@ def encode_rows(x, args):
 
     def ours(bits, codec):
         def make():
-            ix = Index.create(x.shape[1], codec=codec, bits=bits)
+            ix = Index.create(x.shape[1], codec=codec.partition("+")[0], bits=bits, center=codec.endswith("+c"))
             return lambda: ix.add(xt)
         return make
 
@@ -161,7 +161,7 @@ def run(args):
     x = np.ascontiguousarray(x, dtype=np.float32)
     q = np.ascontiguousarray(q[:args.queries], dtype=np.float32)
     qt = torch.from_numpy(q)
-    ours = [(c, s, False) for c in args.codecs for s in args.scan_bits]
+    ours = [(c.partition("+")[0], s, c.endswith("+c")) for c in args.codecs for s in args.scan_bits]
     rows = []
     if args.measure == "encode":
         rows = encode_rows(x, args)
@@ -210,7 +210,7 @@ def main():
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--codecs", nargs="+", default=["tq-mse-rn"])
+    ap.add_argument("--codecs", nargs="+", default=["tq-mse-rn"], help="our codecs; '+c': center=True")
     ap.add_argument("--scan-bits", type=int, nargs="+", default=[0], help="0: the default min(bits, 2)")
     ap.add_argument("--measure", choices=["qps", "encode"], default="qps",
                     help="qps: flat-scan queries/s (default); encode: add() vectors/s against faiss SQtqmse")

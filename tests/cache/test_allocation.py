@@ -55,3 +55,13 @@ def test_exact_layers_only_at_the_boundary_and_only_when_worth_it():
     picks = choose_widths(stats, budget=5.0, exact_bits=16, boundary=1)
     assert picks[0] is None and all(p is not None for p in picks[1:])
     assert all(p is not None for p in choose_widths(stats, budget=5.0, exact_bits=16, boundary=0))
+
+
+def test_default_key_candidates_leave_out_2_bit_keys_from_3_bits_per_value():
+    """2-bit keys are candidates only where the budget needs them (the proxy misranks them: module doc)."""
+    from qjl.cache.allocation import AutoBits
+
+    widths = lambda a: sorted(s.params["bits"] for s in a.key_candidates)  # noqa: E731
+    assert widths(AutoBits(3.0)) == [3, 4, 5, 6]
+    assert widths(AutoBits(2.5)) == [2, 3, 4, 5, 6]
+    assert widths(AutoBits(3.0, key_candidates=(AutoBits(2.5).key_candidates[0],))) == [2]

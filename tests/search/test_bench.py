@@ -28,3 +28,18 @@ def test_bars_say_met_and_not_met_plainly():
     assert b["ours_fastest"] == "qjl b b2" and b["qps_ratio_1t"] == 900 / 2000 and not b["bar_qps"]
     assert b["bar_encode"] and b["faiss_rabitq_bits_per_dim"] == 2.4
     assert "NOT met" in format_bars({"rows": rows})
+
+
+def test_our_bits_count_every_per_vector_byte():
+    """The bench's bits per dimension for our index are the index's own per-vector bytes: codes, the factor,
+    and for a centered index the stored <c, x> (16 bits more)."""
+    import numpy as np
+
+    from qjl.search.bench import _Ours
+
+    x = np.random.default_rng(0).standard_normal((100, 64)).astype(np.float32)
+    plain, cent = _Ours("tq-mse-rn", 2, 64, 0, 1), _Ours("tq-mse-rn+c", 2, 64, 0, 1)
+    for m in (plain, cent):
+        m.build(x, x)
+    assert plain.code_bits() == 8 * (64 * 2 // 8 + 2)
+    assert cent.code_bits() == plain.code_bits() + 16

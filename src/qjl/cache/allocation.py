@@ -52,14 +52,14 @@ class AutoBits:
         bits_per_value: budget, bits per coordinate of the compressed part averaged over keys and values and
             over the compressed layers (the same accounting as ``QJLConfig.bits_per_value``).
         key_candidates, value_candidates: codecs each layer may use (default: TurboQuant MSE with the norm
-            correction, keys at 2-6 bits, values at 2-4 bits with fp16 or fp8 norms).
+            correction, keys at 3-6 bits (2-6 below 3 bits per value), values at 2-4 bits with fp16 or fp8 norms).
         queries: the prompt's last queries used to measure each layer.
         boundary_layers: the first and last this many layers may also be kept exact.
         sample_tokens: vectors per layer quantized to measure each candidate's distortion.
     """
 
     bits_per_value: float
-    key_candidates: tuple = field(default_factory=lambda: tuple(_tq(b) for b in (2, 3, 4, 5, 6)))
+    key_candidates: tuple | None = None
     value_candidates: tuple = field(default_factory=lambda: tuple(
         s for b in (2, 3, 4) for s in (_tq(b, "fp8"), _tq(b))))
     queries: int = 64
@@ -70,6 +70,11 @@ class AutoBits:
         b = self.bits_per_value
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 16:
             raise ValueError(f"bits_per_value must be a number in (0, 16], got {b!r}")
+        if self.key_candidates is None:
+            # 2-bit keys only below 3 bits per value: the proxy (additive per-layer output error) ranks 2-bit keys
+            # in the early half like k4v2, but they measure worse than k3v2 (KL 0.027 vs 0.017 on GPL-3,
+            # benchmarks/auto_bits.py --rank): early layers' score errors grow through the later layers
+            object.__setattr__(self, "key_candidates", tuple(_tq(k) for k in ((2, 3, 4, 5, 6) if b < 3 else (3, 4, 5, 6))))
         for name in ("key_candidates", "value_candidates"):
             specs = tuple(getattr(self, name))
             if not specs or any(not isinstance(s, CodecSpec) for s in specs):

@@ -132,7 +132,8 @@ class _Ours:
             torch.set_num_threads(before)
 
     def code_bits(self):
-        return 8 * self.index.codec.bytes_per_vector()
+        """Every per-vector byte the index holds (codes as stored, factors, norms or <c, x>), ids excluded."""
+        return 8 * self.index.bytes_per_vector()
 
     def nbytes(self):
         return sum(self.index.nbytes().values())
