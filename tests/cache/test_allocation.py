@@ -65,3 +65,32 @@ def test_default_key_candidates_leave_out_2_bit_keys_from_3_bits_per_value():
     assert widths(AutoBits(3.0)) == [3, 4, 5, 6]
     assert widths(AutoBits(2.5)) == [2, 3, 4, 5, 6]
     assert widths(AutoBits(3.0, key_candidates=(AutoBits(2.5).key_candidates[0],))) == [2]
+
+
+def test_distortions_from_one_rotation_equal_the_codecs_own():
+    """The batched path (one rotation per sample, the codec's steps in the rotated basis) gives each codec's
+    own quantize/dequantize distortion: fp16 and fp8 norms, with and without the norm correction, 2-6 bits;
+    a padded Hadamard rotation and a codec with a per-sequence fit go through the codec itself."""
+    from qjl.cache.allocation import _distortion, distortions
+    from qjl.codecs.registry import make_codec
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, 200, 64, generator=g) * torch.linspace(0.2, 3.0, 64)
+    x[0, 0, 0] = 0  # a zero vector
+    codecs = [make_codec("turboquant_mse", 64, bits=b, seed=7, correct_norm=cn, norm_dtype=nd)
+              for b in (2, 3, 4, 6) for cn in (True, False) for nd in ("fp16", "fp8")]
+    codecs.append(make_codec("turboquant_mse", 48, bits=3, rotation="hadamard", seed=7))  # padded to 64
+    for c, d in zip(codecs[:-1], distortions(codecs[:-1], x)):
+        assert abs(d - _distortion(c, x)) <= 1e-5 * _distortion(c, x), c
+    x48 = x[..., :48]
+    assert distortions(codecs[-1:], x48) == [_distortion(codecs[-1], x48)]
+
+
+def test_distortions_fall_back_where_a_norm_overflows_its_dtype():
+    """Norms past float8's 448: the batched path hands the codec itself the sample, which refuses it."""
+    from qjl.cache.allocation import distortions
+    from qjl.codecs.registry import make_codec
+
+    c = make_codec("turboquant_mse", 64, bits=2, norm_dtype="fp8")
+    with pytest.raises(ValueError, match="norm"):
+        distortions([c], torch.full((1, 1, 4, 64), 100.0))
