@@ -94,3 +94,15 @@ def test_distortions_fall_back_where_a_norm_overflows_its_dtype():
     c = make_codec("turboquant_mse", 64, bits=2, norm_dtype="fp8")
     with pytest.raises(ValueError, match="norm"):
         distortions([c], torch.full((1, 1, 4, 64), 100.0))
+
+
+def test_distortions_name_bad_input():
+    from qjl.cache.allocation import distortions
+    from qjl.codecs.registry import make_codec
+
+    c = make_codec("turboquant_mse", 64, bits=3)
+    assert distortions([], torch.zeros(1, 1, 4, 64)) == []
+    with pytest.raises(ValueError, match="x"):
+        distortions([c], torch.zeros(1, 1, 4, 32))  # wrong dimension
+    with pytest.raises(ValueError, match="x"):
+        distortions([c], torch.full((1, 1, 4, 64), float("nan")))

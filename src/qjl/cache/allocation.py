@@ -138,42 +138,35 @@ def _rotation_key(codec):
     return codec.dim, codec.rotation.kind, codec.rotation.seed
 
 
-def _rotated_distortion(codec, norm: torch.Tensor, y: torch.Tensor, total: torch.Tensor) -> float | None:
-    """:func:`_distortion` of a TurboQuant MSE codec from ``norm`` = ||x|| and ``y`` = R x / ||x||, the codec's
-    own steps (cells, the norm correction, the norm's storage dtype) without packing or the inverse rotation.
-    None where a stored norm would overflow its dtype (the codec itself raises there)."""
-    from qjl.core.lloyd_max import bucket
+def distortions(codecs, x: torch.Tensor, fit: bool = False) -> list:
+    """[:func:`_distortion` of each codec on ``x: [B, H, n, D]``]; ``fit``: quantize with each codec's
+    per-sequence fit of ``x`` (keys).  TurboQuant MSE candidates that share a rotation (a layer's candidates
+    differ only in widths and norm dtypes) rotate ``x`` once and run the codec's own :meth:`cells` in the
+    rotated basis, without packing or the inverse rotation: equal to the one-by-one path to float32 rounding
+    (tested)."""
+    from qjl.core.validation import check_vectors
 
-    cents, bounds = codec.codebook.tensors(y.device)
-    c = cents[bucket(y, bounds)]
-    stored = norm
-    if codec.correct_norm:
-        cos = (y * c).sum(-1)
-        stored = norm / torch.where(cos > 0, cos, torch.ones_like(cos))
-    if bool((stored.abs() > codec.norm_limit()).any()):
-        return None
-    stored = stored.to(codec.norm_dtype).float()
-    err = (norm.unsqueeze(-1) * y - stored.unsqueeze(-1) * c).square().sum()
-    return float(err / total)
-
-
-def distortions(codecs, x: torch.Tensor, *fit) -> list:
-    """[:func:`_distortion` of each codec on ``x: [B, H, n, D]``]: TurboQuant MSE candidates that share a
-    rotation (a layer's candidates differ only in widths and norm dtypes) rotate ``x`` once; equal to the
-    one-by-one path to float32 rounding (tested).  ``fit`` goes to every codec (keys' per-sequence fit)."""
+    codecs = list(codecs)
+    if not codecs:
+        return []
+    check_vectors("x", x, codecs[0].dim, min_ndim=2)
     xf = x.float()
     total = xf.square().sum().clamp(min=1e-30)
     norm = torch.linalg.vector_norm(xf, dim=-1)
     unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
     rotated, out = {}, []
     for codec in codecs:
-        key = None if fit else _rotation_key(codec)
-        d = None
-        if key is not None:
-            if key not in rotated:
-                rotated[key] = codec.rotation.apply(unit)
-            d = _rotated_distortion(codec, norm, rotated[key], total)
-        out.append(_distortion(codec, xf, *fit) if d is None else d)
+        args = codec.fit(xf) if fit else ()
+        key = None if args else _rotation_key(codec)
+        if key is None:
+            out.append(_distortion(codec, xf, *args))
+            continue
+        if key not in rotated:
+            rotated[key] = codec.rotation.apply(unit)
+        y = rotated[key]
+        idx, stored = codec.cells(y, norm)
+        err = (norm.unsqueeze(-1) * y - stored.float().unsqueeze(-1) * codec.centroids.to(y.device)[idx]).square().sum()
+        out.append(float(err / total))
     return out
 
 
@@ -262,13 +255,8 @@ class Allocator:
         pick = torch.linspace(tokens.start, tokens.start + max(n - 1, 0), min(n, self.auto.sample_tokens)).round().long()
         ks, vs = keys[:, :, pick], values[:, :, pick]
         kc, vc = store.candidates
-        key_fit = kc[0].fit(ks) if all(type(c) is type(kc[0]) for c in kc) else None
-        if key_fit == ():  # no per-sequence fit (TurboQuant): one rotation of the sample serves every candidate
-            key_d = distortions(kc, ks)
-        else:
-            key_d = [_distortion(c, ks, *c.fit(ks)) for c in kc]
         store.auto_stats = {"s_k": s_k, "s_v": s_v,
-                            "keys": [(_bits(c), d) for c, d in zip(kc, key_d)],
+                            "keys": [(_bits(c), d) for c, d in zip(kc, distortions(kc, ks, fit=True))],
                             "values": [(_bits(c), d) for c, d in zip(vc, distortions(vc, vs))]}
 
     def ready(self) -> bool:

@@ -80,13 +80,19 @@ class TurboQuantMSE(Codec):
         norm = torch.linalg.vector_norm(xf, dim=-1)
         check_fits("norm of x", norm, self.norm_dtype)
         unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
-        y = self.rotation.apply(unit)
+        idx, stored = self.cells(self.rotation.apply(unit), norm)
+        return Codes(tuple(x.shape[:-1]), {"codes": pack_bits(idx, self.bits), "norm": stored})
+
+    def cells(self, y: torch.Tensor, norm: torch.Tensor) -> tuple:
+        """The quantizer after the rotation: y [..., n] = Pi x / ||x||, norm [...] = ||x|| -> (idx [..., n]
+        int64 Lloyd-Max cells, the stored norm [...] in ``norm_dtype``: ``||x||``, or ``||x|| / <u, u_hat>`` with
+        ``correct_norm``).  Raises ValueError where the stored norm overflows its dtype."""
         idx = bucket(y, on_device(self._boundaries, y.device))
         if self.correct_norm:
             cos = (y * on_device(self._centroids, y.device)[idx]).sum(-1)  # <u, u_hat> > 0 for any b >= 1
             norm = norm / torch.where(cos > 0, cos, torch.ones_like(cos))
-            check_fits("corrected norm of x", norm, self.norm_dtype)
-        return Codes(tuple(x.shape[:-1]), {"codes": pack_bits(idx, self.bits), "norm": norm.to(self.norm_dtype)})
+        check_fits("corrected norm of x" if self.correct_norm else "norm of x", norm, self.norm_dtype)
+        return idx, norm.to(self.norm_dtype)
 
     def norm_limit(self) -> float:
         """Norms up to the norm dtype's max are stored; with ``correct_norm`` the stored norm is

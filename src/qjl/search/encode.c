@@ -80,6 +80,10 @@ int qjl_encode_lm(const float *y, int64_t n, int64_t dim, const float *norm, con
     int sbits = bits - rbits;
     int64_t scan_bytes = (dim * sbits + 7) / 8;
     int64_t stride = rbits ? scan_bytes + (dim * rbits + 7) / 8 : (dim * bits + 7) / 8;
+#ifdef __AVX2__
+    float cpad[16] = {0};  /* the centroids, zero-padded to two 8-lane registers */
+    if (bits <= 4) memcpy(cpad, cents, (size_t)(nb + 1) * sizeof(float));
+#endif
 #ifdef _OPENMP
     if (nthreads < 1) nthreads = omp_get_max_threads();
 #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -93,8 +97,6 @@ int qjl_encode_lm(const float *y, int64_t n, int64_t dim, const float *norm, con
 #ifdef __AVX2__
         if (bits <= 4) {
             __m256 vs = _mm256_set1_ps(s), acc = _mm256_setzero_ps();
-            float cpad[16] = {0};
-            memcpy(cpad, cents, (size_t)(nb + 1) * sizeof(float));
             __m256 lo = _mm256_loadu_ps(cpad), hi = _mm256_loadu_ps(cpad + 8);
             const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
             const __m256i sh = _mm256_mullo_epi32(lane, _mm256_set1_epi32(sbits));

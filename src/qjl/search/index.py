@@ -38,13 +38,13 @@ _QBATCH = 256  # queries scored per kernel call (tables of one batch: <= 256 x l
 class IndexConfig:
     """dim; codec (see :mod:`qjl.search.codecs`); bits per coordinate 1..4; metric; nlist (0: flat);
     rerank (0: off; else shortlist rerank * k candidates re-scored with stored float32 vectors); seed;
-    center: encode ``x - c`` with ``c`` the mean of the first batch added (one pass, no iterations;
-    ``<q, x> = <q, c> + <q, x - c>``): embeddings share a large common component (all-MiniLM-L6-v2:
+    center: encode ``x - c`` with ``c`` the mean of the first batch added (one pass, no iterations):
+    embeddings share a large common component (all-MiniLM-L6-v2:
     ``||mean|| ~ 0.31`` for unit vectors) that otherwise takes bits from what tells vectors apart.
     Queries are centered too: ``<q, x> = <q - c, x - c> + <c, x> + <q - c, c>``, the first term estimated
     from the codes, ``<c, x>`` stored per vector (float16, counted), the last a per-query constant, so the
-    codes' error scales with ``||q - c||`` instead of ``||q||`` (1-bit recall@10 on MiniLM passages 0.649 ->
-    0.669 for 16 more bits per vector, docs/search.md).  With ``metric='l2'`` the norms are those of
+    codes' error scales with ``||q - c||`` instead of ``||q||`` (1-bit recall@10 on MiniLM passages, mean of
+    three seeds: 0.641 -> 0.664 for 16 more bits per vector, ``benchmarks/search_seeds.py``).  With ``metric='l2'`` the norms are those of
     ``x - c`` (distances need no ``<c, x>``).  fastscan: store the
     codes for the fast scan (tq-mse, tq-mse-rn, qjl); scan_bits: bits per coordinate the fast scan ranks
     by before re-scoring a shortlist exactly (0: min(bits, 2)); by_residual (IVF): encode ``x - c_list``."""
@@ -84,6 +84,9 @@ class IndexConfig:
 
 class Index:
     """See the module docstring.  ``Index(IndexConfig(...))`` or ``Index.create(dim, **fields)``."""
+
+    #: per-vector fields that only some configurations hold (None otherwise), kept in row order with the codes
+    OPTIONAL_ROWS = ("norms", "cdots", "vectors")
 
     def __init__(self, config: IndexConfig):
         if not isinstance(config, IndexConfig):
@@ -184,7 +187,7 @@ class Index:
         return ids
 
     def _store(self, rows: torch.Tensor) -> torch.Tensor:
-        return to_blocks(rows_to_planes(rows, self.fast)) if self.fast else rows
+        return self._block(rows_to_planes(rows, self.fast) if self.fast else rows)
 
     def _planes(self) -> torch.Tensor:
         """The codes in add's format: rows, or the fast scan's planes ``[n, row_bytes]``."""
@@ -195,7 +198,7 @@ class Index:
 
     def row_codes(self) -> torch.Tensor:
         """The codes as rows ``[n, stride]`` uint8, whatever the storage layout."""
-        return planes_to_rows(from_blocks(self.codes, len(self)), self.fast) if self.fast else self.codes
+        return planes_to_rows(self._planes(), self.fast) if self.fast else self.codes
 
     def set_row_codes(self, rows: torch.Tensor) -> None:
         """Replace the codes (rows ``[n, stride]`` uint8, one per stored id; used by persistence)."""
@@ -220,7 +223,7 @@ class Index:
         out = {"codes": self._block(merged(self._planes(), new["codes"])),
                "factors": merged(self.factors, new["factors"], 1),
                "ids": merged(self.ids, new["ids"]), "center_vec": new["center_vec"]}
-        for name in ("norms", "cdots", "vectors"):
+        for name in self.OPTIONAL_ROWS:
             if getattr(self, name) is not None:
                 out[name] = merged(getattr(self, name), new[name])
         counts = torch.bincount(all_lists, minlength=self.offsets.numel() - 1)
@@ -239,7 +242,7 @@ class Index:
             counts = torch.bincount(lists, minlength=self.offsets.numel() - 1)
             out = {"codes": self._block(self._planes()[keep]), "factors": self.factors[:, keep], "ids": self.ids[keep],
                    "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])}
-            for name in ("norms", "cdots", "vectors"):
+            for name in self.OPTIONAL_ROWS:
                 if getattr(self, name) is not None:
                     out[name] = getattr(self, name)[keep]
             for name, value in out.items():

@@ -53,7 +53,7 @@ def load_index(path) -> Index:
     if state["codes"].shape != (n, index.codec.stride) or state["factors"].shape != (index.codec.nseg, n):
         raise ValueError(f"{path} is corrupt: codes {tuple(state['codes'].shape)}, factors "
                          f"{tuple(state['factors'].shape)} for {n} ids")
-    for name in ("norms", "cdots", "vectors"):
+    for name in Index.OPTIONAL_ROWS:
         held, stored = getattr(index, name), state.get(name)
         if (held is None) != (stored is None) or (stored is not None and stored.shape[0] != n):
             raise ValueError(f"{path} is corrupt: {name} does not match its config and {n} ids")
