@@ -27,4 +27,12 @@ for kernel in ("auto", "torch"):
     outs[kernel] = attend(store, q, None, 64 ** -0.5)
     print(kernel, "->", store.backend)
 assert torch.allclose(outs["auto"], outs["torch"], atol=1e-4), (outs["auto"] - outs["torch"]).abs().max()
+# the vector-search extension (scan + encoder) builds from the wheel's sources and matches its torch reference
+from qjl.core.lloyd_max import sphere_codebook  # noqa: E402
+from qjl.search.encode import encode_lloyd_max, encode_lloyd_max_torch  # noqa: E402
+from qjl.search.scan import c_available  # noqa: E402
+
+assert c_available(), "the search C extension did not build from the wheel"
+y, book = torch.nn.functional.normalize(torch.randn(33, 384), dim=1), sphere_codebook(384, 3)
+assert torch.equal(encode_lloyd_max(y, book, 3, rbits=1)[0], encode_lloyd_max_torch(y, book, 3, rbits=1)[0])
 print("wheel check ok:", here.parent, "| python", sys.version.split()[0])
