@@ -1,7 +1,9 @@
-"""Does ranking by a 2-bit scan plane lose any of the exact top-k?  (qjl.search.fastscan, 3- and 4-bit codes)
+"""Does the fast scan's shortlist lose any of the exact top-k?  (qjl.search.fastscan)
 
 For each bits in --bits, one flat index with the fast scan (scan plane ``min(bits, 2)`` bits, a shortlist of
-``max(4k, 64)`` re-scored exactly) and one without (``fastscan=False``: the LUT scan scores every vector
+``default_shortlist(k, full_code)`` re-scored exactly: ``max(4k, 64)`` when a 2-bit plane of 3- or 4-bit codes
+is scanned, ``max(2k, 16)`` when the plane is the whole code and only the tables' 8-bit rounding separates
+the approximate score from the exact one) and one without (``fastscan=False``: the LUT scan scores every vector
 with the full codes), same codec and seed, so the same estimator: the fast scan's top-k can differ only
 where an exact top-k vector fell out of the shortlist.  Prints the fraction of queries whose top-k ids are
 identical, and the recall@k of the fast scan against the full scan.

@@ -427,3 +427,27 @@ def test_auto_widths_from_the_prompt():
     again = QJLCache(model, cfg)
     model.generate(_prompt(60), max_new_tokens=5, do_sample=False, past_key_values=again)
     assert again.memory_report()["widths"] == widths  # deterministic
+
+
+@pytest.mark.parametrize("prompt,new", [(220, 40), (400, 90)])
+def test_auto_holds_its_budget(prompt, new):
+    """#14: the budget is what the cache holds -- codes with the buffers' spare capacity, key means and fits
+    (``compressed_bits``) -- at every step of the generation, not only the codecs' nominal bits."""
+    model = _patched("llama")
+    cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0)
+    cache = QJLCache(model, cfg)
+    model(_prompt(prompt), past_key_values=cache)
+    held = [cache.memory_report()["compressed_bits"]]
+    token = _prompt(1)
+    for _ in range(new):
+        model(token, past_key_values=cache)
+        held.append(cache.memory_report()["compressed_bits"])
+    assert max(held) <= 3.0, max(held)
+    assert max(held) > 2.7  # and it uses the budget
+
+
+def test_auto_warns_when_a_short_prompt_cannot_hold_the_budget():
+    model = _patched("llama")
+    cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0)
+    with pytest.warns(UserWarning, match="holds more than the budget"):
+        model(_prompt(40), past_key_values=QJLCache(model, cfg))

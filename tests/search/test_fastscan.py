@@ -116,6 +116,48 @@ def test_c_fastscan_batches_and_slices_agree(nq, threads):
         assert torch.equal(got[1], ref[1])
 
 
+@needs_c
+@pytest.mark.parametrize("signs", ["positive", "mixed"])
+def test_c_fastscan_shortlist_ties_and_block_bounds(signs):
+    """Many equal approximate scores (repeated rows: ties go to the lower row), shortlists compacted many
+    times, and factors of both signs (the per-block bound that skips blocks only holds for factors >= 0):
+    the kernel's answer is the reference's."""
+    fl, idx, blocks, c, cs, y, f = _problem(1, 1, nc=40, n=3000, nq=6, seed=3)
+    idx = idx[torch.arange(3000) % 97]  # 97 distinct rows, each repeated ~31 times
+    blocks = to_blocks(rows_to_planes(pack_bits(idx, 1), fl))
+    f = f[torch.arange(3000) % 97].clone()
+    if signs == "mixed":
+        f[::5] = -f[::5]
+    add = torch.randn(3000)[torch.arange(3000) % 97] if signs == "mixed" else None
+    ranges = torch.tensor([[[0, 3000]]]).expand(6, 1, 2).contiguous()
+    for k, shortlist in ((5, 5), (10, 64), (20, 300)):
+        ref = fastscan_torch(blocks, 3000, fl, f, add, y, cs, c, ranges, None, k, shortlist)
+        for threads in (1, 2):
+            got = fastscan(blocks, 3000, fl, f, add, y, cs, c, ranges, None, k, shortlist, threads=threads)
+            assert torch.equal(got[1], ref[1])
+
+
+@needs_c
+@pytest.mark.parametrize("bits", [1, 2])
+def test_c_fastscan_block_bound_skips_nothing_it_should_keep(bits):
+    """Distinct rows, a shortlist as small as k (every shortlisted row is an answer): a block is only
+    skipped when none of its rows can enter the shortlist, so the answer is the reference's exactly."""
+    fl, idx, blocks, c, cs, y, f = _problem(bits, bits, nc=48, n=6000, nq=16, seed=4)
+    ranges = torch.tensor([[[0, 6000]]]).expand(16, 1, 2).contiguous()
+    g = torch.Generator().manual_seed(5)
+    cases = {  # each term of the bound matters in one case: a bound that dropped it would skip kept rows
+        "tight": (torch.ones(6000), None, y, c, cs, None),  # equal factors, no add: the block's best approx
+        "add": (f, 3.0 * torch.randn(6000, generator=g), y, c, cs, None),  # add terms as large as the scores
+        "negative": (f, None, y.abs(), -c.abs().flip(0), -cs.abs().flip(0), None),  # every delta S + beta < 0
+        "bias": (f, None, y, c, cs, 20.0 * torch.randn(16, 1, generator=g)),
+    }
+    for name, (ff, add, yy, cc, ccs, bias) in cases.items():
+        for k, shortlist in ((5, 5), (10, 16)):
+            ref = fastscan_torch(blocks, 6000, fl, ff, add, yy, ccs, cc, ranges, bias, k, shortlist)
+            got = fastscan(blocks, 6000, fl, ff, add, yy, ccs, cc, ranges, bias, k, shortlist, threads=1)
+            assert torch.equal(got[1], ref[1]), name
+
+
 def test_bad_arguments_are_named():
     fl, idx, blocks, c, cs, y, f = _problem(2, 2)
     ranges = torch.tensor([[[0, 700]]] * 5)

@@ -123,8 +123,9 @@ def test_memory_from_captured_kv_equals_memory_through_the_model(lm, name):
     fed = evaluate.memory_at(model, ids, cfg, 400, kv=evaluate.capture_kv(model, ids, 400))
     # through the model the cache also holds each row's first real position (row_start, read from the attention
     # mask: a few bytes of bookkeeping, counted with the exact part here); everything else is the same storage
-    loose = ("bytes", "exact_bytes", "bits_per_value", "x_vs_fp16")
+    loose = ("bytes", "exact_bytes", "bits_per_value", "x_vs_fp16", "compressed_bits")
     assert {k: v for k, v in fed.items() if k not in loose} == {k: v for k, v in through_model.items() if k not in loose}
+    assert abs(fed["compressed_bits"] - through_model["compressed_bits"]) < 0.01
     assert 0 <= through_model["bytes"] - fed["bytes"] == through_model["exact_bytes"] - fed["exact_bytes"] <= 64
     assert fed["bytes"] > 0
     with pytest.raises(ValueError, match="kv holds"):

@@ -29,6 +29,7 @@ candidate -- a few percent of the prefill (measured in docs/cache.md).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,8 @@ import torch
 from qjl.cache import padding
 from qjl.cache.config import CodecSpec
 
-__all__ = ["AutoBits", "Allocator", "layer_sensitivity", "choose_widths", "candidate_codecs", "predicted_error"]
+__all__ = ["AutoBits", "Allocator", "layer_sensitivity", "choose_widths", "candidate_codecs", "predicted_error",
+           "planned_budget"]
 
 
 def _tq(bits, norm="fp16"):
@@ -219,6 +221,21 @@ def choose_widths(stats: list, budget: float, exact_bits: float, boundary: int) 
     return [None if exact[l] else (choice[l]["keys"], choice[l]["values"]) for l in range(n)]
 
 
+def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bool, key_dim: int,
+                   value_dim: int) -> float:
+    """Bits per value the codecs may use so that the storage *held* stays within ``budget`` from the end of
+    the prefill on (``tokens`` compressed per row then).  Two things are held beyond the codes' own bits:
+    the buffers' spare capacity (:func:`qjl.cache.buffers.grown_capacity`: at most ``max(n / 64, step)`` codes
+    beyond the ``n`` in use, a fraction that only shrinks as ``n`` grows past ``tokens``), and with key
+    smoothing one float32 mean per row and key channel (``32 key_dim / n`` bits per key coordinate)."""
+    from qjl.cache.buffers import GROWTH
+
+    n = max(int(tokens), 1)
+    spare = 1.0 + max(n // GROWTH, flush_block) / n
+    means = 32.0 * key_dim / (n * (key_dim + value_dim)) if smooth_keys else 0.0
+    return (budget - means) / spare
+
+
 def candidate_codecs(config, layer_idx: int, key_dim: int, value_dim: int) -> tuple:
     """The candidate codecs of one layer, seeded as the layer's own codecs will be."""
     seed, auto = config.seed + 1000 * layer_idx, config.allocation
@@ -255,7 +272,7 @@ class Allocator:
         pick = torch.linspace(tokens.start, tokens.start + max(n - 1, 0), min(n, self.auto.sample_tokens)).round().long()
         ks, vs = keys[:, :, pick], values[:, :, pick]
         kc, vc = store.candidates
-        store.auto_stats = {"s_k": s_k, "s_v": s_v,
+        store.auto_stats = {"s_k": s_k, "s_v": s_v, "tokens": n,
                             "keys": [(_bits(c), d) for c, d in zip(kc, distortions(kc, ks, fit=True))],
                             "values": [(_bits(c), d) for c, d in zip(vc, distortions(vc, vs))]}
 
@@ -265,8 +282,22 @@ class Allocator:
     def allocate(self) -> None:
         live = self.stores
         exact_bits = 8 * live[0].exact_dtype.itemsize if live else 16
-        picks = choose_widths([s.auto_stats for s in live], self.auto.bits_per_value, exact_bits,
-                              self.auto.boundary_layers)
+        stats = [s.auto_stats for s in live]
+        budget = planned_budget(self.auto.bits_per_value, min((st["tokens"] for st in stats), default=0),
+                                self.config.flush_block, self.config.smooth_keys,
+                                *((live[0].key_dim, live[0].value_dim) if live else (1, 1)))
+        cheapest = sum(min(b for b, _ in st["keys"]) + min(b for b, _ in st["values"]) for st in stats) / (2 * max(len(stats), 1))
+        if cheapest > self.auto.bits_per_value + 1e-9:
+            raise ValueError(f"bits_per_value={self.auto.bits_per_value:g} is below the cheapest candidates "
+                             f"({cheapest:.3f} bits/value)")
+        if budget < cheapest:
+            warnings.warn(f"QJLConfig.auto(bits_per_value={self.auto.bits_per_value:g}): with "
+                          f"{min(st['tokens'] for st in stats)} compressed prompt tokens the key means and the buffers' "
+                          f"spare capacity leave {budget:.3f} bits/value for the codes, below the cheapest candidates "
+                          f"({cheapest:.3f}); using those, so the cache holds more than the budget until the context "
+                          f"grows", stacklevel=2)
+            budget = cheapest
+        picks = choose_widths(stats, budget, exact_bits, self.auto.boundary_layers)
         self.choices = {}
         for store, pick in zip(live, picks):
             if pick is None:

@@ -32,7 +32,8 @@ class MemoryReport(Mapping):
     ``smoothing_bytes`` (key means), ``other_bytes`` (per-sequence fits, padding offsets),
     ``uncompressed_layer_bytes`` (layers kept exact, e.g. sliding-window layers), ``baseline_bytes``,
     ``fp16_bytes``, ``compression_vs_baseline``, ``compression_vs_fp16``, ``key_bits`` / ``value_bits``
-    (per coordinate of the compressed tokens), ``exact_bits``, ``bits_per_value`` (everything held per stored
+    (per coordinate of the compressed tokens), ``compressed_bits`` (bits per value of the compressed part with
+    everything it holds: codes, key means, per-sequence fits), ``exact_bits``, ``bits_per_value`` (everything held per stored
     coordinate of keys and values), ``tokens``, ``widths`` (per compressed layer: key and value codecs).
     """
 
@@ -51,6 +52,8 @@ class MemoryReport(Mapping):
             "compression_vs_baseline": baseline / total if total else 0.0,
             "compression_vs_fp16": fp16 / total if total else 0.0,
             "key_bits": per(parts["key_codes"], compressed), "value_bits": per(parts["value_codes"], compressed),
+            "compressed_bits": per(parts["key_codes"] + parts["value_codes"] + parts["smoothing"] + parts["fit"],
+                                   2 * compressed),
             "exact_bits": per(parts["exact"], 2 * exact_c), "bits_per_value": per(total, 2 * coords),
             "tokens": max((layer.get("tokens", 0) for layer in layers), default=0),
             "widths": {layer["layer"]: (layer["key"], layer["value"]) for layer in layers if "key" in layer},

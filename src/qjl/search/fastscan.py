@@ -75,8 +75,12 @@ def fast_layout(n_coords: int, bits: int, scan_bits: int = 0) -> FastLayout:
     return FastLayout(n_coords, bits, scan_bits or min(bits, 2))
 
 
-def default_shortlist(k: int) -> int:
-    return max(4 * k, 64)
+def default_shortlist(k: int, full_code: bool = False) -> int:
+    """Approximate candidates re-scored exactly for a top ``k``.  ``full_code``: the scan plane is the whole
+    code (1- and 2-bit codes), so the approximate score differs from the exact one only by the 8-bit
+    rounding of the tables: ``max(2k, 16)``.  Otherwise (a 2-bit plane of 3- or 4-bit codes) ``max(4k, 64)``.
+    ``python benchmarks/search_scan_planes.py --bits 1 2 3 4`` measures both against the full-code scan."""
+    return max(2 * k, 16) if full_code else max(4 * k, 64)
 
 
 def to_blocks(codes: torch.Tensor) -> torch.Tensor:

@@ -330,7 +330,7 @@ class Index:
             y = y * scale if scale != 1.0 else y
             shared = self.config.nlist == 0
             return fastscan(self.codes, len(self), self.fast, factors[0], self._add_term(), y, self._cs, self._c,
-                            ranges, bias, k, max(default_shortlist(k), k), threads, shared=shared)
+                            ranges, bias, k, default_shortlist(k, self.fast.rbits == 0), threads, shared=shared)
         luts = _scan.build_luts(self.codec.layout, [scale * t for t in self.codec.tables(q)])
         return _scan.scan(self.codes, self.codec.layout, factors, self._add_term(), luts, ranges, k, threads, bias)
 

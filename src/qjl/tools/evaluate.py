@@ -155,7 +155,7 @@ def measure(logp: torch.Tensor, cache, secs: float, ids: torch.Tensor, setup: Ev
     speed and the bytes ``cache`` holds after scoring."""
     m = quality(logp, ids[setup.context: setup.tokens], reference)
     m.update(tokens_per_s=(setup.score - 1) / secs if secs > 0 else float("nan"), cache=cache_memory(cache))
-    m["compressed_bits"] = (m["cache"]["key_bits"] + m["cache"]["value_bits"]) / 2
+    m["compressed_bits"] = m["cache"]["compressed_bits"]
     return m
 
 

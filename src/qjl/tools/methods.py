@@ -178,8 +178,9 @@ def held_bytes(tensors) -> int:
 def cache_memory(cache) -> dict:
     """What a cache holds: bytes (total, compressed, exact), fp16 bytes of the same tokens, bits.
 
-    -> {bytes, fp16_bytes, compressed_bytes, exact_bytes, key_bits, value_bits, exact_bits, bits_per_value,
-    x_vs_fp16} -- key/value bits over the compressed tokens, exact_bits over the exact ones, bits_per_value
+    -> {bytes, fp16_bytes, compressed_bytes, exact_bytes, key_bits, value_bits, compressed_bits, exact_bits,
+    bits_per_value, x_vs_fp16} -- key/value bits over the compressed tokens (compressed_bits: per value, with the
+    key means and per-sequence fits the compressed part also holds), exact_bits over the exact ones, bits_per_value
     over all tokens (everything counted), x_vs_fp16 = fp16 bytes of the same tokens / bytes held.
     """
     from qjl.integrations.transformers.cache import QJLCache
@@ -188,7 +189,7 @@ def cache_memory(cache) -> dict:
         r = cache.memory_report()
         out = {"bytes": r["bytes"], "fp16_bytes": r["fp16_bytes"], "key_bits": r["key_bits"],
                "value_bits": r["value_bits"], "exact_bits": r["exact_bits"],
-               "compressed_bytes": r["key_code_bytes"] + r["value_code_bytes"],
+               "compressed_bytes": r["key_code_bytes"] + r["value_code_bytes"], "compressed_bits": r["compressed_bits"],
                "exact_bytes": r["bytes"] - r["key_code_bytes"] - r["value_code_bytes"]}
         for extra in ("baseline_bytes", "widths"):  # where this version of the report has them
             if extra in r:
@@ -203,7 +204,7 @@ def cache_memory(cache) -> dict:
         cbits = 8 * quant / q_coords if q_coords else 0.0
         out = {"bytes": quant + exact, "fp16_bytes": 2 * (q_coords + e_coords), "key_bits": cbits,
                "value_bits": cbits, "exact_bits": 8 * exact / e_coords if e_coords else 0.0,
-               "compressed_bytes": quant, "exact_bytes": exact}
+               "compressed_bytes": quant, "exact_bytes": exact, "compressed_bits": cbits}
     out["bits_per_value"] = 16 * out["bytes"] / out["fp16_bytes"] if out["fp16_bytes"] else 0.0
     out["x_vs_fp16"] = out["fp16_bytes"] / out["bytes"] if out["bytes"] else 0.0
     return out
