@@ -46,10 +46,12 @@ def _timed(fn, repeats, clock=time.perf_counter):
     return statistics.median(times)
 
 
-def _ours(x, bits, codec, scan_bits, center):
+def _ours(x, bits, codec, scan_bits):
     from qjl.search import Index
+    from qjl.search.bench import parse_ours
 
-    ix = Index.create(x.shape[1], codec=codec, bits=bits, scan_bits=scan_bits, center=center)
+    name, opts = parse_ours(codec)
+    ix = Index.create(x.shape[1], codec=name, bits=bits, scan_bits=scan_bits, **opts)
     ix.add(torch.from_numpy(x))
     return ix
 
@@ -72,10 +74,10 @@ def _faiss(spec, x):
 def methods(x, bits, ours):
     out = {}
     d = x.shape[1]
-    for codec, scan_bits, center in ours:
-        label = f"qjl {codec}{'+c' if center else ''} b{bits}" + (f" scan{scan_bits}" if scan_bits else "")
+    for codec, scan_bits in ours:
+        label = f"qjl {codec} b{bits}" + (f" scan{scan_bits}" if scan_bits else "")
         try:
-            ix = _ours(x, bits, codec, scan_bits, center)
+            ix = _ours(x, bits, codec, scan_bits)
         except ValueError as e:  # a scan_bits that does not fit these bits
             print(f"skip {label}: {e}")
             continue
@@ -93,10 +95,12 @@ def encode_rows(x, args):
     import faiss
 
     from qjl.search import Index
+    from qjl.search.bench import parse_ours
 
     def ours(bits, codec):
         def make():
-            ix = Index.create(x.shape[1], codec=codec.partition("+")[0], bits=bits, center=codec.endswith("+c"))
+            name, opts = parse_ours(codec)
+            ix = Index.create(x.shape[1], codec=name, bits=bits, **opts)
             return lambda: ix.add(xt)
         return make
 
@@ -161,7 +165,7 @@ def run(args):
     x = np.ascontiguousarray(x, dtype=np.float32)
     q = np.ascontiguousarray(q[:args.queries], dtype=np.float32)
     qt = torch.from_numpy(q)
-    ours = [(c.partition("+")[0], s, c.endswith("+c")) for c in args.codecs for s in args.scan_bits]
+    ours = [(c, s) for c in args.codecs for s in args.scan_bits]
     rows = []
     if args.measure == "encode":
         rows = encode_rows(x, args)
@@ -210,7 +214,7 @@ def main():
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--codecs", nargs="+", default=["tq-mse-rn"], help="our codecs; '+c': center=True")
+    ap.add_argument("--codecs", nargs="+", default=["tq-mse-rn"], help="our codecs; '+c': center=True, '+h': the Hadamard rotation (padded), '+ch': both")
     ap.add_argument("--scan-bits", type=int, nargs="+", default=[0], help="0: the default min(bits, 2)")
     ap.add_argument("--measure", choices=["qps", "encode"], default="qps",
                     help="qps: flat-scan queries/s (default); encode: add() vectors/s against faiss SQtqmse")

@@ -1,6 +1,7 @@
 """Benchmark helpers: recall, exact top-k, the bar verdicts (no peers needed)."""
 
 import numpy as np
+import pytest
 import torch
 
 from qjl.search.bench import bars, exact_topk, format_bars, recall_at
@@ -43,3 +44,12 @@ def test_our_bits_count_every_per_vector_byte():
         m.build(x, x)
     assert plain.code_bits() == 8 * (64 * 2 // 8 + 2)
     assert cent.code_bits() == plain.code_bits() + 16
+
+
+def test_parse_ours_flags():
+    from qjl.search.bench import parse_ours
+
+    assert parse_ours("tq-mse-rn") == ("tq-mse-rn", {"center": False, "rotation": "haar"})
+    assert parse_ours("tq-mse-rn+ch") == ("tq-mse-rn", {"center": True, "rotation": "hadamard"})
+    with pytest.raises(ValueError, match="flags"):
+        parse_ours("tq-mse-rn+x")

@@ -180,12 +180,16 @@ def test_nibble_tables_sum_to_the_scan_plane_estimate():
     assert torch.allclose(got, y @ cs[idx >> 1].T, atol=1e-5)
 
 
-@pytest.mark.parametrize("codec,bits,scan_bits", [("tq-mse-rn", 2, 0), ("qjl", 1, 0), ("tq-mse", 4, 4),
-                                                  ("tq-mse-rn", 3, 0), ("tq-mse-rn", 4, 0), ("tq-mse-rn", 2, 1)])
-def test_index_fast_and_float_scans_agree(codec, bits, scan_bits):
-    x, q = torch.randn(1500, 64), torch.randn(12, 64)
-    fast = Index.create(64, codec=codec, bits=bits, scan_bits=scan_bits)
-    slow = Index.create(64, codec=codec, bits=bits, fastscan=False)
+@pytest.mark.parametrize("codec,bits,scan_bits,rotation", [
+    ("tq-mse-rn", 2, 0, "haar"), ("qjl", 1, 0, "haar"), ("tq-mse", 4, 4, "haar"), ("tq-mse-rn", 3, 0, "haar"),
+    ("tq-mse-rn", 4, 0, "haar"), ("tq-mse-rn", 2, 1, "haar"), ("tq-mse-rn", 1, 0, "hadamard"),
+    ("tq-mse-rn", 3, 0, "hadamard")])
+def test_index_fast_and_float_scans_agree(codec, bits, scan_bits, rotation):
+    x, q = torch.randn(1500, 48 if rotation == "hadamard" else 64), torch.randn(12, 48 if rotation == "hadamard" else 64)
+    dim = x.shape[1]  # 48 -> 64 coordinates with the padded Hadamard rotation
+    fast = Index.create(dim, codec=codec, bits=bits, scan_bits=scan_bits, rotation=rotation)
+    slow = Index.create(dim, codec=codec, bits=bits, fastscan=False, rotation=rotation)
+    assert fast.codec.n_coords == (64 if rotation == "hadamard" else dim)
     assert fast.fast and not slow.fast
     fast.add(x)
     slow.add(x)

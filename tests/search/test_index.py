@@ -146,6 +146,12 @@ def test_bytes_count_everything():
     assert ix.bits_per_dim() == pytest.approx((48 + 2) * 8 / 384)
     l2 = Index.create(384, codec="tq-prod", bits=2, metric="l2")
     assert l2.bits_per_dim() == pytest.approx((48 + 48 + 2 + 2 + 2) * 8 / 384)
+    # the padded Hadamard rotation codes 512 coordinates of a 384-d vector: 4/3 the code bits, counted
+    had = Index.create(384, codec="tq-mse-rn", bits=1, rotation="hadamard", fastscan=False)
+    had.add(torch.randn(10, 384))
+    assert had.nbytes()["codes"] == 10 * 64 and had.bits_per_dim() == pytest.approx((64 + 2) * 8 / 384)
+    with pytest.raises(ValueError, match="rotation"):
+        Index.create(384, codec="qjl", bits=1, rotation="hadamard")
 
 
 def test_bad_input_is_named_and_leaves_the_index_unchanged():

@@ -85,7 +85,7 @@ def _methods(cfg: BenchConfig, regime: str, dim: int):
     out = []
     for b in cfg.bits:
         for c in cfg.ours:
-            if ivf and c.endswith("+c"):  # an IVF index encodes residuals to its lists: already centered
+            if ivf and parse_ours(c)[1]["center"]:  # an IVF index encodes residuals to its lists: already centered
                 continue
             out.append((f"qjl {c} b{b}", f"qjl {c}", b, "ours", c))
         if not cfg.peers:
@@ -107,12 +107,21 @@ def _methods(cfg: BenchConfig, regime: str, dim: int):
     return out
 
 
+def parse_ours(label: str) -> tuple:
+    """``"tq-mse-rn+ch"`` -> ``("tq-mse-rn", {"center": True, "rotation": "hadamard"})``: after ``+``, ``c``
+    centers on the first batch's mean, ``h`` uses the zero-padded Hadamard rotation (IndexConfig)."""
+    name, _, flags = label.partition("+")
+    if set(flags) - {"c", "h"}:
+        raise ValueError(f"codec flags after '+' are 'c' (center) and 'h' (hadamard rotation), got {label!r}")
+    return name, {"center": "c" in flags, "rotation": "hadamard" if "h" in flags else "haar"}
+
+
 class _Ours:
     def __init__(self, codec: str, bits: int, dim: int, nlist: int, nprobe: int):
         from .index import Index
 
-        name, _, flag = codec.partition("+")  # "tq-mse-rn+c": centered on the first batch's mean
-        self.index = Index.create(dim, codec=name, bits=bits, metric="ip", nlist=nlist, center=flag == "c")
+        name, opts = parse_ours(codec)
+        self.index = Index.create(dim, codec=name, bits=bits, metric="ip", nlist=nlist, **opts)
         self.nprobe = nprobe
 
     def build(self, x, train):

@@ -31,9 +31,12 @@ from ..core.validation import check_fits
 from .encode import encode_lloyd_max
 from .scan import Layout, Segment
 
-__all__ = ["SearchCodec", "make_search_codec", "CODEC_NAMES", "FAST_CODECS", "scan_centroids"]
+__all__ = ["SearchCodec", "make_search_codec", "CODEC_NAMES", "FAST_CODECS", "ROTATION_CODECS", "scan_centroids"]
 
 CODEC_NAMES = ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar")
+# the rotation each codec may use: "haar" (dense, dim x dim) or "hadamard" (random signs and Hadamard transforms,
+# zero-padded to the next power of two: more coordinates, so more bits per vector, as faiss's "HR," prefix)
+ROTATION_CODECS = {"haar": ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar"), "hadamard": ("tq-mse", "tq-mse-rn", "tq-prod")}
 FAST_CODECS = ("tq-mse", "tq-mse-rn", "qjl")  # one factor per vector, a sum over coordinates: fast-scannable
 
 
@@ -74,18 +77,22 @@ class SearchCodec:
     ``score(q [nq, d], codes, factors) -> [nq, n]`` the reference estimate (any codec).
     """
 
-    def __init__(self, name: str, dim: int, bits: int, seed: int = 0):
+    def __init__(self, name: str, dim: int, bits: int, seed: int = 0, rotation: str = "haar"):
         if name not in CODEC_NAMES:
             raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {name!r}")
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 4:
             raise ValueError(f"bits must be an int in 1..4, got {bits!r}")
-        self.name, self.dim, self.bits, self.seed = name, dim, bits, seed
+        if rotation not in ROTATION_CODECS:
+            raise ValueError(f"rotation must be one of {list(ROTATION_CODECS)}, got {rotation!r}")
+        if name not in ROTATION_CODECS[rotation]:
+            raise ValueError(f"rotation={rotation!r} is for the codecs {list(ROTATION_CODECS[rotation])}, got {name!r}")
+        self.name, self.dim, self.bits, self.seed, self.rotation = name, dim, bits, seed, rotation
         if name in ("tq-mse", "tq-mse-rn"):
-            self.codec = TurboQuantMSE(dim, bits, "haar", seed, "fp16", correct_norm=name == "tq-mse-rn")
+            self.codec = TurboQuantMSE(dim, bits, rotation, seed, "fp16", correct_norm=name == "tq-mse-rn")
             n = self.codec.rotation.out_dim
             self.layout = Layout((Segment(0, (n * bits + 7) // 8, bits, n),), (n * bits + 7) // 8)
         elif name == "tq-prod":
-            self.codec = TurboQuantProd(dim, bits, rotation="haar", seed=seed)
+            self.codec = TurboQuantProd(dim, bits, rotation=rotation, seed=seed)
             m = self.codec.qjl.sketch_dim
             segs = [Segment(0, m // 8, 1, m)]
             if self.codec.mse is not None:
@@ -104,7 +111,7 @@ class SearchCodec:
             self._sizes = [self.codec.bit_budget().per_vector[f] // 8 for f in self._fields]
 
     def __repr__(self):
-        return f"SearchCodec({self.name!r}, dim={self.dim}, bits={self.bits}, seed={self.seed})"
+        return f"SearchCodec({self.name!r}, dim={self.dim}, bits={self.bits}, seed={self.seed}, rotation={self.rotation!r})"
 
     @property
     def stride(self) -> int:
@@ -214,5 +221,5 @@ class SearchCodec:
         return self.codec.inner_product(q.float(), c)
 
 
-def make_search_codec(name: str, dim: int, bits: int, seed: int = 0) -> SearchCodec:
-    return SearchCodec(name, dim, bits, seed)
+def make_search_codec(name: str, dim: int, bits: int, seed: int = 0, rotation: str = "haar") -> SearchCodec:
+    return SearchCodec(name, dim, bits, seed, rotation)

@@ -24,7 +24,7 @@ import torch
 
 from ..core.validation import check_fits, check_vectors
 from . import scan as _scan
-from .codecs import CODEC_NAMES, FAST_CODECS, SearchCodec
+from .codecs import CODEC_NAMES, FAST_CODECS, ROTATION_CODECS, SearchCodec
 from .fastscan import default_shortlist, fast_layout, fastscan, from_blocks, planes_to_rows, rows_to_planes, to_blocks
 from .ivf import assign, kmeans, probe
 
@@ -47,7 +47,9 @@ class IndexConfig:
     three seeds: 0.641 -> 0.664 for 16 more bits per vector, ``benchmarks/search_seeds.py``).  With ``metric='l2'`` the norms are those of
     ``x - c`` (distances need no ``<c, x>``).  fastscan: store the
     codes for the fast scan (tq-mse, tq-mse-rn, qjl); scan_bits: bits per coordinate the fast scan ranks
-    by before re-scoring a shortlist exactly (0: min(bits, 2)); by_residual (IVF): encode ``x - c_list``."""
+    by before re-scoring a shortlist exactly (0: min(bits, 2)); by_residual (IVF): encode ``x - c_list``;
+    rotation: 'haar' (dense, ``dim`` coordinates: the default) or 'hadamard' (tq-mse, tq-mse-rn, tq-prod: zero-padded
+    to the next power of two, e.g. 384 -> 512 coordinates, so 4/3 more code bits per vector: faiss's ``HR,``)."""
 
     dim: int
     codec: str = "tq-mse-rn"
@@ -60,6 +62,7 @@ class IndexConfig:
     fastscan: bool = True
     scan_bits: int = 0
     by_residual: bool = True
+    rotation: str = "haar"
 
     def __post_init__(self):
         for name in ("dim", "nlist", "rerank", "seed"):
@@ -70,6 +73,9 @@ class IndexConfig:
             raise ValueError(f"bits must be an int in 1..4, got {self.bits!r}")
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {self.codec!r}")
+        if self.rotation not in ROTATION_CODECS or self.codec not in ROTATION_CODECS[self.rotation]:
+            raise ValueError(f"rotation must be one of {[r for r in ROTATION_CODECS if self.codec in ROTATION_CODECS[r]]} "
+                             f"for codec {self.codec!r}, got {self.rotation!r}")
         for name in ("center", "fastscan", "by_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
@@ -92,7 +98,7 @@ class Index:
         if not isinstance(config, IndexConfig):
             raise TypeError(f"config must be an IndexConfig, got {type(config).__name__}")
         self.config = config
-        self.codec = SearchCodec(config.codec, config.dim, config.bits, config.seed)
+        self.codec = SearchCodec(config.codec, config.dim, config.bits, config.seed, config.rotation)
         # fast scan: single-factor codes stored as scan / refine planes in blocks of 32 vectors (fastscan.py)
         self.fast = None
         if config.fastscan and config.codec in FAST_CODECS:
