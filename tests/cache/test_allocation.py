@@ -106,3 +106,14 @@ def test_distortions_name_bad_input():
         distortions([c], torch.zeros(1, 1, 4, 32))  # wrong dimension
     with pytest.raises(ValueError, match="x"):
         distortions([c], torch.full((1, 1, 4, 64), float("nan")))
+
+
+def test_planned_budget_names_bad_arguments():
+    from qjl.cache.allocation import planned_budget
+
+    assert planned_budget(3.0, 6400, 32, False, 64, 64) == pytest.approx(3.0 / (1 + 100 / 6400))
+    for kw, name in ((dict(budget=0.0), "budget"), (dict(tokens=-1), "tokens"), (dict(flush_block=0), "flush_block"),
+                     (dict(key_dim=1.5), "key_dim")):
+        args = dict(budget=3.0, tokens=100, flush_block=32, smooth_keys=True, key_dim=64, value_dim=64) | kw
+        with pytest.raises(ValueError, match=name):
+            planned_budget(**args)

@@ -230,7 +230,13 @@ def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bo
     smoothing one float32 mean per row and key channel (``32 key_dim / n`` bits per key coordinate)."""
     from qjl.cache.buffers import GROWTH
 
-    n = max(int(tokens), 1)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ValueError(f"budget must be a positive number, got {budget!r}")
+    for name, v, lo in (("tokens", tokens, 0), ("flush_block", flush_block, 1), ("key_dim", key_dim, 1),
+                        ("value_dim", value_dim, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    n = max(tokens, 1)
     spare = 1.0 + max(n // GROWTH, flush_block) / n
     means = 32.0 * key_dim / (n * (key_dim + value_dim)) if smooth_keys else 0.0
     return (budget - means) / spare
@@ -281,21 +287,23 @@ class Allocator:
 
     def allocate(self) -> None:
         live = self.stores
-        exact_bits = 8 * live[0].exact_dtype.itemsize if live else 16
+        if not live:
+            self.choices = {}
+            return
+        exact_bits = 8 * live[0].exact_dtype.itemsize
         stats = [s.auto_stats for s in live]
-        budget = planned_budget(self.auto.bits_per_value, min((st["tokens"] for st in stats), default=0),
-                                self.config.flush_block, self.config.smooth_keys,
-                                *((live[0].key_dim, live[0].value_dim) if live else (1, 1)))
-        cheapest = sum(min(b for b, _ in st["keys"]) + min(b for b, _ in st["values"]) for st in stats) / (2 * max(len(stats), 1))
-        if cheapest > self.auto.bits_per_value + 1e-9:
-            raise ValueError(f"bits_per_value={self.auto.bits_per_value:g} is below the cheapest candidates "
-                             f"({cheapest:.3f} bits/value)")
+        nominal = self.auto.bits_per_value
+        tokens = min(st["tokens"] for st in stats)
+        budget = planned_budget(nominal, tokens, self.config.flush_block, self.config.smooth_keys,
+                                live[0].key_dim, live[0].value_dim)
+        cheapest = sum(min(b for b, _ in st["keys"]) + min(b for b, _ in st["values"]) for st in stats) / (2 * len(stats))
+        if cheapest > nominal + 1e-9:
+            raise ValueError(f"bits_per_value={nominal:g} is below the cheapest candidates ({cheapest:.3f} bits/value)")
         if budget < cheapest:
-            warnings.warn(f"QJLConfig.auto(bits_per_value={self.auto.bits_per_value:g}): with "
-                          f"{min(st['tokens'] for st in stats)} compressed prompt tokens the key means and the buffers' "
-                          f"spare capacity leave {budget:.3f} bits/value for the codes, below the cheapest candidates "
-                          f"({cheapest:.3f}); using those, so the cache holds more than the budget until the context "
-                          f"grows", stacklevel=2)
+            warnings.warn(f"QJLConfig.auto(bits_per_value={nominal:g}): with {tokens} compressed prompt tokens the key "
+                          f"means and the buffers' spare capacity leave {budget:.3f} bits/value for the codes, below "
+                          f"the cheapest candidates ({cheapest:.3f}); using those, so the cache holds more than the "
+                          f"budget until the context grows", stacklevel=2)
             budget = cheapest
         picks = choose_widths(stats, budget, exact_bits, self.auto.boundary_layers)
         self.choices = {}

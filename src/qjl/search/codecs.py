@@ -31,13 +31,21 @@ from ..core.validation import check_fits
 from .encode import encode_lloyd_max
 from .scan import Layout, Segment
 
-__all__ = ["SearchCodec", "make_search_codec", "CODEC_NAMES", "FAST_CODECS", "ROTATION_CODECS", "scan_centroids"]
+__all__ = ["SearchCodec", "make_search_codec", "CODEC_NAMES", "FAST_CODECS", "ROTATION_CODECS", "check_rotation",
+           "scan_centroids"]
 
 CODEC_NAMES = ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar")
 # the rotation each codec may use: "haar" (dense, dim x dim) or "hadamard" (random signs and Hadamard transforms,
 # zero-padded to the next power of two: more coordinates, so more bits per vector, as faiss's "HR," prefix)
 ROTATION_CODECS = {"haar": ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar"), "hadamard": ("tq-mse", "tq-mse-rn", "tq-prod")}
 FAST_CODECS = ("tq-mse", "tq-mse-rn", "qjl")  # one factor per vector, a sum over coordinates: fast-scannable
+
+
+def check_rotation(codec: str, rotation: str) -> None:
+    """ValueError unless ``rotation`` is one that ``codec`` can use (:data:`ROTATION_CODECS`)."""
+    if rotation not in ROTATION_CODECS or codec not in ROTATION_CODECS[rotation]:
+        raise ValueError(f"rotation must be one of {[r for r in ROTATION_CODECS if codec in ROTATION_CODECS[r]]} "
+                         f"for codec {codec!r}, got {rotation!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,10 +90,7 @@ class SearchCodec:
             raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {name!r}")
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 4:
             raise ValueError(f"bits must be an int in 1..4, got {bits!r}")
-        if rotation not in ROTATION_CODECS:
-            raise ValueError(f"rotation must be one of {list(ROTATION_CODECS)}, got {rotation!r}")
-        if name not in ROTATION_CODECS[rotation]:
-            raise ValueError(f"rotation={rotation!r} is for the codecs {list(ROTATION_CODECS[rotation])}, got {name!r}")
+        check_rotation(name, rotation)
         self.name, self.dim, self.bits, self.seed, self.rotation = name, dim, bits, seed, rotation
         if name in ("tq-mse", "tq-mse-rn"):
             self.codec = TurboQuantMSE(dim, bits, rotation, seed, "fp16", correct_norm=name == "tq-mse-rn")

@@ -24,7 +24,7 @@ import torch
 
 from ..core.validation import check_fits, check_vectors
 from . import scan as _scan
-from .codecs import CODEC_NAMES, FAST_CODECS, ROTATION_CODECS, SearchCodec
+from .codecs import CODEC_NAMES, FAST_CODECS, SearchCodec, check_rotation
 from .fastscan import default_shortlist, fast_layout, fastscan, from_blocks, planes_to_rows, rows_to_planes, to_blocks
 from .ivf import assign, kmeans, probe
 
@@ -73,9 +73,7 @@ class IndexConfig:
             raise ValueError(f"bits must be an int in 1..4, got {self.bits!r}")
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"codec must be one of {list(CODEC_NAMES)}, got {self.codec!r}")
-        if self.rotation not in ROTATION_CODECS or self.codec not in ROTATION_CODECS[self.rotation]:
-            raise ValueError(f"rotation must be one of {[r for r in ROTATION_CODECS if self.codec in ROTATION_CODECS[r]]} "
-                             f"for codec {self.codec!r}, got {self.rotation!r}")
+        check_rotation(self.codec, self.rotation)
         for name in ("center", "fastscan", "by_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
