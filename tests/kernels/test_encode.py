@@ -48,3 +48,105 @@ def test_quantize_with_names_a_bad_backend():
     assert all(torch.equal(got.fields[n], ref.fields[n]) for n in ref.fields)
     with pytest.raises(ValueError, match="backend"):
         kernels.quantize_with("auto", c, x)
+
+
+def _dtype_grid(dtype):
+    """Every finite value of a 1- or 2-byte float dtype, the midpoints between neighbours (ties to even) and
+    points a quarter of the way, both signs, within the dtype's range."""
+    n = 256 if dtype.itemsize == 1 else 65536
+    raw = torch.arange(n, dtype=torch.int32)
+    vals = (raw.to(torch.uint8) if n == 256 else raw.to(torch.int16)).view(dtype).float()
+    vals = torch.unique(vals[torch.isfinite(vals)]).double()
+    mids = (vals[1:] + vals[:-1]) / 2
+    quarter = vals[:-1] + (vals[1:] - vals[:-1]) / 4
+    out = torch.cat([vals, mids, quarter, -mids, -quarter]).float()
+    return out[out.abs() <= torch.finfo(dtype).max]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_stored_norm_conversion_is_torchs(dtype):
+    """The C store converts float32 to the norm's dtype exactly as ``.to(dtype)`` (round to nearest even, subnormals,
+    signed zeros): every value of the dtype, every tie between neighbours, and random floats."""
+    from qjl.kernels.cpu import build
+    from qjl.kernels.cpu.launch import _DTYPES
+
+    mod = build.load()
+    g = torch.Generator().manual_seed(1)
+    v = torch.cat([_dtype_grid(dtype) if dtype.itemsize < 4 else torch.zeros(0),
+                   torch.randn(100_000, generator=g) * torch.logspace(-9, 4, 100_000).float(),
+                   torch.tensor([0.0, -0.0, torch.finfo(dtype).max, torch.finfo(dtype).tiny])])
+    v = v[v.abs() <= torch.finfo(dtype).max].contiguous()  # beyond the range the callers refuse first
+    out = torch.empty(v.numel(), dtype=dtype)
+    ffi = mod.ffi
+    assert mod.lib.qjl_store_scalars(ffi.cast("float *", v.data_ptr()), v.numel(), _DTYPES[dtype],
+                                     ffi.cast("uint8_t *", out.data_ptr())) == 0
+    assert torch.equal(out.view(torch.uint8), v.to(dtype).view(torch.uint8))
+
+
+def _pool(blocks=7, heads=3, slots=5, entry=40, seed=0):
+    """A page pool [blocks, heads, slots, entry bytes] of random bytes and its fields (codes at byte 0, norm after)."""
+    from qjl.kernels.paged import PagedField
+
+    buf = torch.randint(0, 256, (blocks, heads, slots, entry), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(seed))
+    return buf, lambda off, dtype, shape: PagedField(buf, off, heads * slots * entry, slots * entry, entry, dtype, shape)
+
+
+@pytest.mark.parametrize("norm_dtype", ["fp16", "bf16", "fp8", "fp32"])
+@pytest.mark.parametrize("bits,correct", [(1, False), (3, True), (4, True), (5, False)])
+def test_encoded_rows_stored_into_pages_are_the_codecs_codes(norm_dtype, bits, correct):
+    """encode_rows_cpu + store_rows: each token's codes and norm land at its (block, slot) for every head, equal to
+    ``codec.quantize`` (codes bit-exact; corrected norms within one ulp of their dtype), and no other byte changes."""
+    from qjl.kernels.cpu.launch import store_rows
+
+    codec = TurboQuantMSE(64, bits, seed=bits, correct_norm=correct, norm_dtype=norm_dtype)
+    p = kernels.cpu_pass(codec)
+    nbytes = (64 * bits + 7) // 8
+    buf, field = _pool(entry=nbytes + 4)
+    before = buf.clone()
+    codes_f, norm_f = field(0, torch.uint8, (nbytes,)), field(nbytes, p.norm_dtype, ())
+    g = torch.Generator().manual_seed(bits)
+    x = (torch.randn(9, 3, 64, generator=g) * 3).bfloat16()
+    cells = torch.randperm(7 * 5, generator=g)[:9]
+    blocks, slots = cells // 5, cells % 5
+    store_rows(*kernels.encode_rows_cpu(codec, x), codes_f, norm_f, blocks, slots)
+    want = codec.quantize(x)
+    heads = torch.arange(3)[None, :]
+    got_codes = codes_f.gather(blocks[:, None], heads, slots[:, None])
+    got_norm = norm_f.gather(blocks[:, None], heads, slots[:, None])
+    assert torch.equal(got_codes, want.fields["codes"])
+    a, b = got_norm.float(), want.fields["norm"].float()
+    # with correct_norm the cosine is summed in another order: one ulp of a 2-byte dtype, float32 rounding of a
+    # 64-term sum for fp32 norms
+    ulp = max(torch.finfo(p.norm_dtype).eps * 2, 2.0 ** -16) * b.abs() if correct else torch.zeros_like(b)
+    assert ((a - b).abs() <= ulp).all()
+    touched = torch.zeros(7, 3, 5, dtype=torch.bool)
+    touched[blocks[:, None], heads, slots[:, None]] = True
+    assert torch.equal(buf[~touched], before[~touched])
+
+
+def test_bad_rows_write_nothing():
+    """NaN/Inf or a norm beyond its dtype: the reference's ValueError from the encoder, before any byte is stored
+    (the vLLM writer encodes keys and values before storing either)."""
+    from qjl.integrations.vllm.layout import layer_layout
+    from qjl.integrations.vllm.paged import page_fields
+    from qjl.integrations.vllm.settings import VLLMSettings
+    from qjl.integrations.vllm.writes import write_codes
+
+    codec = TurboQuantMSE(64, 3, norm_dtype="fp8")
+    x = torch.randn(4, 3, 64)
+    with pytest.raises(ValueError, match="norm of x overflows"):
+        kernels.encode_rows_cpu(codec, x * 1000)
+    x[2, 1, 7] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        kernels.encode_rows_cpu(codec, x)
+    lay = layer_layout(VLLMSettings(preset="tq-k45v3"), 3, 30, 64, 16, torch.bfloat16)
+    pages = torch.zeros(4, 3, 16, lay.content_bytes // 2, dtype=torch.bfloat16)
+    fields = page_fields(lay, pages)
+    k, v = torch.randn(5, 3, 64).bfloat16(), torch.randn(5, 3, 64).bfloat16()
+    v[4, 2, 0] = float("nan")  # only the values are bad: the keys must not be stored either
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        write_codes(lay, fields, k, v, torch.arange(5) + 16)
+    assert not pages.view(torch.int16).any()
+    write_codes(lay, fields, k, v.nan_to_num(), torch.arange(5) + 16)
+    assert pages.view(torch.int16).any()

@@ -128,6 +128,11 @@ def test_bad_arguments_are_named():
     for backend in BACKENDS:  # an address past the buffer is refused before any kernel reads it
         with pytest.raises(ValueError, match="reach byte"):
             paged_decode(q, kc, far, vc, vf, bt, bs, s, e, backend=backend)
+    big = bt.clone()
+    big[0, 0] = 10_000  # a block past the pool: refused by every backend, also after a call that passed
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="reach past the end"):
+            paged_decode(q, kc, kf, vc, vf, big, bs, s, e, backend=backend)
     with pytest.raises(ValueError, match="packed codes"):
         paged_decode(q, kc, dict(kf, codes=kf["norm"]), vc, vf, bt, bs, s, e, backend="torch")
 

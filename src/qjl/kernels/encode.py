@@ -10,7 +10,8 @@ import weakref
 
 import torch
 
-__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "quantize_with"]
+__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "encode_rows_cpu", "cpu_pass",
+           "quantize_with"]
 
 
 def can_quantize(codec) -> bool:
@@ -85,31 +86,41 @@ def quantize(codec, x: torch.Tensor, outlier_idx: torch.Tensor | None = None):
     return Codes(lead, fields, shared)
 
 
-def _cpu_pass(codec):
-    """The single bucketing pass the CPU kernel runs, or None."""
+_PASS = weakref.WeakKeyDictionary()  # codec -> its single CPU bucketing pass, or None (codecs are immutable)
+
+
+def cpu_pass(codec):
+    """The single bucketing pass (a :class:`qjl.codecs.views.ProjectQuantize`) the CPU kernel runs for ``codec``,
+    or None (memoized per codec object)."""
+    try:
+        return _PASS[codec]
+    except (KeyError, TypeError):
+        pass
     view = codec.quantize_view()
-    if view is None or view.shared or len(view.passes) != 1:
-        return None
-    p = view.passes[0]
-    return p if p.boundaries is not None and p.normalize and p.channels == "all" else None
+    p = None
+    if view is not None and not view.shared and len(view.passes) == 1:
+        q = view.passes[0]
+        p = q if q.boundaries is not None and q.normalize and q.channels == "all" else None
+    try:
+        _PASS[codec] = p
+    except TypeError:  # not weak-referenceable: no memo
+        pass
+    return p
 
 
 def can_quantize_cpu(codec) -> bool:
     """Codecs the C bucketing covers (normalize, rotate, Lloyd-Max cells: TurboQuant MSE) where it builds."""
     from qjl.kernels.cpu import launch
 
-    return _cpu_pass(codec) is not None and launch.available()
+    return cpu_pass(codec) is not None and launch.available()
 
 
-def quantize_cpu(codec, x: torch.Tensor):
-    """The reference's norm and rotation (torch), then cells, packing and the norm correction's cosine in one
-    C pass.  Codes equal ``codec.quantize(x)``; with ``correct_norm`` the cosine is summed in another order
-    (norms may differ by one ulp of their dtype)."""
-    from qjl.codecs.base import Codes
+def _rotated(codec, x: torch.Tensor):
+    """The reference's first half in torch, op for op (so the codes are bit-exact): (pass, norm [...],
+    y [..., n] = rotation(x / norm)), x checked like the reference checks it."""
     from qjl.core.validation import check_vectors
-    from qjl.kernels.cpu import launch
 
-    p = _cpu_pass(codec)
+    p = cpu_pass(codec)
     if p is None:
         raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
                         f"got {type(codec).__name__}")
@@ -117,16 +128,42 @@ def quantize_cpu(codec, x: torch.Tensor):
         check_vectors("x", x, codec.dim)  # raises the reference's error
     xf = x.float()
     norm = torch.linalg.vector_norm(xf, dim=-1)
-    if not bool(torch.isfinite(norm).all()):  # a NaN/Inf entry makes its norm NaN/Inf: one cheap check
-        check_vectors("x", x, codec.dim)
-    _check_norm(p.norm_dtype, norm)
     unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
-    y = p.matrix.apply(unit)
-    codes, cos = launch.bucket_pack(y, p.boundaries, p.centroids, p.bits)
-    if p.correct_norm:
-        norm = norm / torch.where(cos > 0, cos, torch.ones_like(cos))
-        _check_norm(p.norm_dtype, norm)
-    return Codes(tuple(x.shape[:-1]), {p.codes: codes, p.norm: norm.to(p.norm_dtype)})
+    return p, norm, p.matrix.apply(unit)
+
+
+def quantize_cpu(codec, x: torch.Tensor):
+    """The reference's norm and rotation (torch), then cells, packing, the norm correction's cosine and the
+    norm's range check in one C pass (:func:`encode_rows_cpu`).  Codes equal ``codec.quantize(x)``; with
+    ``correct_norm`` the cosine is summed in another order (norms may differ by one ulp of their dtype)."""
+    from qjl.codecs.base import Codes
+
+    codes, stored = encode_rows_cpu(codec, x)
+    p, lead = cpu_pass(codec), tuple(x.shape[:-1])
+    return Codes(lead, {p.codes: codes.reshape(*lead, -1), p.norm: stored.reshape(lead).to(p.norm_dtype)})
+
+
+def encode_rows_cpu(codec, x: torch.Tensor) -> tuple:
+    """``codec.quantize(x)`` as rows ready to store: (codes [rows, nbytes] uint8, stored norms [rows] float32), rows
+    in x's order (x [..., dim]).  The torch half of :func:`quantize_cpu`, then one C call that buckets, packs
+    and corrects and range-checks the norm; :func:`qjl.kernels.cpu.launch.store_rows` then writes them into
+    paged fields (the norm converted to its dtype exactly as ``.to(dtype)``).  What is stored equals
+    :func:`quantize_cpu`'s codes (bit-exact with ``codec.quantize``) and norms (within one ulp of their dtype
+    with ``correct_norm``).  Raises the reference's ValueError for NaN/Inf or a norm beyond its dtype."""
+    from qjl.core.validation import check_vectors
+    from qjl.kernels.cpu import launch
+
+    p, norm, y = _rotated(codec, x)
+    rc, codes, stored = launch.bucket_norms(y, norm, p)
+    if rc == -2:
+        check_vectors("x", x, codec.dim)  # raises the reference's error
+    if rc in (-3, -4):  # the reference's message (qjl.core.validation.check_fits)
+        top = torch.finfo(p.norm_dtype).max
+        raise ValueError(f"{'norm of x' if rc == -3 else 'corrected norm of x'} overflows its storage dtype "
+                         f"{p.norm_dtype} (max {top:g})")
+    if rc:
+        raise ValueError("the C bucketing refused its arguments (code width or boundaries)")
+    return codes, stored
 
 
 def quantize_with(backend: str, codec, x: torch.Tensor, *fit):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = ["PagedField", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
-           "query_maps", "unmix_matrix", "check_exact"]
+           "query_maps", "unmix_matrix", "check_exact", "field_signature"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
 
@@ -110,7 +110,7 @@ class PagedField:
 
     @property
     def entry_bytes(self) -> int:
-        return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def raw_bytes(self) -> torch.Tensor:
         """The bytes from ``buffer.data_ptr()`` on, as a 1-d uint8 tensor (no copy)."""
@@ -174,24 +174,60 @@ def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict,
         lo, top = (int(used.min()), int(used.max())) if used.numel() else (0, 0)
     if lo < 0:
         raise ValueError("block_table: the blocks holding coded tokens must be >= 0")
+    room = _field_room(key_codec, key_fields, value_codec, value_fields, h, block_size, q.device)
+    if top > room[0]:
+        raise ValueError(f"{room[1]}: offset/strides reach past the end of its buffer at block {top} "
+                         f"(blocks up to {room[0]} fit)")
+
+
+_ROOM: dict = {}  # the static checks' result per key of plain values (no object kept alive)
+
+
+def field_signature(f) -> tuple:
+    """Plain values that fix what a kernel reads through PagedField ``f``: its buffer's address, size and device,
+    the field's offset, strides, dtype and shape (memo keys that keep no object alive)."""
+    t = getattr(f, "buffer", None)
+    if not isinstance(t, torch.Tensor):
+        return (None, id(f))
+    return (t.data_ptr(), t.untyped_storage().nbytes(), t.storage_offset() * t.element_size(), str(t.device),
+            f.offset, f.stride_block, f.stride_head, f.stride_token, f.dtype, tuple(f.shape))
+
+
+def _field_room(key_codec, key_fields: dict, value_codec, value_fields: dict, h: int, block_size: int, device):
+    """The static half of :func:`check_paged` (the fields a view reads are present, on ``device``, with the
+    declared entry sizes, inside their buffers for block 0): returns (the largest block index every field's
+    buffer holds for ``h`` heads and ``block_size`` slots, the name of the field that bounds it).  Memoized on
+    plain values (the views' field names and sizes, each field's buffer address, size and geometry)."""
     knames, vnames = view_fields(key_codec, value_codec)
     sizes = _entry_shapes(key_codec, value_codec)
+    key = (tuple(knames), tuple(vnames), tuple(sorted(sizes.items())), h, block_size, str(device),
+           tuple((n, field_signature(key_fields[n])) for n in knames if n in key_fields),
+           tuple((n, field_signature(value_fields[n])) for n in vnames if n in value_fields))
+    hit = _ROOM.get(key)
+    if hit is not None:
+        return hit
+    best = (float("inf"), "")
     for role, given, wanted in (("key_fields", key_fields, knames), ("value_fields", value_fields, vnames)):
         missing = [n for n in wanted if n not in given]
         if missing:
             raise ValueError(f"{role} lacks the field(s) {missing} its codec's view reads (has {sorted(given)})")
         for n in wanted:
             f = given[n]
-            if not isinstance(getattr(f, "buffer", None), torch.Tensor) or f.buffer.device != q.device:
-                raise ValueError(f"{role}[{n!r}] must be a PagedField whose buffer is on {q.device}")
+            if not isinstance(getattr(f, "buffer", None), torch.Tensor) or f.buffer.device != device:
+                raise ValueError(f"{role}[{n!r}] must be a PagedField whose buffer is on {device}")
             if (role, n) in sizes and (f.dtype != torch.uint8 or f.entry_bytes != sizes[(role, n)]):
                 raise ValueError(f"{role}[{n!r}]: packed codes of {sizes[(role, n)]} uint8 bytes per token expected, "
                                  f"got {f.dtype} {tuple(f.shape)}")
-            last = (f.offset + top * f.stride_block + (h - 1) * f.stride_head + (block_size - 1) * f.stride_token
-                    + f.entry_bytes)
+            last = f.offset + (h - 1) * f.stride_head + (block_size - 1) * f.stride_token + f.entry_bytes
             room = f.buffer.untyped_storage().nbytes() - f.buffer.storage_offset() * f.buffer.element_size()
             if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > room:
                 raise ValueError(f"{role}[{n!r}]: offset/strides reach byte {last} of a buffer of {room}")
+            top = (room - last) // f.stride_block if f.stride_block else float("inf")
+            best = min(best, (top, f"{role}[{n!r}]"))
+    if len(_ROOM) > 4096:  # bounded (the transformers cache's buffers grow: new keys as they do)
+        _ROOM.clear()
+    _ROOM[key] = best
+    return best
 
 
 def term_queries(q: torch.Tensor, key_codec, key_fields: dict, block_table: torch.Tensor) -> list:

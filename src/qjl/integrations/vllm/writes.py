@@ -27,6 +27,16 @@ def _codes(codec, x: torch.Tensor) -> Codes:
     return kernels.quantize_with(kernels.pick_backend(x.device), codec, x.float())
 
 
+def _cpu_rows(codec, x: torch.Tensor, role_fields: dict):
+    """(codes, stored norms) rows of x [N, H, D] from the C encoder (:func:`qjl.kernels.encode.encode_rows_cpu`)
+    where it serves the codec (CPU tensors, TurboQuant MSE, no per-block fit), else None."""
+    from ... import kernels
+
+    if x.device.type != "cpu" or "outlier_idx" in role_fields or not kernels.can_quantize_cpu(codec):
+        return None
+    return kernels.encode_rows_cpu(codec, x)
+
+
 def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Codes:
     """k: [N, H, D] of tokens at (blocks, offs) -> Codes lead [N, H]; per-block outlier channels
     (QJL) are chosen from the tokens written first into a block and stored in it."""
@@ -74,9 +84,20 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
         return
     h = key.shape[1]
     kf, vf = _role(fields, "key"), _role(fields, "value")
-    kc = _quantize_keys(layout.key_codec, key, blocks, offs, kf)
-    vc = _codes(layout.value_codec, value)
+    roles = (("key", layout.key_codec, key, kf), ("value", layout.value_codec, value, vf))
+    rows = {role: _cpu_rows(codec, x, rf) for role, codec, x, rf in roles}  # both encoded before any write
+    kc = None if rows["key"] else _quantize_keys(layout.key_codec, key, blocks, offs, kf)
+    vc = None if rows["value"] else _codes(layout.value_codec, value)
+    for role, codec, _, role_fields in roles:
+        if rows[role]:  # C encoding: stored straight into the pages
+            from ...kernels import cpu_pass
+            from ...kernels.cpu.launch import store_rows
+
+            p = cpu_pass(codec)
+            store_rows(*rows[role], role_fields[p.codes], role_fields[p.norm], blocks, offs)
     for role, role_fields, codes in (("key", kf, kc), ("value", vf, vc)):
+        if codes is None:
+            continue
         for name, t in codes.fields.items():
             f = role_fields[name]
             if plan is not None:

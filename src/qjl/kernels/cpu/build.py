@@ -127,7 +127,7 @@ def load_extension(name: str, sources, cdef: str | None = None, flags=FLAGS):
 
 
 def load():
-    """The CPU kernels' module (``.lib.qjl_paged_decode``, ``.lib.qjl_bucket_pack``, ``.ffi``), or None
+    """The CPU kernels' module (``.lib.qjl_paged_decode``, ``.lib.qjl_bucket_norms``, ``.ffi``), or None
     where it cannot be built (one warning)."""
     return _load(os.environ.get("QJL_CPU_KERNEL", "").lower() == "off", os.environ.get("QJL_CACHE_DIR"))
 

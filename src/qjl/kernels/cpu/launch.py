@@ -11,9 +11,12 @@ run both).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-__all__ = ["available", "implementation", "simd_path", "paged_decode", "bucket_pack", "IMPLS"]
+__all__ = ["available", "implementation", "simd_path", "paged_decode", "bucket_norms", "store_rows",
+           "IMPLS"]
 
 IMPLS = ("c", "c-portable")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
@@ -73,6 +76,66 @@ class _Args:
             dst.dtype = _DTYPES[f.dtype]
 
 
+class _Template:
+    """The struct's parts fixed by the codecs and the fields (bits, centroids, maps, field addresses), filled once."""
+
+    def __init__(self, mod, key_codec, key_fields, value_codec, value_fields, d: int):
+        from qjl.kernels.paged import query_maps, unmix_matrix, views
+
+        kview, vview = views(key_codec, value_codec)
+        self.value_codec = weakref.ref(value_codec)
+        a = _Args(mod.ffi)
+        c = a.c
+        c.n_terms = len(kview.terms)
+        self.qmaps = query_maps(key_codec) is not None  # applied inside the C call
+        for i, term in enumerate(kview.terms):
+            kt = c.key[i]
+            a.field(kt.codes, key_fields[term.codes.field], False)
+            a.field(kt.norm, key_fields[term.norm], True)
+            kt.bits, kt.n = term.codes.bits, term.codes.length
+            kt.cent = a.ptr(term.codes.centroids)
+            if self.qmaps:
+                kt.qmap, kt.qdim = a.ptr(query_maps(key_codec)[i]), d
+            else:
+                kt.q_per_block = 1
+        vv = c.value
+        a.field(vv.codes, value_fields[vview.codes.field], False)
+        a.field(vv.scale, value_fields[vview.scale], True)
+        if vview.zero:
+            a.field(vv.zero, value_fields[vview.zero], True)
+        vv.bits, vv.n, vv.group_size, vv.groups = vview.codes.bits, vview.codes.length, vview.group_size, vview.groups
+        vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(vview.codes.centroids)
+        unmix = unmix_matrix(value_codec)
+        if unmix is None and vview.codes.length != d:
+            raise ValueError(f"value codes of length {vview.codes.length} with an identity unmix need D = {d}")
+        vv.unmix, vv.out_dim = a.ptr(unmix), d
+        buffers = {id(f.buffer) for f in (*key_fields.values(), *value_fields.values())}
+        self.keep = [t for t in a.keep if id(t) not in buffers]  # centroids and maps; no field buffer kept alive
+        self.c = c  # owns the struct's memory
+
+
+_TEMPLATES = weakref.WeakKeyDictionary()  # key codec -> {(fields' signatures, d): _Template}
+
+
+def _template(mod, key_codec, key_fields, value_codec, value_fields, d: int) -> _Template:
+    """The :class:`_Template` of these codecs and fields, built once (the vLLM backend's fields live as long as
+    the engine's KV cache; the transformers cache's change as its buffers grow)."""
+    from qjl.kernels.paged import field_signature
+
+    key = (d, tuple((n, field_signature(f)) for n, f in key_fields.items()),
+           tuple((n, field_signature(f)) for n, f in value_fields.items()), id(value_codec))
+    try:
+        memo = _TEMPLATES.setdefault(key_codec, {})
+    except TypeError:  # not weak-referenceable: no memo
+        memo = {}
+    t = memo.get(key)
+    if t is None or t.value_codec() is not value_codec:
+        if len(memo) > 256:
+            memo.clear()
+        t = memo[key] = _Template(mod, key_codec, key_fields, value_codec, value_fields, d)
+    return t
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
 
@@ -85,7 +148,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     impl: "c" or "c-portable"; threads: OpenMP threads (default ``torch.get_num_threads()``);
     split_tokens: coded tokens per work item (0: enough items for every thread).
     """
-    from qjl.kernels.paged import check_paged, kernel_readable, query_maps, term_queries, unmix_matrix, views
+    from qjl.kernels.paged import check_paged, kernel_readable, term_queries
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -96,34 +159,19 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
     check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end)
-    kview, vview = views(key_codec, value_codec)
     b, hkv, r, d = q.shape
+    tpl = _template(mod, key_codec, key_fields, value_codec, value_fields, d)
     bt = block_table.to(torch.int32).contiguous()
     a = _Args(mod.ffi)
     c = a.c
-    c.n_terms = len(kview.terms)
-    qmaps = query_maps(key_codec)  # applied inside the C call (no small torch matmuls per layer and step)
-    qs = [None] * len(kview.terms) if qmaps is not None else term_queries(q, key_codec, key_fields, bt)
+    mod.ffi.memmove(c, tpl.c, mod.ffi.sizeof("qjl_decode_args"))
     q32 = _f32(q)
-    for i, (term, qt) in enumerate(zip(kview.terms, qs)):
-        kt = c.key[i]
-        a.field(kt.codes, key_fields[term.codes.field], False)
-        a.field(kt.norm, key_fields[term.norm], True)
-        kt.bits, kt.n = term.codes.bits, term.codes.length
-        kt.cent = a.ptr(term.codes.centroids)
-        if qmaps is not None:
-            kt.q, kt.qmap, kt.qdim = a.ptr(q32), a.ptr(qmaps[i]), d
+    qs = [None] * c.n_terms if tpl.qmaps else term_queries(q, key_codec, key_fields, bt)
+    for i, qt in enumerate(qs):
+        if tpl.qmaps:
+            c.key[i].q = a.ptr(q32)
         else:
-            kt.q, kt.q_per_block = a.ptr(_f32(qt)), 1
-    vv = c.value
-    a.field(vv.codes, value_fields[vview.codes.field], False)
-    a.field(vv.scale, value_fields[vview.scale], True)
-    if vview.zero:
-        a.field(vv.zero, value_fields[vview.zero], True)
-    vv.bits, vv.n, vv.group_size, vv.groups = vview.codes.bits, vview.codes.length, vview.group_size, vview.groups
-    vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(vview.codes.centroids)
-    unmix = unmix_matrix(value_codec)
-    vv.unmix, vv.out_dim = a.ptr(unmix), d
+            c.key[i].q = a.ptr(_f32(qt))
     c.batch, c.heads, c.rows = b, hkv, r
     c.block_table, c.max_blocks, c.block_size = a.ptr(bt, "int32_t *"), bt.shape[1], int(block_size)
     c.code_start = a.ptr(code_start.to(torch.int32).contiguous(), "int32_t *")
@@ -133,8 +181,6 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         if cb.ndim != 2 or cb.shape[0] != b or (b and cb.shape[1] < int(code_end.max())):
             raise ValueError(f"code_bias must be [B={b}, >= max(code_end)], got {tuple(code_bias.shape)}")
         c.bias, c.bias_stride = a.ptr(cb), cb.shape[1]
-    if unmix is None and vview.codes.length != d:
-        raise ValueError(f"value codes of length {vview.codes.length} with an identity unmix need D = {d}")
     out = torch.empty(b, hkv, r, d)
     if exact is not None and exact[0].shape[2] > 0:
         xk, xv, xb = exact
@@ -147,6 +193,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
             c.xbias = a.ptr(xb)
             c.xbias_sb, c.xbias_sh, c.xbias_sr = (xb.stride(i) if xb.shape[i] > 1 else 0 for i in range(3))
     c.out = a.ptr(out)
+    a.keep.append(tpl)  # its tensors (centroids, maps) stay alive through the call
     c.split_tokens = int(split_tokens)
     c.threads = int(threads or torch.get_num_threads())
     c.simd = int(impl == "c")
@@ -155,23 +202,47 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     return out
 
 
-def bucket_pack(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tensor, bits: int):
-    """y: [..., n] float32 -> (cells packed LSB-first [..., ceil(n*bits/8)] uint8, cos [...] float32 with
-    ``cos = sum_c y[c] * centroids[cell_c]``); the cells are ``torch.bucketize(y, boundaries)``."""
+def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
+    """y [..., n] float32 with norms [...] -> the cells (``torch.bucketize(y, boundaries)``) packed LSB-first, and
+    the norm to store
+    (corrected as ``qpass``, a :class:`qjl.codecs.views.ProjectQuantize`, says; float32, checked against its
+    dtype's range).  Returns (status, codes [rows, nbytes] uint8, stored [rows] float32): status 0, or -2 a norm
+    not finite, -3 / -4 a norm / corrected norm beyond its dtype, -1 other arguments refused."""
     mod = _module()
     if mod is None:
         raise RuntimeError("the C CPU kernels could not be built (cffi and a C compiler with OpenMP are needed)")
-    lead, n = y.shape[:-1], y.shape[-1]
-    y2 = _f32(y.reshape(-1, n))
-    nbytes = (n * bits + 7) // 8
-    codes = torch.empty(y2.shape[0], nbytes, dtype=torch.uint8)
-    cos = torch.empty(y2.shape[0])
-    bnd, cent = _f32(boundaries), _f32(centroids)
-    ffi = mod.ffi
-    rc = mod.lib.qjl_bucket_pack(ffi.cast("float *", y2.data_ptr()), y2.shape[0], n, ffi.cast("float *", bnd.data_ptr()),
-                                 bnd.numel(), ffi.cast("float *", cent.data_ptr()), bits,
-                                 ffi.cast("uint8_t *", codes.data_ptr()), nbytes, ffi.cast("float *", cos.data_ptr()),
-                                 torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"bucket_pack: {bits}-bit codes need {2 ** bits - 1} boundaries, got {bnd.numel()}")
-    return codes.reshape(*lead, nbytes), cos.reshape(lead)
+    n = y.shape[-1]
+    y2, nm = _f32(y.reshape(-1, n)), _f32(norm.reshape(-1))
+    rows, nbytes = y2.shape[0], (n * qpass.bits + 7) // 8
+    if nm.shape[0] != rows:
+        raise ValueError(f"norm must hold one entry per row of y ({rows}), got {tuple(norm.shape)}")
+    codes, stored = torch.empty(rows, nbytes, dtype=torch.uint8), torch.empty(rows)
+    bnd, cent = _f32(qpass.boundaries), _f32(qpass.centroids)
+    a = _Args(mod.ffi)
+    rc = mod.lib.qjl_bucket_norms(a.ptr(y2), a.ptr(nm), rows, n, a.ptr(bnd), bnd.numel(), a.ptr(cent), qpass.bits,
+                                  int(bool(qpass.correct_norm)), torch.finfo(qpass.norm_dtype).max,
+                                  a.ptr(codes, "uint8_t *"), a.ptr(stored), torch.get_num_threads())
+    return rc, codes, stored
+
+
+def store_rows(codes: torch.Tensor, stored: torch.Tensor, codes_field, norm_field, blocks: torch.Tensor,
+               slots: torch.Tensor) -> None:
+    """codes [N * H, nbytes] uint8 and stored norms [N * H] float32 (:func:`bucket_norms`) written into paged
+    fields (CPU buffers) at (blocks [N], slots [N], KV heads 0..H-1), the norm in ``norm_field``'s dtype."""
+    mod = _module()
+    n_tok = blocks.shape[0]
+    rows, nbytes = codes.shape
+    if n_tok == 0 or rows % n_tok or codes_field.entry_bytes != nbytes or norm_field.dtype not in _DTYPES:
+        raise ValueError(f"store_rows: {rows} rows of {nbytes} bytes do not fit {n_tok} tokens of "
+                         f"{codes_field.entry_bytes}-byte codes with a {norm_field.dtype} norm")
+    for f in (codes_field, norm_field):
+        if f.buffer.device.type != "cpu":
+            raise ValueError(f"fields must live in CPU memory, got {f.buffer.device}")
+    blk, slt = blocks.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    a = _Args(mod.ffi)
+    cf, nf = mod.ffi.new("qjl_field *"), mod.ffi.new("qjl_field *")
+    a.field(cf, codes_field, False)
+    a.field(nf, norm_field, True)
+    if mod.lib.qjl_store_rows(rows, rows // n_tok, a.ptr(blk, "int64_t *"), a.ptr(slt, "int64_t *"),
+                              a.ptr(codes.contiguous(), "uint8_t *"), nbytes, a.ptr(_f32(stored)), cf[0], nf[0]):
+        raise ValueError("store_rows: the C store refused its arguments")

@@ -1,4 +1,6 @@
-/* The CPU half of TurboQuant MSE quantization: Lloyd-Max cells and LSB-first packing in one pass. */
+/* The CPU half of TurboQuant MSE quantization: Lloyd-Max cells (the number of boundaries below each coordinate,
+ * as torch.bucketize), LSB-first packing, the norm correction's cosine (summed in coordinate order) and the
+ * stored norm in one pass (qjl_bucket_norms); the rows' store into paged fields (qjl_store_rows). */
 
 typedef struct {
     const float *y, *bnd, *cent;
@@ -33,14 +35,116 @@ static void bucket_row(void *ctx, int64_t i) {
     j->cos[i] = acc;
 }
 
-/* codes[i] = the cells of y[i] (number of boundaries below each coordinate, as torch.bucketize) packed
- * LSB-first, `bits` bits each; cos[i] = sum_c y[i, c] * cent[cell] (summed in coordinate order).
- * y [rows, n] float32; codes [rows, nbytes]. */
-QJL_EXPORT int qjl_bucket_pack(const float *y, int64_t rows, int64_t n, const float *bnd, int32_t nbnd,
-                               const float *cent, int32_t bits, uint8_t *codes, int64_t nbytes, float *cos,
-                               int32_t threads) {
-    if (bits < 1 || bits > 8 || nbnd != (1 << bits) - 1 || nbytes != (n * bits + 7) / 8) return -1;
-    const qjl_bucket_job job = {y, bnd, cent, n, nbytes, nbnd, bits, codes, cos};
-    parallel_for(rows, threads > 0 ? threads : 1, bucket_row, (void *)&job);
+/* float32 -> a stored dtype's bits, rounded to nearest even exactly as torch's .to(dtype) (the callers
+ * have checked the value is finite and within the dtype's range). */
+static inline uint16_t float_to_half_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to Inf */
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal half; adding 0.5 (ulp 2^-24) rounds to its grid */
+        float a, r;
+        uint32_t rb;
+        memcpy(&a, &ax, 4);
+        r = a + 0.5f;
+        memcpy(&rb, &r, 4);
+        return (uint16_t)(sign | (rb - 0x3f000000u));
+    }
+    const uint32_t odd = (ax >> 13) & 1u;
+    return (uint16_t)(sign | ((ax + ((uint32_t)(15 - 127) << 23) + 0xfffu + odd) >> 13));
+}
+
+static inline uint16_t float_to_bf16_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+static inline uint8_t float_to_e4m3_bits(float f) { /* float8 e4m3fn: no Inf, 0x7f is NaN */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = x & 0x80000000u, ax = x ^ sign;
+    uint8_t r;
+    if (ax >= (1087u << 20)) r = 0x7f; /* >= 480 (or NaN/Inf): NaN */
+    else if (ax < (121u << 23)) { /* below 2^-6: subnormal, rounded by a float addition onto its grid */
+        const uint32_t magic = 141u << 23;
+        float a, m, s;
+        uint32_t sb;
+        memcpy(&a, &ax, 4);
+        memcpy(&m, &magic, 4);
+        s = a + m;
+        memcpy(&sb, &s, 4);
+        r = (uint8_t)(sb - magic);
+    } else {
+        const uint32_t odd = (ax >> 20) & 1u;
+        r = (uint8_t)((ax + ((uint32_t)(7 - 127) << 23) + 0x7ffffu + odd) >> 20);
+    }
+    return (uint8_t)(r | (sign >> 24));
+}
+
+static void store_scalar(uint8_t *dst, float v, int dtype) {
+    if (dtype == 0) memcpy(dst, &v, 4);
+    else if (dtype == 1) { const uint16_t h = float_to_half_bits(v); memcpy(dst, &h, 2); }
+    else if (dtype == 2) { const uint16_t h = float_to_bf16_bits(v); memcpy(dst, &h, 2); }
+    else *dst = float_to_e4m3_bits(v);
+}
+
+/* Codes and stored norms of rows y [rows, n] (rotated unit vectors) with norms norm [rows]: the cells packed
+ * `bits` bits each, LSB-first, into codes [rows, nbytes]; stored[i] = norm[i], or with `correct`
+ * norm[i] / cos[i] (where cos > 0), as float32 (qjl_store_rows converts it to its dtype).
+ * Returns 0; -1 for bad arguments; -2 when a norm is not finite; -3 when a norm exceeds norm_max; -4 when a
+ * corrected norm does (the outputs are then unspecified). */
+QJL_EXPORT int qjl_bucket_norms(const float *y, const float *norm, int64_t rows, int64_t n, const float *bnd,
+                                int32_t nbnd, const float *cent, int32_t bits, int32_t correct, float norm_max,
+                                uint8_t *codes, float *stored, int32_t threads) {
+    if (bits < 1 || bits > 8 || nbnd != (1 << bits) - 1) return -1;
+    for (int64_t i = 0; i < rows; i++) {
+        if (!isfinite(norm[i])) return -2;
+        if (fabsf(norm[i]) > norm_max) return -3;
+    }
+    const qjl_bucket_job job = {y, bnd, cent, n, (n * bits + 7) / 8, nbnd, bits, codes, stored};
+    parallel_for(rows, rows >= 256 && threads > 1 ? threads : 1, bucket_row, (void *)&job);
+    for (int64_t i = 0; i < rows; i++) { /* stored holds the cosines here */
+        const float v = correct ? norm[i] / (stored[i] > 0.0f ? stored[i] : 1.0f) : norm[i];
+        if (!(fabsf(v) <= norm_max)) return -4;
+        stored[i] = v;
+    }
+    return 0;
+}
+
+/* Rows [rows] of packed codes [rows, nbytes] and float32 norms [rows] stored into paged fields: row i is
+ * token i / heads, KV head i % heads, at block blocks[i / heads], slot slots[i / heads]; the norm converted
+ * to norm_field.dtype (0 fp32, 1 fp16, 2 bf16, 3 e4m3fn) as torch's .to(dtype) does. */
+QJL_EXPORT int qjl_store_rows(int64_t rows, int64_t heads, const int64_t *blocks, const int64_t *slots,
+                              const uint8_t *codes, int64_t nbytes, const float *norms, qjl_field codes_field,
+                              qjl_field norm_field) {
+    if (heads < 1 || rows % heads || nbytes < 1 || norm_field.dtype < 0 || norm_field.dtype > 3) return -1;
+    const int nb = norm_field.dtype == 0 ? 4 : norm_field.dtype == 3 ? 1 : 2;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t t = i / heads, h = i % heads;
+        uint8_t *c = (uint8_t *)codes_field.base + blocks[t] * codes_field.stride_block +
+                     h * codes_field.stride_head + slots[t] * codes_field.stride_token;
+        uint8_t *s = (uint8_t *)norm_field.base + blocks[t] * norm_field.stride_block + h * norm_field.stride_head +
+                     slots[t] * norm_field.stride_token;
+        uint8_t tmp[4];
+        memcpy(c, codes + i * nbytes, (size_t)nbytes);
+        store_scalar(tmp, norms[i], norm_field.dtype);
+        memcpy(s, tmp, (size_t)nb);
+    }
+    return 0;
+}
+
+/* float32 values -> their bits in a stored dtype (0 fp32, 1 fp16, 2 bf16, 3 e4m3fn), as torch's .to(dtype);
+ * out holds n entries of the dtype's size.  (Tested against torch; used by qjl_store_rows.) */
+QJL_EXPORT int qjl_store_scalars(const float *v, int64_t n, int32_t dtype, uint8_t *out) {
+    if (dtype < 0 || dtype > 3) return -1;
+    const int nb = dtype == 0 ? 4 : dtype == 3 ? 1 : 2;
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t tmp[4];
+        store_scalar(tmp, v[i], dtype);
+        memcpy(out + i * nb, tmp, (size_t)nb);
+    }
     return 0;
 }
