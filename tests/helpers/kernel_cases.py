@@ -31,6 +31,8 @@ def codec_pair(name: str, d: int):
         return TurboQuantMSE(d, 1, seed=1), TokenwiseQuantizer(d, 4, group_size=32)
     if name == "tq8-tq6":
         return TurboQuantMSE(d, 8, seed=1, norm_dtype="bf16"), TurboQuantMSE(d, 6, seed=2, norm_dtype="fp32")
+    if name == "tq7-tq5":  # 7 bits: the AVX2 gather; 5 bits: the four-table unpacking (values mixed with it)
+        return TurboQuantMSE(d, 7, seed=1), TurboQuantMSE(d, 5, seed=2, correct_norm=True)
     if name == "qjl-uni2":
         return QJLSketch(d, 2 * d, "gaussian", seed=3), TokenwiseQuantizer(d, 2, group_size=32)
     if name == "qjl-outliers-uni2":
@@ -40,7 +42,8 @@ def codec_pair(name: str, d: int):
     raise ValueError(name)
 
 
-PAIRS = ["tq3-tq2", "tq4-uni3", "tq5-tq3", "tq1-uni4", "tq8-tq6", "qjl-uni2", "qjl-outliers-uni2", "qjl-hadamard-tq2"]
+PAIRS = ["tq3-tq2", "tq4-uni3", "tq5-tq3", "tq1-uni4", "tq8-tq6", "tq7-tq5", "qjl-uni2", "qjl-outliers-uni2",
+         "qjl-hadamard-tq2"]
 
 
 def fields_of(codes) -> dict:

@@ -2,7 +2,8 @@
  * 8 codes of b <= 4 bits are b bytes: one broadcast 32-bit word, vpsrlvd moving code j to the low bits of
  * lane j, and vpermps over the centroids held in a register (it reads the low 3 bits of each lane, so the
  * table repeats every 2^b entries for b < 3 and the neighbouring code's bits need no masking; 4-bit codes
- * use two tables blended on bit 3); 5-8-bit codes go through a gather.  Keys: 2 tokens x 4 query rows
+ * use two tables blended on bit 3, 5-bit codes four blended on bits 3 and 4, their indices shifted out of two
+ * 32-bit words (codes 0-3 and 4-7); 6-8-bit codes go through a gather.  Keys: 2 tokens x 4 query rows
  * accumulate in 8 FMA registers, reduced together by one horizontal-add tree.  Values: per 16 coordinates
  * the 4 rows' accumulators stay in registers over a whole pass of tokens, one FMA per token, row and 8
  * coordinates with the weight p * scale.  Words are read with exact-size copies at a row's last group, so
@@ -23,22 +24,26 @@ static int cpu_has_avx2(void) {
 
 typedef struct {
     __m256i shifts;
-    __m256 lo, hi;
+    __m256 lo, hi, lo2, hi2; /* centroids 0-7, 8-15 (4 and 5 bits), 16-23, 24-31 (5 bits) */
     const float *cent;
 } unpack8_t;
 
 QJL_AVX2 static inline __attribute__((always_inline)) unpack8_t unpack_setup(const int bits, const float *cent) {
     unpack8_t u;
     int32_t sh[8];
-    float lo[8], hi[8];
+    float lo[8], hi[8], lo2[8], hi2[8];
     for (int j = 0; j < 8; j++) {
-        sh[j] = bits <= 4 ? j * bits : 0;
-        lo[j] = bits <= 3 ? cent[j & ((1 << bits) - 1)] : bits == 4 ? cent[j] : 0;
-        hi[j] = bits == 4 ? cent[8 + j] : 0;
+        sh[j] = bits <= 4 ? j * bits : (j % 4) * bits;
+        lo[j] = bits <= 3 ? cent[j & ((1 << bits) - 1)] : bits <= 5 ? cent[j] : 0;
+        hi[j] = bits == 4 || bits == 5 ? cent[8 + j] : 0;
+        lo2[j] = bits == 5 ? cent[16 + j] : 0;
+        hi2[j] = bits == 5 ? cent[24 + j] : 0;
     }
     u.shifts = _mm256_loadu_si256((const __m256i *)sh);
     u.lo = _mm256_loadu_ps(lo);
     u.hi = _mm256_loadu_ps(hi);
+    u.lo2 = _mm256_loadu_ps(lo2);
+    u.hi2 = _mm256_loadu_ps(hi2);
     u.cent = cent;
     return u;
 }
@@ -58,11 +63,21 @@ QJL_AVX2 static inline __attribute__((always_inline)) __m256 unpack8(const uint8
             v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(u->hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
         return v;
     }
-    uint64_t w = 0;
+    uint64_t w = 0; /* 5-8 bits: codes 0-3 lie in the low 32 bits, codes 4-7 in the 32 from bit 4b on */
     memcpy(&w, p, (size_t)bits);
-    int32_t ix[8];
-    for (int j = 0; j < 8; j++) ix[j] = (int32_t)((w >> (j * bits)) & ((1u << bits) - 1));
-    return _mm256_i32gather_ps(u->cent, _mm256_loadu_si256((const __m256i *)ix), 4);
+    const int lo = (int)(uint32_t)w, hi = (int)(uint32_t)(w >> (4 * bits));
+    const __m256i words = _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi);
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(words, u->shifts), _mm256_set1_epi32((1 << bits) - 1));
+    if (bits == 5) { /* four 8-entry tables, blended on bits 3 and 4 of each code */
+        const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+        const __m256 b4 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27));
+        const __m256 v0 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(u->lo, idx),
+                                           _mm256_permutevar8x32_ps(u->hi, idx), b3);
+        const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(u->lo2, idx),
+                                           _mm256_permutevar8x32_ps(u->hi2, idx), b3);
+        return _mm256_blendv_ps(v0, v1, b4);
+    }
+    return _mm256_i32gather_ps(u->cent, idx, 4);
 }
 
 /* lane i of the result = the sum of the 8 lanes of a[i] */
