@@ -37,6 +37,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layer", type=int, default=20, help="layer index of 30 (the default preset's keys: 4 bits "
+                    "below 15, 5 bits from 15 on)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from qjl.integrations.vllm.decode import decode_function, exact_tokens
@@ -49,7 +51,7 @@ def main(argv=None) -> dict:
 
     hkv, hq, d, bs, n = 3, 9, 64, args.block_size, args.context
     s = VLLMSettings(preset=args.preset)
-    lay = layer_layout(s, 20, 30, d, bs, torch.bfloat16)
+    lay = layer_layout(s, args.layer, 30, d, bs, torch.bfloat16)
     nblocks = n // bs + 2
     pages = torch.zeros(nblocks, hkv, bs, lay.content_bytes // 2, dtype=torch.bfloat16)
     fields = page_fields(lay, pages)
@@ -74,7 +76,7 @@ def main(argv=None) -> dict:
     qk = (q.float() * d ** -0.5).reshape(1, hkv, hq // hkv, d)
     kk, qq = x(1, hq, n + 1, d), x(1, hq, 1, d)
     r = args.repeats
-    res = {"preset": args.preset, "context": n, "block_size": bs, "threads": args.threads, "ms": {
+    res = {"preset": args.preset, "layer": args.layer, "context": n, "block_size": bs, "threads": args.threads, "ms": {
         "plan": _median_ms(lambda: StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window), r),
         "write_codes": _median_ms(lambda: write_codes(lay, fields, k, v, None, plan=plan), r),
         "decode": _median_ms(lambda: dec(q, kf, vf, plan.decode.block_table, lens - 1, bs, **kw), r),

@@ -64,7 +64,8 @@ QJL_AVX2 static inline __attribute__((always_inline)) __m256 unpack8(const uint8
         return v;
     }
     uint64_t w = 0; /* 5-8 bits: codes 0-3 lie in the low 32 bits, codes 4-7 in the 32 from bit 4b on */
-    memcpy(&w, p, (size_t)bits);
+    if (last) memcpy(&w, p, (size_t)bits);
+    else memcpy(&w, p, 8); /* one load (bytes past the group belong to the next one and are shifted out) */
     const int lo = (int)(uint32_t)w, hi = (int)(uint32_t)(w >> (4 * bits));
     const __m256i words = _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi);
     const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(words, u->shifts), _mm256_set1_epi32((1 << bits) - 1));
