@@ -118,14 +118,22 @@ def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_
     if plan is None:
         plan = StepPlan.build(query_start_loc, seq_lens, block_table, layout.block_size, layout.sinks, layout.window)
     t, hq, d = q.shape
-    out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
+    every = plan.decode is not None and not plan.prefill and len(plan.decode_seqs) == t  # rows 0..T-1 decode
+    out = None if every else torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
     if plan.decode is not None:
-        rows = plan.decode_token_rows.to(q.device)
         ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
-        out[rows] = decode(q[rows], _role(fields, "key"), _role(fields, "value"), plan.decode.block_table,
-                           plan.seq_lens[plan.decode_seqs] - 1, layout.block_size, key_codec=layout.key_codec,
-                           value_codec=layout.value_codec, scale=scale, num_kv_heads=k.shape[1], exact=ex,
-                           sinks=layout.sinks, window=layout.window, current=(k[rows], v[rows]), rows=plan.decode)
+        if "history" not in plan.memo:
+            plan.memo["history"] = plan.seq_lens[plan.decode_seqs] - 1
+        rows = None if every else plan.decode_token_rows.to(q.device)
+        sel = (lambda x: x) if every else (lambda x: x[rows])  # noqa: E731
+        got = decode(sel(q), _role(fields, "key"), _role(fields, "value"), plan.decode.block_table,
+                     plan.memo["history"], layout.block_size, key_codec=layout.key_codec,
+                     value_codec=layout.value_codec, scale=scale, num_kv_heads=k.shape[1], exact=ex,
+                     sinks=layout.sinks, window=layout.window, current=(sel(k), sel(v)), rows=plan.decode)
+        if every:
+            out = got.to(torch.float32)
+        else:
+            out[rows] = got
     for i, r0, r1 in plan.prefill:  # prefill / chunk rows, one sequence at a time
         out[r0:r1] = paged_attention_reference(q[r0:r1], k[r0:r1], v[r0:r1], fields, block_table[i:i + 1],
                                                torch.tensor([0, r1 - r0]), plan.seq_lens[i:i + 1], layout, scale)
