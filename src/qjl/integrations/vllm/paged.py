@@ -105,7 +105,11 @@ def page_fields(layout: PageLayout, pages: torch.Tensor) -> dict[str, PagedField
         raise ValueError("each head region of the pages must be contiguous (vLLM's LBHNC layout)")
     storage = torch.empty(0, dtype=torch.uint8, device=pages.device).set_(pages.untyped_storage())
     base = pages.storage_offset() * es
-    return {n: PagedField(storage, base + f.offset, pages.stride(0) * es, pages.stride(1) * es, f.stride_token,
+    extent = (sum((n - 1) * st for n, st in zip(pages.shape, pages.stride())) + 1) * es if pages.numel() else 0
+    # the buffer is this layer's own bytes: offsets are the layout's, the same in every layer of that layout, so
+    # the step's address memos (keyed by field geometry) serve all of them, and no address reaches another layer
+    region = storage[base:base + extent]
+    return {n: PagedField(region, f.offset, pages.stride(0) * es, pages.stride(1) * es, f.stride_token,
                           f.dtype, f.shape) for n, f in layout.fields.items()}
 
 
