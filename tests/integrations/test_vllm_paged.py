@@ -183,6 +183,30 @@ def test_decode_contract_is_used_for_decode_rows():
     assert calls == [(1, 6, D), (2, 6, D)]
 
 
+def test_layers_sharing_one_storage_address_their_own_bytes():
+    """Two layers' page tensors carved from one allocation (as an engine may): each layer's fields start at its
+    own bytes with the layout's offsets (so a step's address memos serve every layer), and a layer's writes never
+    touch the other's pages."""
+    lay = layer_layout(VLLMSettings(preset="tq-k45v3"), 3, 30, D, 16, torch.bfloat16)
+    per = 6 * 2 * 16 * (lay.content_bytes // 2)
+    store = torch.zeros(2 * per + 8, dtype=torch.bfloat16)
+    pages = [store[8 + i * per: 8 + (i + 1) * per].view(6, 2, 16, lay.content_bytes // 2) for i in range(2)]
+    f0, f1 = page_fields(lay, pages[0]), page_fields(lay, pages[1])
+    for name in f0:
+        assert (f0[name].offset, f0[name].stride_block) == (f1[name].offset, f1[name].stride_block), name
+        assert f1[name].buffer.data_ptr() == pages[1].data_ptr()
+    g = torch.Generator().manual_seed(0)
+    k, v = _bf16(5, 2, D, gen=g), _bf16(5, 2, D, gen=g)
+    write_codes(lay, f1, k, v, torch.tensor([0, 1, 2, 17, 95]))  # the last slot of layer 1's last block
+    assert not pages[0].view(torch.int16).any() and not store[:8].view(torch.int16).any()
+    assert pages[1].view(torch.int16).any()
+    kf = {n[4:]: f for n, f in f0.items() if n.startswith("key.")}
+    vf = {n[6:]: f for n, f in f0.items() if n.startswith("value.")}
+    with pytest.raises(ValueError, match="reach past the end"):  # layer 0's block 6 would be layer 1's bytes
+        qjl.kernels.paged_decode(torch.zeros(1, 2, 3, D), lay.key_codec, kf, lay.value_codec, vf,
+                                 torch.tensor([[6]]), 16, torch.tensor([0]), torch.tensor([4]), backend="torch")
+
+
 def test_exact_slots_ring():
     pos = torch.arange(0, 200)
     sl = exact_slot(pos, 4, 7)

@@ -183,13 +183,21 @@ def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict,
 _ROOM: dict = {}  # the static checks' result per key of plain values (no object kept alive)
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of ``t``'s last element (a view reaches no further: other views of
+    the same storage, e.g. another layer's pages, are out of bounds)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
 def field_signature(f) -> tuple:
     """Plain values that fix what a kernel reads through PagedField ``f``: its buffer's address, size and device,
     the field's offset, strides, dtype and shape (memo keys that keep no object alive)."""
     t = getattr(f, "buffer", None)
     if not isinstance(t, torch.Tensor):
         return (None, id(f))
-    return (t.data_ptr(), t.untyped_storage().nbytes(), t.storage_offset() * t.element_size(), str(t.device),
+    return (t.data_ptr(), _extent(t), str(t.device),
             f.offset, f.stride_block, f.stride_head, f.stride_token, f.dtype, tuple(f.shape))
 
 
@@ -219,7 +227,7 @@ def _field_room(key_codec, key_fields: dict, value_codec, value_fields: dict, h:
                 raise ValueError(f"{role}[{n!r}]: packed codes of {sizes[(role, n)]} uint8 bytes per token expected, "
                                  f"got {f.dtype} {tuple(f.shape)}")
             last = f.offset + (h - 1) * f.stride_head + (block_size - 1) * f.stride_token + f.entry_bytes
-            room = f.buffer.untyped_storage().nbytes() - f.buffer.storage_offset() * f.buffer.element_size()
+            room = _extent(f.buffer)
             if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > room:
                 raise ValueError(f"{role}[{n!r}]: offset/strides reach byte {last} of a buffer of {room}")
             top = (room - last) // f.stride_block if f.stride_block else float("inf")
