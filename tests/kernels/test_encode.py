@@ -137,6 +137,11 @@ def test_bad_rows_write_nothing():
     x = torch.randn(4, 3, 64)
     with pytest.raises(ValueError, match="norm of x overflows"):
         kernels.encode_rows_cpu(codec, x * 1000)
+    with pytest.raises(ValueError, match="norm of x overflows"):  # finite entries, a norm beyond float32
+        kernels.encode_rows_cpu(TurboQuantMSE(64, 3, norm_dtype="fp32"), x * 1e37)
+    for big in (x * 1000, x * 1e37):  # the reference says the same
+        with pytest.raises(ValueError, match="norm of x overflows"):
+            TurboQuantMSE(64, 3, norm_dtype="fp32" if big.abs().max() > 1e30 else "fp8").quantize(big)
     x[2, 1, 7] = float("inf")
     with pytest.raises(ValueError, match="NaN or Inf"):
         kernels.encode_rows_cpu(codec, x)

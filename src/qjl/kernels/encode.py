@@ -155,8 +155,9 @@ def encode_rows_cpu(codec, x: torch.Tensor) -> tuple:
 
     p, norm, y = _rotated(codec, x)
     rc, codes, stored = launch.bucket_norms(y, norm, p)
-    if rc == -2:
-        check_vectors("x", x, codec.dim)  # raises the reference's error
+    if rc == -2:  # a NaN/Inf entry (the reference's error), else finite entries whose norm overflows float32
+        check_vectors("x", x, codec.dim)
+        rc = -3
     if rc in (-3, -4):  # the reference's message (qjl.core.validation.check_fits)
         top = torch.finfo(p.norm_dtype).max
         raise ValueError(f"{'norm of x' if rc == -3 else 'corrected norm of x'} overflows its storage dtype "

@@ -82,6 +82,9 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
         blocks, offs = slots // layout.block_size, slots % layout.block_size
     if key.shape[0] == 0:
         return
+    from ... import kernels
+    from ...kernels.cpu.launch import store_rows
+
     h = key.shape[1]
     kf, vf = _role(fields, "key"), _role(fields, "value")
     roles = (("key", layout.key_codec, key, kf), ("value", layout.value_codec, value, vf))
@@ -90,10 +93,7 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
     vc = None if rows["value"] else _codes(layout.value_codec, value)
     for role, codec, _, role_fields in roles:
         if rows[role]:  # C encoding: stored straight into the pages
-            from ...kernels import cpu_pass
-            from ...kernels.cpu.launch import store_rows
-
-            p = cpu_pass(codec)
+            p = kernels.cpu_pass(codec)
             store_rows(*rows[role], role_fields[p.codes], role_fields[p.norm], blocks, offs)
     for role, role_fields, codes in (("key", kf, kc), ("value", vf, vc)):
         if codes is None:
