@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = ["PagedField", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
-           "query_maps", "unmix_matrix", "check_exact", "field_signature"]
+           "query_maps", "unmix_matrix", "check_exact", "fields_signature",
+           "extent_bytes"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
 
@@ -146,9 +147,10 @@ def _entry_shapes(key_codec, value_codec) -> dict:
 
 
 def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict, block_table, block_size: int,
-                code_start, code_end) -> None:
+                code_start, code_end) -> tuple:
     """ValueError naming the argument unless the arguments fit the contract (:func:`paged_decode`), including
-    that every address a kernel may read lies inside its field's buffer."""
+    that every address a kernel may read lies inside its field's buffer.  Returns the fields' signature
+    (:func:`fields_signature`), for launchers that memoize on it."""
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or not q.dtype.is_floating_point:
         raise ValueError(f"q must be a float tensor [B, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
     b, h = q.shape[:2]
@@ -174,16 +176,18 @@ def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict,
         lo, top = (int(used.min()), int(used.max())) if used.numel() else (0, 0)
     if lo < 0:
         raise ValueError("block_table: the blocks holding coded tokens must be >= 0")
-    room = _field_room(key_codec, key_fields, value_codec, value_fields, h, block_size, q.device)
+    sig = fields_signature(key_fields, value_fields)
+    room = _field_room(key_codec, key_fields, value_codec, value_fields, h, block_size, q.device, sig)
     if top > room[0]:
         raise ValueError(f"{room[1]}: offset/strides reach past the end of its buffer at block {top} "
                          f"(blocks up to {room[0]} fit)")
+    return sig
 
 
 _ROOM: dict = {}  # the static checks' result per key of plain values (no object kept alive)
 
 
-def _extent(t: torch.Tensor) -> int:
+def extent_bytes(t: torch.Tensor) -> int:
     """Bytes from ``t.data_ptr()`` to the end of ``t``'s last element (a view reaches no further: other views of
     the same storage, e.g. another layer's pages, are out of bounds)."""
     if t.numel() == 0:
@@ -191,26 +195,30 @@ def _extent(t: torch.Tensor) -> int:
     return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def field_signature(f) -> tuple:
-    """Plain values that fix what a kernel reads through PagedField ``f``: its buffer's address, size and device,
-    the field's offset, strides, dtype and shape (memo keys that keep no object alive)."""
+def _field_signature(f) -> tuple:
     t = getattr(f, "buffer", None)
     if not isinstance(t, torch.Tensor):
         return (None, id(f))
-    return (t.data_ptr(), _extent(t), str(t.device),
+    return (t.data_ptr(), extent_bytes(t), str(t.device),
             f.offset, f.stride_block, f.stride_head, f.stride_token, f.dtype, tuple(f.shape))
 
 
-def _field_room(key_codec, key_fields: dict, value_codec, value_fields: dict, h: int, block_size: int, device):
+def fields_signature(key_fields: dict, value_fields: dict) -> tuple:
+    """Plain values that fix what a kernel reads through the fields: per field, its name, its buffer's address,
+    size and device, its offset, strides, dtype and shape (memo keys that keep no object alive)."""
+    return (tuple((n, _field_signature(f)) for n, f in key_fields.items()),
+            tuple((n, _field_signature(f)) for n, f in value_fields.items()))
+
+
+def _field_room(key_codec, key_fields: dict, value_codec, value_fields: dict, h: int, block_size: int, device,
+                sig: tuple):
     """The static half of :func:`check_paged` (the fields a view reads are present, on ``device``, with the
     declared entry sizes, inside their buffers for block 0): returns (the largest block index every field's
     buffer holds for ``h`` heads and ``block_size`` slots, the name of the field that bounds it).  Memoized on
-    plain values (the views' field names and sizes, each field's buffer address, size and geometry)."""
+    plain values (the views' field names and sizes, and ``sig``, the fields' :func:`fields_signature`)."""
     knames, vnames = view_fields(key_codec, value_codec)
     sizes = _entry_shapes(key_codec, value_codec)
-    key = (tuple(knames), tuple(vnames), tuple(sorted(sizes.items())), h, block_size, str(device),
-           tuple((n, field_signature(key_fields[n])) for n in knames if n in key_fields),
-           tuple((n, field_signature(value_fields[n])) for n in vnames if n in value_fields))
+    key = (tuple(knames), tuple(vnames), tuple(sorted(sizes.items())), h, block_size, str(device), sig)
     hit = _ROOM.get(key)
     if hit is not None:
         return hit
@@ -227,7 +235,7 @@ def _field_room(key_codec, key_fields: dict, value_codec, value_fields: dict, h:
                 raise ValueError(f"{role}[{n!r}]: packed codes of {sizes[(role, n)]} uint8 bytes per token expected, "
                                  f"got {f.dtype} {tuple(f.shape)}")
             last = f.offset + (h - 1) * f.stride_head + (block_size - 1) * f.stride_token + f.entry_bytes
-            room = _extent(f.buffer)
+            room = extent_bytes(f.buffer)
             if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > room:
                 raise ValueError(f"{role}[{n!r}]: offset/strides reach byte {last} of a buffer of {room}")
             top = (room - last) // f.stride_block if f.stride_block else float("inf")

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ...codecs.base import Codes
 from ...kernels.paged import PagedField as KernelPagedField
+from ...kernels.paged import extent_bytes
 from .layout import PageLayout, exact_slot
 
 __all__ = ["PagedField", "page_fields", "paged_decode_reference", "paged_attention_reference", "gather_history",
@@ -105,10 +106,9 @@ def page_fields(layout: PageLayout, pages: torch.Tensor) -> dict[str, PagedField
         raise ValueError("each head region of the pages must be contiguous (vLLM's LBHNC layout)")
     storage = torch.empty(0, dtype=torch.uint8, device=pages.device).set_(pages.untyped_storage())
     base = pages.storage_offset() * es
-    extent = (sum((n - 1) * st for n, st in zip(pages.shape, pages.stride())) + 1) * es if pages.numel() else 0
     # the buffer is this layer's own bytes: offsets are the layout's, the same in every layer of that layout, so
     # the step's address memos (keyed by field geometry) serve all of them, and no address reaches another layer
-    region = storage[base:base + extent]
+    region = storage[base:base + extent_bytes(pages)]
     return {n: PagedField(region, f.offset, pages.stride(0) * es, pages.stride(1) * es, f.stride_token,
                           f.dtype, f.shape) for n, f in layout.fields.items()}
 

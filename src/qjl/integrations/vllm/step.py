@@ -40,7 +40,8 @@ class StepPlan:
 
     ``query_start_loc`` [B + 1] and ``seq_lens`` [B] (tokens after the step) on the CPU; ``write_*``: the
     tokens whose codes are stored (rows into the step's tokens, or None for all, and their block / offset);
-    ``decode_seqs`` / ``decode_token_rows`` and ``decode``: the one-token rows and their :class:`DecodeRows`;
+    ``decode_seqs`` / ``decode_token_rows`` / ``decode_history`` (their tokens before this one) and ``decode``:
+    the one-token rows and their :class:`DecodeRows`;
     ``prefill``: (sequence, first row, end row) of the other sequences; ``exact_*``: the tokens whose exact
     copies are stored (rows, block, exact slot).
     """
@@ -56,6 +57,7 @@ class StepPlan:
     write_offsets: torch.Tensor
     decode_seqs: torch.Tensor
     decode_token_rows: torch.Tensor
+    decode_history: torch.Tensor
     decode: DecodeRows | None
     prefill: list
     exact_rows: torch.Tensor
@@ -82,12 +84,14 @@ class StepPlan:
         rows = None if bool(keep.all()) else keep.nonzero().flatten()
         kept = slots if rows is None else slots[rows]
         dec = is_dec.nonzero().flatten()
-        drows = decode_rows(block_table[dec.to(dev)], lens[dec] - 1, block_size, sinks, window) if len(dec) else None
+        history = lens[dec] - 1
+        drows = decode_rows(block_table[dec.to(dev)], history, block_size, sinks, window) if len(dec) else None
         prefill = [(i, int(qsl[i]), int(qsl[i + 1])) for i in (~is_dec).nonzero().flatten().tolist()
                    if qsl[i + 1] > qsl[i]]
         erows, eblocks, eslots = exact_writes(positions, seq_ends, slots, block_size, sinks, window)
         return cls(block_size, sinks, window, qsl, lens, block_table, rows, (kept // block_size).to(dev),
-                   (kept % block_size).to(dev), dec, qsl[dec], drows, prefill, erows, eblocks.to(dev), eslots.to(dev))
+                   (kept % block_size).to(dev), dec, qsl[dec], history, drows, prefill, erows, eblocks.to(dev),
+                   eslots.to(dev))
 
     def addresses(self, tag: str, f, num_heads: int, blocks, slots) -> torch.Tensor:
         """``f.addresses(blocks[:, None], heads[None, :], slots[:, None])`` [N, H, entry_bytes], memoized by
@@ -122,16 +126,14 @@ def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_
     out = None if every else torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
     if plan.decode is not None:
         ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
-        if "history" not in plan.memo:
-            plan.memo["history"] = plan.seq_lens[plan.decode_seqs] - 1
         rows = None if every else plan.decode_token_rows.to(q.device)
         sel = (lambda x: x) if every else (lambda x: x[rows])  # noqa: E731
         got = decode(sel(q), _role(fields, "key"), _role(fields, "value"), plan.decode.block_table,
-                     plan.memo["history"], layout.block_size, key_codec=layout.key_codec,
+                     plan.decode_history, layout.block_size, key_codec=layout.key_codec,
                      value_codec=layout.value_codec, scale=scale, num_kv_heads=k.shape[1], exact=ex,
                      sinks=layout.sinks, window=layout.window, current=(sel(k), sel(v)), rows=plan.decode)
         if every:
-            out = got.to(torch.float32)
+            out = got
         else:
             out[rows] = got
     for i, r0, r1 in plan.prefill:  # prefill / chunk rows, one sequence at a time

@@ -87,18 +87,17 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
 
     h = key.shape[1]
     kf, vf = _role(fields, "key"), _role(fields, "value")
-    roles = (("key", layout.key_codec, key, kf), ("value", layout.value_codec, value, vf))
-    rows = {role: _cpu_rows(codec, x, rf) for role, codec, x, rf in roles}  # both encoded before any write
-    kc = None if rows["key"] else _quantize_keys(layout.key_codec, key, blocks, offs, kf)
-    vc = None if rows["value"] else _codes(layout.value_codec, value)
-    for role, codec, _, role_fields in roles:
-        if rows[role]:  # C encoding: stored straight into the pages
+    # both roles encoded before either is stored: C rows where the encoder serves the codec, else Codes
+    encoded = (("key", layout.key_codec, kf, _cpu_rows(layout.key_codec, key, kf)
+                or _quantize_keys(layout.key_codec, key, blocks, offs, kf)),
+               ("value", layout.value_codec, vf, _cpu_rows(layout.value_codec, value, vf)
+                or _codes(layout.value_codec, value)))
+    for role, codec, role_fields, enc in encoded:
+        if isinstance(enc, tuple):  # C rows: stored straight into the pages
             p = kernels.cpu_pass(codec)
-            store_rows(*rows[role], role_fields[p.codes], role_fields[p.norm], blocks, offs)
-    for role, role_fields, codes in (("key", kf, kc), ("value", vf, vc)):
-        if codes is None:
+            store_rows(*enc, role_fields[p.codes], role_fields[p.norm], blocks, offs)
             continue
-        for name, t in codes.fields.items():
+        for name, t in enc.fields.items():
             f = role_fields[name]
             if plan is not None:
                 f.write(plan.addresses(f"codes.{role}.{name}", f, h, blocks, offs), t)

@@ -28,6 +28,14 @@ def _module():
     return build.load()
 
 
+def _require():
+    """The loaded C module, or RuntimeError saying why there is none."""
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the C CPU kernels could not be built (cffi and a C compiler with OpenMP are needed)")
+    return mod
+
+
 def available() -> bool:
     """The C build compiles and loads here (compiled once per machine)."""
     return _module() is not None
@@ -114,16 +122,14 @@ class _Template:
         self.c = c  # owns the struct's memory
 
 
-_TEMPLATES = weakref.WeakKeyDictionary()  # key codec -> {(fields' signatures, d): _Template}
+_TEMPLATES = weakref.WeakKeyDictionary()  # key codec -> {(fields' signature, d, id(value codec)): _Template}
 
 
-def _template(mod, key_codec, key_fields, value_codec, value_fields, d: int) -> _Template:
-    """The :class:`_Template` of these codecs and fields, built once (the vLLM backend's fields live as long as
-    the engine's KV cache; the transformers cache's change as its buffers grow)."""
-    from qjl.kernels.paged import field_signature
-
-    key = (d, tuple((n, field_signature(f)) for n, f in key_fields.items()),
-           tuple((n, field_signature(f)) for n, f in value_fields.items()), id(value_codec))
+def _template(mod, key_codec, key_fields, value_codec, value_fields, d: int, sig: tuple) -> _Template:
+    """The :class:`_Template` of these codecs and fields (``sig``: their
+    :func:`qjl.kernels.paged.fields_signature`), built once (the vLLM backend's fields live as long as the
+    engine's KV cache; the transformers cache's change as its buffers grow)."""
+    key = (sig, d, id(value_codec))
     try:
         memo = _TEMPLATES.setdefault(key_codec, {})
     except TypeError:  # not weak-referenceable: no memo
@@ -152,15 +158,14 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    mod = _module()
-    if mod is None:
-        raise RuntimeError("the C CPU kernels could not be built (cffi and a C compiler with OpenMP are needed)")
+    mod = _require()
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
-    check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end)
+    sig = check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
+                      code_end)
     b, hkv, r, d = q.shape
-    tpl = _template(mod, key_codec, key_fields, value_codec, value_fields, d)
+    tpl = _template(mod, key_codec, key_fields, value_codec, value_fields, d, sig)
     bt = block_table.to(torch.int32).contiguous()
     a = _Args(mod.ffi)
     c = a.c
@@ -208,9 +213,7 @@ def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
     (corrected as ``qpass``, a :class:`qjl.codecs.views.ProjectQuantize`, says; float32, checked against its
     dtype's range).  Returns (status, codes [rows, nbytes] uint8, stored [rows] float32): status 0, or -2 a norm
     not finite, -3 / -4 a norm / corrected norm beyond its dtype, -1 other arguments refused."""
-    mod = _module()
-    if mod is None:
-        raise RuntimeError("the C CPU kernels could not be built (cffi and a C compiler with OpenMP are needed)")
+    mod = _require()
     n = y.shape[-1]
     y2, nm = _f32(y.reshape(-1, n)), _f32(norm.reshape(-1))
     rows, nbytes = y2.shape[0], (n * qpass.bits + 7) // 8
@@ -229,7 +232,7 @@ def store_rows(codes: torch.Tensor, stored: torch.Tensor, codes_field, norm_fiel
                slots: torch.Tensor) -> None:
     """codes [N * H, nbytes] uint8 and stored norms [N * H] float32 (:func:`bucket_norms`) written into paged
     fields (CPU buffers) at (blocks [N], slots [N], KV heads 0..H-1), the norm in ``norm_field``'s dtype."""
-    mod = _module()
+    mod = _require()
     n_tok = blocks.shape[0]
     rows, nbytes = codes.shape
     if n_tok == 0 or rows % n_tok or codes_field.entry_bytes != nbytes or norm_field.dtype not in _DTYPES:
