@@ -120,6 +120,16 @@ def test_encoded_rows_stored_into_pages_are_the_codecs_codes(norm_dtype, bits, c
     # 64-term sum for fp32 norms
     ulp = max(torch.finfo(p.norm_dtype).eps * 2, 2.0 ** -16) * b.abs() if correct else torch.zeros_like(b)
     assert ((a - b).abs() <= ulp).all()
+    before_bad = buf.clone()
+    rows = kernels.encode_rows_cpu(codec, x)
+    for b, sl in ((blocks + 7, slots), (blocks, slots - 5)):  # past the pool, negative: refused, nothing stored
+        with pytest.raises(ValueError, match="reach byte"):
+            store_rows(*rows, codes_f, norm_f, b, sl)
+    with pytest.raises(ValueError, match="slots must"):
+        store_rows(*rows, codes_f, norm_f, blocks, slots.float())
+    with pytest.raises(ValueError, match="do not fit"):
+        store_rows(rows[0], rows[1][:-1], codes_f, norm_f, blocks, slots)
+    assert torch.equal(buf, before_bad)
     touched = torch.zeros(7, 3, 5, dtype=torch.bool)
     touched[blocks[:, None], heads, slots[:, None]] = True
     assert torch.equal(buf[~touched], before[~touched])

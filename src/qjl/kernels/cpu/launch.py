@@ -232,16 +232,28 @@ def store_rows(codes: torch.Tensor, stored: torch.Tensor, codes_field, norm_fiel
                slots: torch.Tensor) -> None:
     """codes [N * H, nbytes] uint8 and stored norms [N * H] float32 (:func:`bucket_norms`) written into paged
     fields (CPU buffers) at (blocks [N], slots [N], KV heads 0..H-1), the norm in ``norm_field``'s dtype."""
+    from qjl.kernels.paged import extent_bytes
+
     mod = _require()
+    for name, t in (("blocks", blocks), ("slots", slots)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-d int tensor, got {getattr(t, 'shape', t)!r}")
     n_tok = blocks.shape[0]
     rows, nbytes = codes.shape
-    if n_tok == 0 or rows % n_tok or codes_field.entry_bytes != nbytes or norm_field.dtype not in _DTYPES:
-        raise ValueError(f"store_rows: {rows} rows of {nbytes} bytes do not fit {n_tok} tokens of "
-                         f"{codes_field.entry_bytes}-byte codes with a {norm_field.dtype} norm")
-    for f in (codes_field, norm_field):
-        if f.buffer.device.type != "cpu":
-            raise ValueError(f"fields must live in CPU memory, got {f.buffer.device}")
+    if (n_tok == 0 or slots.shape[0] != n_tok or rows % n_tok or tuple(stored.shape) != (rows,)
+            or codes_field.entry_bytes != nbytes or norm_field.dtype not in _DTYPES):
+        raise ValueError(f"store_rows: {rows} rows of {nbytes} bytes (stored {tuple(stored.shape)}) do not fit "
+                         f"{n_tok} tokens of {codes_field.entry_bytes}-byte codes with a {norm_field.dtype} norm")
     blk, slt = blocks.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    lo = min(int(blk.min()), int(slt.min()))
+    for name, f in (("codes_field", codes_field), ("norm_field", norm_field)):
+        if f.buffer.device.type != "cpu":
+            raise ValueError(f"{name} must live in CPU memory, got {f.buffer.device}")
+        last = (f.offset + int(blk.max()) * f.stride_block + (rows // n_tok - 1) * f.stride_head
+                + int(slt.max()) * f.stride_token + f.entry_bytes)
+        if lo < 0 or min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > extent_bytes(f.buffer):
+            raise ValueError(f"{name}: blocks/slots reach byte {last} of a buffer of {extent_bytes(f.buffer)} "
+                             f"(or an index is negative): nothing stored")
     a = _Args(mod.ffi)
     cf, nf = mod.ffi.new("qjl_field *"), mod.ffi.new("qjl_field *")
     a.field(cf, codes_field, False)
