@@ -89,7 +89,8 @@ def _pool(blocks=7, heads=3, slots=5, entry=40, seed=0):
 
     buf = torch.randint(0, 256, (blocks, heads, slots, entry), dtype=torch.uint8,
                         generator=torch.Generator().manual_seed(seed))
-    return buf, lambda off, dtype, shape: PagedField(buf, off, heads * slots * entry, slots * entry, entry, dtype, shape)
+    strides = (heads * slots * entry, slots * entry, entry)
+    return buf, lambda off, dtype, shape: PagedField(buf, off, *strides, dtype, shape)
 
 
 @pytest.mark.parametrize("norm_dtype", ["fp16", "bf16", "fp8", "fp32"])
