@@ -27,10 +27,49 @@ def test_every_codec_pair(name, impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("d", [8, 24, 64, 128, 256])  # 8, 24: a single or odd number of 8-code groups
-@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize("rows", [1, 2, 4, 6, 9])  # live rows of a chunk: 1-4 (6 = 4 + 2, 9 = 4 + 4 + 1)
 def test_head_dims_and_gqa_rows(d, rows, impl):
     c = Case("tq3-tq2", b=2, h=1, rows=rows, d=d, n=133, seed=d + rows, n_exact=3)
     close(_run(c, impl, split_tokens=64), c.reference(), TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cuts", [(2,), (0, 2), (1, 3), (0,)])  # segment boundaries: 2 segments (one empty), 3, 1
+def test_exact_segments_read_in_place(dtype, cuts, impl):
+    """Exact tokens given as segments (sinks, window) in a half dtype, as strided views of larger buffers: the
+    same result as the reference over the joined float32 tokens (rounded to the dtype first)."""
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=77, n_exact=5, seed=3)
+    xk, xv, xb = c.exact
+    xk, xv = xk.to(dtype).float(), xv.to(dtype).float()
+    bounds = [0, *cuts, 5]
+    ks, vs = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        bk = torch.zeros(2, 2, 8, 64, dtype=dtype)  # a window buffer with spare capacity: the segment is a view
+        bv = torch.zeros(2, 2, 8, 64, dtype=dtype)
+        bk[:, :, 1:1 + hi - lo], bv[:, :, 1:1 + hi - lo] = xk[:, :, lo:hi], xv[:, :, lo:hi]
+        ks.append(bk[:, :, 1:1 + hi - lo])
+        vs.append(bv[:, :, 1:1 + hi - lo])
+    want = launch.paged_decode(*c.args(), code_bias=c.bias, exact=(xk, xv, xb), impl=impl)
+    close(launch.paged_decode(*c.args(), code_bias=c.bias, exact=(tuple(ks), tuple(vs), xb), impl=impl), want, TOL)
+    c.exact = (xk, xv, xb)
+    close(want, c.reference(), TOL)
+    mixed = (ks[0].float(), *ks[1:])  # segments of two dtypes: joined as float32
+    close(launch.paged_decode(*c.args(), code_bias=c.bias, exact=(mixed, tuple(vs), xb), impl=impl), want, TOL)
+    cols = torch.zeros(2, 2, 5, 128, dtype=dtype)[..., ::2]  # rows not contiguous: copied first
+    cols.copy_(xk.to(dtype))
+    close(launch.paged_decode(*c.args(), code_bias=c.bias, exact=(cols, xv.to(dtype), xb), impl=impl), want, TOL)
+
+
+def test_exact_segments_bad_input():
+    c = Case("tq3-tq2", b=1, h=2, rows=4, n=20, n_exact=4)
+    xk, xv, xb = c.exact
+    with pytest.raises(ValueError, match="as many"):
+        launch.paged_decode(*c.args(), exact=((xk[:, :, :2], xk[:, :, 2:]), (xv,), xb))
+    with pytest.raises(TypeError, match="floating point"):
+        launch.paged_decode(*c.args(), exact=(xk.to(torch.int32), xv.to(torch.int32), xb))
+    with pytest.raises(ValueError, match="xbias"):
+        launch.paged_decode(*c.args(), exact=((xk[:, :, :2],), (xv[:, :, :2],), xb))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

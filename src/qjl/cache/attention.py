@@ -126,8 +126,10 @@ def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: 
     call: -> [B, t, H_q, D] float32, or None when the mask over the codes differs between rows or heads."""
     b, hkv, rows, d = qg.shape
     n_sink, n_codes = store.n_sink, store.n_codes
-    keys, values = _joined(store.sink_k, store.keys), _joined(store.sink_v, store.values)
-    ne = keys.shape[-2]
+    # sinks and window as two segments, read in place in their dtype by the CPU kernel (no copy per call)
+    keys = tuple(x for x in (store.sink_k, store.keys) if x is not None)
+    values = tuple(x for x in (store.sink_v, store.values) if x is not None)
+    ne = sum(x.shape[-2] for x in keys)
     bias = bias_x = None
     if attention_mask is not None:
         mask = _additive(attention_mask)  # [B, 1|H_q, t, L]

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = ["PagedField", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
-           "query_maps", "unmix_matrix", "check_exact", "fields_signature",
+           "query_maps", "unmix_matrix", "check_exact", "joined_exact", "fields_signature",
            "extent_bytes"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
@@ -260,20 +260,43 @@ def term_queries(q: torch.Tensor, key_codec, key_fields: dict, block_table: torc
     return key_codec.score_queries(qf.unsqueeze(1), shared)
 
 
-def check_exact(exact, q) -> None:
+def check_exact(exact, q) -> tuple | None:
+    """The exact tokens checked and as segments: None, or ``(xk_segments, xv_segments, xbias)``.
+
+    ``exact`` is None or ``(xk, xv, xbias)``; xk and xv are each one tensor [B, H_kv, n, D] or a tuple of them
+    (e.g. sinks and window, read in place by the CPU kernel: no copy), taken in order as one [B, H_kv, n_x, D]."""
     if exact is None:
-        return
+        return None
     if not isinstance(exact, (tuple, list)) or len(exact) != 3:
         raise ValueError("exact must be None or a tuple (xk, xv, xbias)")
     xk, xv, xbias = exact
+    ks = tuple(xk) if isinstance(xk, (tuple, list)) else (xk,)
+    vs = tuple(xv) if isinstance(xv, (tuple, list)) else (xv,)
     b, h, r, d = q.shape
-    if not isinstance(xk, torch.Tensor) or xk.ndim != 4 or tuple(xk.shape[:2]) != (b, h) or xk.shape[-1] != d:
-        raise ValueError(f"exact: xk must be [{b}, {h}, n, {d}], got {getattr(xk, 'shape', xk)!r}")
-    if not isinstance(xv, torch.Tensor) or xv.shape != xk.shape:
-        raise ValueError(f"exact: xv must have xk's shape {tuple(xk.shape)}, got {getattr(xv, 'shape', xv)!r}")
-    if xbias is not None and (xbias.ndim != 4 or xbias.shape[-1] != xk.shape[2]
+    if not ks or len(vs) != len(ks):
+        raise ValueError(f"exact: xk and xv must be tensors or tuples of as many tensors, got {len(ks)} and {len(vs)}")
+    for k, v in zip(ks, vs):
+        if not isinstance(k, torch.Tensor) or k.ndim != 4 or tuple(k.shape[:2]) != (b, h) or k.shape[-1] != d:
+            raise ValueError(f"exact: xk must be [{b}, {h}, n, {d}], got {getattr(k, 'shape', k)!r}")
+        if not isinstance(v, torch.Tensor) or v.shape != k.shape:
+            raise ValueError(f"exact: xv must have xk's shape {tuple(k.shape)}, got {getattr(v, 'shape', v)!r}")
+        if not (k.is_floating_point() and v.is_floating_point()):
+            raise TypeError(f"exact: xk and xv must be floating point, got {k.dtype} and {v.dtype}")
+    n = sum(k.shape[2] for k in ks)
+    if xbias is not None and (xbias.ndim != 4 or xbias.shape[-1] != n
                               or any(xbias.shape[i] not in (1, (b, h, r)[i]) for i in range(3))):
-        raise ValueError(f"exact: xbias must be [{b}|1, {h}|1, {r}|1, {xk.shape[2]}], got {tuple(xbias.shape)}")
+        raise ValueError(f"exact: xbias must be [{b}|1, {h}|1, {r}|1, {n}], got {tuple(xbias.shape)}")
+    return ks, vs, xbias
+
+
+def joined_exact(segments: tuple | None) -> tuple | None:
+    """:func:`check_exact`'s segments as one ``(xk, xv, xbias)`` (concatenated only where there are several)."""
+    if segments is None:
+        return None
+    ks, vs, xbias = segments
+    if len(ks) == 1:
+        return ks[0], vs[0], xbias
+    return torch.cat([k.float() for k in ks], -2), torch.cat([v.float() for v in vs], -2), xbias
 
 
 def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, value_fields: dict,
@@ -292,7 +315,8 @@ def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, valu
         code_start, code_end: [B] int, the coded tokens ``[start, end)`` of each sequence (token indices
             of the addressing; vLLM: ``[sinks, n - window)``, transformers: ``[0, N)``).
         exact: None or ``(xk, xv, xbias)``: exact tokens (sinks, window, the current token) merged into
-            the same softmax; xk/xv [B, H_kv, n_x, D] (any float dtype), xbias [B, H_kv, R, n_x]
+            the same softmax; xk/xv [B, H_kv, n_x, D] (any float dtype), or tuples of such segments taken in
+            order (the CPU kernel reads up to two fp32/fp16/bf16 segments in place), xbias [B, H_kv, R, n_x]
             additive (0 / -inf, e.g. a causal mask or ragged lengths; axes of size 1 broadcast) or None.
         code_bias: [B, >= max(code_end)] additive over coded token indices (e.g. left padding) or None.
         backend: "auto" (by device), "cpu", "triton" or "torch" (:func:`qjl.kernels.reference.paged_decode_reference`).
@@ -313,12 +337,13 @@ def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, valu
     backend = kernels.pick_backend(q.device, backend)
     if max_codes is not None and (isinstance(max_codes, bool) or not isinstance(max_codes, int) or max_codes < 0):
         raise ValueError(f"max_codes must be None or a non-negative int, got {max_codes!r}")
-    check_exact(exact, q)
+    exact = check_exact(exact, q)
     if backend == "cpu":
         from qjl.kernels.cpu import launch
 
         return launch.paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size,
                                    code_start, code_end, exact=exact, code_bias=code_bias)
+    exact = joined_exact(exact)
     if backend == "triton":
         from qjl.kernels.triton import launch
 

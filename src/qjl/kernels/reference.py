@@ -78,11 +78,11 @@ def _mixed_values(view, fields, block_row, block_size, h, start, end) -> torch.T
 def paged_decode_reference(q, key_codec, key_fields: dict, value_codec, value_fields: dict, block_table,
                            block_size: int, code_start, code_end, *, exact=None, code_bias=None) -> torch.Tensor:
     """Plain torch, one sequence and KV head at a time; see :func:`qjl.kernels.paged.paged_decode`."""
-    from qjl.kernels.paged import check_exact, check_paged
+    from qjl.kernels.paged import check_exact, check_paged, joined_exact
 
     check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end)
     kview, vview = key_codec.score_view(), value_codec.mix_view()
-    check_exact(exact, q)
+    exact = joined_exact(check_exact(exact, q))
     b, hkv, r, d = q.shape
     out = torch.empty(b, hkv, r, d, dtype=torch.float32, device=q.device)
     for i in range(b):

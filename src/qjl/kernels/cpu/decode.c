@@ -17,19 +17,24 @@ typedef struct {
     int64_t b, h, rc, t0, t1;
 } qjl_item;
 
-/* pw[i][g][r] = p[r][i] * scale[i][g]; zsum[r][g] += p[r][i] * zero[i][g] */
-static void value_weights(const qjl_value_view *v, const uint8_t *scale, const uint8_t *zero, int64_t count,
+/* pw[g][r][i] = p[r][i] * scale[g][i]; zsum[r][g] += sum_i p[r][i] * zero[g][i] (scale, zero: floats [G][SUB]) */
+static void value_weights(const qjl_value_view *v, const float *scale, const float *zero, int64_t count,
                           const float *p, float *pw, float *zsum) {
-    const int64_t G = v->groups, sb = dtype_bytes(v->scale.dtype), zb = dtype_bytes(v->zero.dtype);
-    for (int64_t i = 0; i < count; i++)
-        for (int64_t g = 0; g < G; g++) {
-            const float s = read_scalar(scale + i * v->scale.stride_token + g * sb, v->scale.dtype);
-            for (int r = 0; r < RW; r++) pw[(i * G + g) * RW + r] = p[r * SUB + i] * s;
-            if (v->has_zero) {
-                const float z = read_scalar(zero + i * v->zero.stride_token + g * zb, v->zero.dtype);
-                for (int r = 0; r < RW; r++) zsum[r * G + g] += p[r * SUB + i] * z;
-            }
+    const int64_t G = v->groups;
+    for (int64_t g = 0; g < G; g++)
+        for (int r = 0; r < RW; r++) {
+            const float *pr = p + r * SUB, *sg = scale + g * SUB;
+            float *dst = pw + (g * RW + r) * SUB;
+            for (int64_t i = 0; i < count; i++) dst[i] = pr[i] * sg[i];
+            if (v->has_zero) zsum[r * G + g] += dot_f(pr, zero + g * SUB, count);
         }
+}
+
+/* a run's scalars of one field as floats: [groups][SUB] (element g of token i at base + i * stride_token +
+ * g * its dtype's size) */
+static void read_scalars(const qjl_field *f, const uint8_t *base, int64_t groups, int64_t count, float *out) {
+    for (int64_t g = 0; g < groups; g++)
+        read_run(base + g * dtype_bytes(f->dtype), f->stride_token, f->dtype, count, out + g * SUB);
 }
 
 static inline const uint8_t *at(const qjl_field *f, int64_t blk, int64_t h, int64_t slot) {
@@ -55,9 +60,12 @@ static void load_rows(const qjl_decode_args *a, int k, int64_t b, int64_t j, int
 static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, float *m, float *l, float *o) {
     const qjl_value_view *v = &a->value;
     const int64_t nv = v->n, G = v->groups;
+    const int nr = a->rows - it->rc * RW < RW ? (int)(a->rows - it->rc * RW) : RW; /* live rows of this chunk */
     float *q[2] = {NULL, NULL};
     for (int k = 0; k < a->n_terms; k++) q[k] = malloc(sizeof(float) * RW * (size_t)a->key[k].n);
     float *logits = malloc(sizeof(float) * RW * SUB), *pw = malloc(sizeof(float) * SUB * (size_t)G * RW);
+    float *knorm = malloc(sizeof(float) * SUB), *vscale = malloc(sizeof(float) * SUB * (size_t)G);
+    float *vzero = v->has_zero ? malloc(sizeof(float) * SUB * (size_t)G) : NULL;
     float *zsum = calloc((size_t)(RW * G), sizeof(float));
     int64_t nmax = nv;
     for (int k = 0; k < a->n_terms; k++) nmax = a->key[k].n > nmax ? a->key[k].n : nmax;
@@ -77,12 +85,13 @@ static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, flo
         for (int r = 0; r < RW; r++) memset(logits + r * SUB, 0, sizeof(float) * (size_t)len);
         for (int k = 0; k < a->n_terms; k++) {
             const qjl_key_term *kt = &a->key[k];
-            const uint8_t *codes = at(&kt->codes, blk, it->h, slot), *norm = at(&kt->norm, blk, it->h, slot);
+            const uint8_t *codes = at(&kt->codes, blk, it->h, slot);
+            read_scalars(&kt->norm, at(&kt->norm, blk, it->h, slot), 1, len, knorm);
 #if QJL_HAVE_AVX2
-            if (avx2) score_avx2(kt, codes, norm, len, q[k], logits);
+            if (avx2) score_avx2(kt, nr, codes, knorm, len, q[k], logits);
             else
 #endif
-                score_portable(kt, codes, norm, len, q[k], logits, buf);
+                score_portable(kt, codes, knorm, len, q[k], logits, buf);
         }
         if (a->bias) {
             const float *br = a->bias + it->b * a->bias_stride + t;
@@ -90,8 +99,8 @@ static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, flo
                 for (int64_t i = 0; i < len; i++) logits[r * SUB + i] += br[i];
         }
         for (int r = 0; r < RW; r++) { /* online softmax */
-            float *x = logits + r * SUB, mx = m[r];
-            for (int64_t i = 0; i < len; i++) mx = x[i] > mx ? x[i] : mx;
+            float *x = logits + r * SUB;
+            const float mx = max_run(x, len, m[r]);
             if (mx > m[r] && m[r] != -INFINITY) { /* rescale what was accumulated so far */
                 const float w = expf(m[r] - mx);
                 l[r] *= w;
@@ -101,31 +110,44 @@ static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, flo
             m[r] = mx;
             l[r] += exp_sum(x, len, mx == -INFINITY ? 0.0f : mx); /* masked logits give p = 0 */
         }
-        const uint8_t *vcodes = at(&v->codes, blk, it->h, slot), *vs = at(&v->scale, blk, it->h, slot);
-        const uint8_t *vz = v->has_zero ? at(&v->zero, blk, it->h, slot) : NULL;
+        const uint8_t *vcodes = at(&v->codes, blk, it->h, slot);
+        read_scalars(&v->scale, at(&v->scale, blk, it->h, slot), G, len, vscale);
+        if (v->has_zero) read_scalars(&v->zero, at(&v->zero, blk, it->h, slot), G, len, vzero);
 #if QJL_HAVE_AVX2
         if (avx2) {
-            value_weights(v, vs, vz, len, logits, pw, zsum);
-            mix_avx2(v, vcodes, len, pw, o);
+            value_weights(v, vscale, vzero, len, logits, pw, zsum);
+            mix_avx2(v, nr, vcodes, len, pw, o);
         } else
 #endif
-            mix_portable(v, vcodes, vs, vz, len, logits, o, zsum, buf);
+            mix_portable(v, vcodes, vscale, vzero, len, logits, o, zsum, buf);
         t += len;
     }
     if (v->has_zero)
         for (int r = 0; r < RW; r++)
             for (int64_t c = 0; c < nv; c++) o[r * nv + c] += zsum[r * G + c / v->group_size];
     for (int k = 0; k < a->n_terms; k++) free(q[k]);
-    free(logits), free(pw), free(zsum), free(buf);
+    free(logits), free(pw), free(zsum), free(buf), free(knorm), free(vscale), free(vzero);
+}
+
+/* the exact tokens of (b, h) as float32 rows: keys xk [ne][dx], values xv [ne][dx] (the segments joined) */
+static void exact_rows(const qjl_decode_args *a, int64_t b, int64_t h, float *xk, float *xv) {
+    int64_t j = 0;
+    for (int sg = 0; sg < a->n_xseg; sg++) {
+        const qjl_exact_seg *e = &a->xseg[sg];
+        const uint8_t *k = e->k + b * e->k_sb + h * e->k_sh, *v = e->v + b * e->v_sb + h * e->v_sh;
+        for (int64_t i = 0; i < e->n; i++, j++) {
+            read_row(k + i * e->k_st, a->x_dtype, a->dx, xk + j * a->dx);
+            read_row(v + i * e->v_st, a->x_dtype, a->dx, xv + j * a->dx);
+        }
+    }
 }
 
 /* the exact tokens of (b, h, row chunk) merged into its partial (m, l, o); their values into ox [RW][dx]:
  * s[r][j] = <qx[r], xk[j]> + xbias[r][j]; m' = max(m, max_j s); o *= exp(m - m'); ox[r] = sum_j exp(s - m') xv[j];
- * l' = l exp(m - m') + sum_j exp(s - m') */
-static void merge_exact(const qjl_decode_args *a, int64_t b, int64_t h, int64_t rc, float *m, float *l, float *o,
-                        float *ox, float *s) {
+ * l' = l exp(m - m') + sum_j exp(s - m').  xk, xv: [ne][dx] float32 (exact_rows) */
+static void merge_exact(const qjl_decode_args *a, int64_t b, int64_t h, int64_t rc, const float *xk, const float *xv,
+                        float *m, float *l, float *o, float *ox, float *s) {
     const int64_t ne = a->ne, dx = a->dx, nv = a->value.n, bh = b * a->heads + h;
-    const float *xk = a->xk + bh * ne * dx, *xv = a->xv + bh * ne * dx;
     for (int r = 0; r < RW; r++) {
         const int64_t row = rc * RW + r;
         memset(ox + r * dx, 0, sizeof(float) * (size_t)dx);
@@ -163,6 +185,10 @@ static int check_args(const qjl_decode_args *a) {
     if (v->bits < 1 || v->bits > 8 || v->n < 8 || v->n % 8 || v->group_size < 8 || v->group_size % 8) return -1;
     if (v->groups != (v->n + v->group_size - 1) / v->group_size) return -1;
     if (v->out_dim < 1 || (!v->unmix && v->out_dim != v->n) || (a->ne > 0 && a->dx != v->out_dim)) return -1;
+    if (a->ne < 0 || a->n_xseg < 0 || a->n_xseg > 2 || a->x_dtype < 0 || a->x_dtype > 2) return -1;
+    int64_t nx = 0;
+    for (int sg = 0; sg < a->n_xseg; sg++) nx += a->xseg[sg].n;
+    if (nx != a->ne) return -1;
     for (int k = 0; k < a->n_terms; k++)
         if (a->key[k].qmap && (a->key[k].qdim < 1 || a->key[k].q_per_block)) return -1;
     if (v->scale.dtype < 0 || v->scale.dtype > 3 || (v->has_zero && (v->zero.dtype < 0 || v->zero.dtype > 3))) return -1;
@@ -204,7 +230,10 @@ static void finish_unit(const qjl_job *j, int64_t u) {
     if (a->ne > 0) {
         ox = malloc(sizeof(float) * RW * (size_t)a->dx);
         s = malloc(sizeof(float) * (size_t)a->ne);
-        merge_exact(a, b, h, rc, m, l, o, ox, s);
+        float *xk = malloc(sizeof(float) * 2 * (size_t)(a->ne * a->dx)), *xv = xk + a->ne * a->dx;
+        exact_rows(a, b, h, xk, xv);
+        merge_exact(a, b, h, rc, xk, xv, m, l, o, ox, s);
+        free(xk);
     }
     const int64_t od = a->value.out_dim;
     for (int r = 0; r < RW; r++) {

@@ -11,6 +11,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h> /* fp16 rows of the exact tokens: vcvtph2ps */
+#endif
 
 #define QJL_EXPORT
 #define RW 4     /* query rows per work item (a GQA group of 4, or a chunk of a larger one) */
@@ -42,6 +45,13 @@ typedef struct {          /* v[t, c] = zero[t, c / group_size] + scale[t, c / gr
     int32_t out_dim;
 } qjl_value_view;
 
+typedef struct {          /* exact tokens [B, H, n, dx] (sinks, window, the current token): rows of dx contiguous
+                             elements, the rest at byte strides */
+    const uint8_t *k, *v;
+    int64_t n;            /* tokens */
+    int64_t k_sb, k_sh, k_st, v_sb, v_sh, v_st; /* bytes between sequences, heads, tokens */
+} qjl_exact_seg;
+
 typedef struct {
     int32_t n_terms;      /* 1 or 2 key terms */
     qjl_key_term key[2];
@@ -52,8 +62,9 @@ typedef struct {
     const int32_t *code_start, *code_end; /* [B]: coded tokens [start, end) of each sequence */
     const float *bias;                    /* [B, bias_stride] additive over coded tokens t, or NULL */
     int64_t bias_stride;
-    int64_t ne, dx;                       /* exact tokens per sequence and head, their dim (0: none) */
-    const float *xk, *xv;                 /* [B, H, ne, dx] */
+    int64_t ne, dx;                       /* exact tokens per sequence and head (all segments), their dim (0: none) */
+    int32_t n_xseg, x_dtype;              /* segments (0-2), joined in this order; their dtype: 0 fp32, 1 fp16, 2 bf16 */
+    qjl_exact_seg xseg[2];
     const float *qx;                      /* [B, H, R, dx] the query (model basis, scale included) */
     const float *xbias;                   /* additive, or NULL: xbias[b * sb + h * sh + r * sr + j] */
     int64_t xbias_sb, xbias_sh, xbias_sr; /* element strides (0: the same for every head / row) */
@@ -94,16 +105,30 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, 4);
     return f;
 }
-static inline float read_scalar(const uint8_t *p, int dtype) {
+static inline int64_t dtype_bytes(int dtype) { return dtype == 0 ? 4 : dtype == 3 ? 1 : 2; }
+
+/* out[i] = the scalar at p + i * stride (bytes) in its storage dtype, i < count (one loop per dtype) */
+static void read_run(const uint8_t *p, int64_t stride, int dtype, int64_t count, float *out) {
+    int64_t i;
     uint16_t h;
     switch (dtype) {
-    case 0: { float f; memcpy(&f, p, 4); return f; }
-    case 1: memcpy(&h, p, 2); return half_to_float(h);
-    case 2: { memcpy(&h, p, 2); const uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f; }
-    default: return e4m3_to_float(*p);
+    case 0:
+        for (i = 0; i < count; i++) memcpy(out + i, p + i * stride, 4);
+        break;
+    case 1:
+        for (i = 0; i < count; i++) { memcpy(&h, p + i * stride, 2); out[i] = half_to_float(h); }
+        break;
+    case 2:
+        for (i = 0; i < count; i++) {
+            memcpy(&h, p + i * stride, 2);
+            const uint32_t bits = (uint32_t)h << 16;
+            memcpy(out + i, &bits, 4);
+        }
+        break;
+    default:
+        for (i = 0; i < count; i++) out[i] = e4m3_to_float(p[i * stride]);
     }
 }
-static inline int64_t dtype_bytes(int dtype) { return dtype == 0 ? 4 : dtype == 3 ? 1 : 2; }
 
 /* b-bit code i of a packed row (LSB first) */
 static inline int code_at(const uint8_t *row, int bits, int64_t i) {
@@ -158,6 +183,41 @@ static inline v8f exp8(v8f x) {
     v8f res;
     memcpy(&res, &oi, 32);
     return res;
+}
+
+/* a row of n 16-bit floats (fp16: dtype 1, bf16: 2) or fp32 (0) as float32 */
+static void read_row(const uint8_t *p, int dtype, int64_t n, float *out) {
+    int64_t i = 0;
+    uint16_t h;
+    if (dtype == 0) {
+        memcpy(out, p, sizeof(float) * (size_t)n);
+        return;
+    }
+    if (dtype == 2) {
+        for (; i < n; i++) {
+            memcpy(&h, p + 2 * i, 2);
+            const uint32_t bits = (uint32_t)h << 16;
+            memcpy(out + i, &bits, 4);
+        }
+        return;
+    }
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+#endif
+    for (; i < n; i++) { memcpy(&h, p + 2 * i, 2); out[i] = half_to_float(h); }
+}
+
+/* max(m, x[0], ..., x[len - 1]) (NaNs ignored, like `x > m ? x : m`) */
+static inline float max_run(const float *x, int64_t len, float m) {
+    v8f m8 = {m, m, m, m, m, m, m, m};
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        const v8f y = load8(x + i);
+        m8 = select8(y > m8, y, m8);
+    }
+    for (int j = 0; j < 8; j++) m = m8[j] > m ? m8[j] : m;
+    for (; i < len; i++) m = x[i] > m ? x[i] : m;
+    return m;
 }
 
 /* x[i] = exp(x[i] - m) for i < len; returns their sum (m finite) */

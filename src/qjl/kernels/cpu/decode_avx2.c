@@ -6,7 +6,7 @@
  * 32-bit words (codes 0-3 and 4-7); 6-8-bit codes go through a gather.  Keys: 2 tokens x 4 query rows
  * accumulate in 8 FMA registers, reduced together by one horizontal-add tree.  Values: per 16 coordinates
  * the 4 rows' accumulators stay in registers over a whole pass of tokens, one FMA per token, row and 8
- * coordinates with the weight p * scale.  Words are read with exact-size copies at a row's last group, so
+ * coordinates with the weight p * scale (weights [groups][4 rows][tokens]).  Words are read with exact-size copies at a row's last group, so
  * nothing past a token's codes is read. */
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
@@ -89,11 +89,11 @@ QJL_AVX2 static inline __attribute__((always_inline)) __m256 hsum8x8(const __m25
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int bits, const qjl_key_term *k,
-                                                                    const uint8_t *codes, const uint8_t *norm,
+QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int bits, const int nr, const qjl_key_term *k,
+                                                                    const uint8_t *codes, const float *norm,
                                                                     int64_t count, const float *q, float *logits) {
     const unpack8_t u = unpack_setup(bits, k->cent);
-    const int64_t n = k->n, groups = n / 8, cs = k->codes.stride_token, ns = k->norm.stride_token;
+    const int64_t n = k->n, groups = n / 8, cs = k->codes.stride_token;
     float s[8];
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
@@ -101,7 +101,7 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups - 1; g++) {
             const __m256 v0 = unpack8(r0 + g * bits, bits, 0, &u), v1 = unpack8(r1 + g * bits, bits, 0, &u);
-            for (int r = 0; r < RW; r++) {
+            for (int r = 0; r < nr; r++) {
                 const __m256 qr = _mm256_loadu_ps(q + r * n + 8 * g);
                 a[r] = _mm256_fmadd_ps(v0, qr, a[r]);
                 a[4 + r] = _mm256_fmadd_ps(v1, qr, a[4 + r]);
@@ -110,88 +110,93 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
         { /* the row's last group: exact-size reads */
             const int64_t g = groups - 1;
             const __m256 v0 = unpack8(r0 + g * bits, bits, 1, &u), v1 = unpack8(r1 + g * bits, bits, 1, &u);
-            for (int r = 0; r < RW; r++) {
+            for (int r = 0; r < nr; r++) {
                 const __m256 qr = _mm256_loadu_ps(q + r * n + 8 * g);
                 a[r] = _mm256_fmadd_ps(v0, qr, a[r]);
                 a[4 + r] = _mm256_fmadd_ps(v1, qr, a[4 + r]);
             }
         }
         _mm256_storeu_ps(s, hsum8x8(a));
-        const float n0 = read_scalar(norm + i * ns, k->norm.dtype);
-        for (int r = 0; r < RW; r++) logits[r * SUB + i] += s[r] * n0;
+        const float n0 = norm[i];
+        for (int r = 0; r < nr; r++) logits[r * SUB + i] += s[r] * n0;
         if (i + 1 < count) {
-            const float n1 = read_scalar(norm + (i + 1) * ns, k->norm.dtype);
-            for (int r = 0; r < RW; r++) logits[r * SUB + i + 1] += s[4 + r] * n1;
+            const float n1 = norm[i + 1];
+            for (int r = 0; r < nr; r++) logits[r * SUB + i + 1] += s[4 + r] * n1;
         }
     }
 }
 
-QJL_AVX2 static void score_avx2(const qjl_key_term *k, const uint8_t *codes, const uint8_t *norm, int64_t count,
-                                const float *q, float *logits) {
-    switch (k->bits) { /* the width as a constant: one specialized loop each */
-    case 1: score_avx2_(1, k, codes, norm, count, q, logits); break;
-    case 2: score_avx2_(2, k, codes, norm, count, q, logits); break;
-    case 3: score_avx2_(3, k, codes, norm, count, q, logits); break;
-    case 4: score_avx2_(4, k, codes, norm, count, q, logits); break;
-    case 5: score_avx2_(5, k, codes, norm, count, q, logits); break;
-    case 6: score_avx2_(6, k, codes, norm, count, q, logits); break;
-    case 7: score_avx2_(7, k, codes, norm, count, q, logits); break;
-    default: score_avx2_(8, k, codes, norm, count, q, logits); break;
+/* one specialized loop per code width (1-8) and number of live query rows (1-4: a smaller GQA group, or the last
+ * chunk of a larger one; rows past it are not computed) */
+#define QJL_BY_BITS(F, NR, ...)                                                                                         \
+    switch (bits) {                                                                                                    \
+    case 1: F(1, NR, __VA_ARGS__); break;                                                                              \
+    case 2: F(2, NR, __VA_ARGS__); break;                                                                              \
+    case 3: F(3, NR, __VA_ARGS__); break;                                                                              \
+    case 4: F(4, NR, __VA_ARGS__); break;                                                                              \
+    case 5: F(5, NR, __VA_ARGS__); break;                                                                              \
+    case 6: F(6, NR, __VA_ARGS__); break;                                                                              \
+    case 7: F(7, NR, __VA_ARGS__); break;                                                                              \
+    default: F(8, NR, __VA_ARGS__); break;                                                                             \
     }
+#define QJL_BY_ROWS(F, ...)                                                                                             \
+    switch (nr) {                                                                                                      \
+    case 1: QJL_BY_BITS(F, 1, __VA_ARGS__) break;                                                                      \
+    case 2: QJL_BY_BITS(F, 2, __VA_ARGS__) break;                                                                      \
+    case 3: QJL_BY_BITS(F, 3, __VA_ARGS__) break;                                                                      \
+    default: QJL_BY_BITS(F, 4, __VA_ARGS__) break;                                                                     \
+    }
+
+QJL_AVX2 static void score_avx2(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
+                                const float *q, float *logits) {
+    const int bits = k->bits;
+    QJL_BY_ROWS(score_avx2_, k, codes, norm, count, q, logits)
 }
 
 /* `chunks` (1 or 2) groups of 8 coordinates from coordinate c0, over the run's tokens */
-QJL_AVX2 static inline __attribute__((always_inline)) void mix_chunk(const int bits, const int chunks,
+QJL_AVX2 static inline __attribute__((always_inline)) void mix_chunk(const int bits, const int nr, const int chunks,
                                                                   const unpack8_t *u, const uint8_t *codes,
                                                                   int64_t cs, int64_t count, int64_t c0,
-                                                                  int64_t n, int64_t G, int64_t k0, int64_t k1,
+                                                                  int64_t n, int64_t k0, int64_t k1,
                                                                   int last1, const float *pw, float *acc) {
     __m256 a[2 * RW];
-    for (int r = 0; r < RW; r++) {
+    for (int r = 0; r < nr; r++) {
         a[r] = _mm256_loadu_ps(acc + r * n + c0);
         a[RW + r] = chunks == 2 ? _mm256_loadu_ps(acc + r * n + c0 + 8) : _mm256_setzero_ps();
     }
     const uint8_t *src = codes + (c0 / 8) * bits;
     const int last0 = chunks == 1 && last1;
     for (int64_t i = 0; i < count; i++, src += cs) {
-        const float *w0 = pw + (i * G + k0) * RW, *w1 = pw + (i * G + k1) * RW;
+        const float *w0 = pw + k0 * RW * SUB + i, *w1 = pw + k1 * RW * SUB + i;
         const __m256 v0 = unpack8(src, bits, last0, u);
-        for (int r = 0; r < RW; r++) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + r), v0, a[r]);
+        for (int r = 0; r < nr; r++) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + r * SUB), v0, a[r]);
         if (chunks == 2) {
             const __m256 v1 = unpack8(src + bits, bits, last1, u);
-            for (int r = 0; r < RW; r++) a[RW + r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w1 + r), v1, a[RW + r]);
+            for (int r = 0; r < nr; r++) a[RW + r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w1 + r * SUB), v1, a[RW + r]);
         }
     }
-    for (int r = 0; r < RW; r++) {
+    for (int r = 0; r < nr; r++) {
         _mm256_storeu_ps(acc + r * n + c0, a[r]);
         if (chunks == 2) _mm256_storeu_ps(acc + r * n + c0 + 8, a[RW + r]);
     }
 }
 
-QJL_AVX2 static inline __attribute__((always_inline)) void mix_avx2_(const int bits, const qjl_value_view *v,
+QJL_AVX2 static inline __attribute__((always_inline)) void mix_avx2_(const int bits, const int nr, const qjl_value_view *v,
                                                                   const uint8_t *codes, int64_t count,
                                                                   const float *pw, float *acc) {
     const unpack8_t u = unpack_setup(bits, v->cent);
-    const int64_t n = v->n, G = v->groups, gs = v->group_size, groups8 = n / 8, cs = v->codes.stride_token;
+    const int64_t n = v->n, gs = v->group_size, groups8 = n / 8, cs = v->codes.stride_token;
     int64_t g = 0;
     for (; g + 2 <= groups8; g += 2)
-        mix_chunk(bits, 2, &u, codes, cs, count, 8 * g, n, G, (8 * g) / gs, (8 * g + 8) / gs, g + 2 == groups8, pw,
+        mix_chunk(bits, nr, 2, &u, codes, cs, count, 8 * g, n, (8 * g) / gs, (8 * g + 8) / gs, g + 2 == groups8, pw,
                   acc);
-    if (g < groups8) mix_chunk(bits, 1, &u, codes, cs, count, 8 * g, n, G, (8 * g) / gs, (8 * g) / gs, 1, pw, acc);
+    if (g < groups8) mix_chunk(bits, nr, 1, &u, codes, cs, count, 8 * g, n, (8 * g) / gs, (8 * g) / gs, 1, pw, acc);
 }
 
-QJL_AVX2 static void mix_avx2(const qjl_value_view *v, const uint8_t *codes, int64_t count, const float *pw,
+QJL_AVX2 static void mix_avx2(const qjl_value_view *v, int nr, const uint8_t *codes, int64_t count, const float *pw,
                               float *acc) {
-    switch (v->bits) {
-    case 1: mix_avx2_(1, v, codes, count, pw, acc); break;
-    case 2: mix_avx2_(2, v, codes, count, pw, acc); break;
-    case 3: mix_avx2_(3, v, codes, count, pw, acc); break;
-    case 4: mix_avx2_(4, v, codes, count, pw, acc); break;
-    case 5: mix_avx2_(5, v, codes, count, pw, acc); break;
-    case 6: mix_avx2_(6, v, codes, count, pw, acc); break;
-    case 7: mix_avx2_(7, v, codes, count, pw, acc); break;
-    default: mix_avx2_(8, v, codes, count, pw, acc); break;
-    }
+    const int bits = v->bits;
+    QJL_BY_ROWS(mix_avx2_, v, codes, count, pw, acc)
 }
 #else
 #define QJL_HAVE_AVX2 0

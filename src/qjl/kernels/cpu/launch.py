@@ -146,6 +146,20 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
 
 
+_X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _exact_segments(ks: tuple, vs: tuple) -> tuple:
+    """The exact tokens as the kernel reads them: (dtype code, [(xk, xv)] of at most two non-empty segments of
+    one dtype, each row contiguous), read in place where they already are that; else joined as float32."""
+    segs = [(k, v) for k, v in zip(ks, vs) if k.shape[2] > 0]
+    dtypes = {t.dtype for kv in segs for t in kv}
+    if len(segs) <= 2 and len(dtypes) == 1 and next(iter(dtypes)) in _X_DTYPES:
+        segs = [tuple(t if t.stride(3) == 1 else t.contiguous() for t in kv) for kv in segs]
+        return _X_DTYPES[segs[0][0].dtype], segs
+    return 0, [(torch.cat([_f32(k) for k, _ in segs], -2), torch.cat([_f32(v) for _, v in segs], -2))]
+
+
 def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end,
                  *, exact=None, code_bias=None, impl: str = "c", threads: int | None = None,
                  split_tokens: int = 0) -> torch.Tensor:
@@ -154,7 +168,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     impl: "c" or "c-portable"; threads: OpenMP threads (default ``torch.get_num_threads()``);
     split_tokens: coded tokens per work item (0: enough items for every thread).
     """
-    from qjl.kernels.paged import check_paged, kernel_readable, term_queries
+    from qjl.kernels.paged import check_exact, check_paged, kernel_readable, term_queries
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -187,10 +201,19 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
             raise ValueError(f"code_bias must be [B={b}, >= max(code_end)], got {tuple(code_bias.shape)}")
         c.bias, c.bias_stride = a.ptr(cb), cb.shape[1]
     out = torch.empty(b, hkv, r, d)
-    if exact is not None and exact[0].shape[2] > 0:
-        xk, xv, xb = exact
-        c.ne, c.dx = xk.shape[2], d
-        c.xk, c.xv, c.qx = a.ptr(_f32(xk)), a.ptr(_f32(xv)), a.ptr(q32)
+    exact = check_exact(exact, q)
+    if exact is not None and sum(k.shape[2] for k in exact[0]) > 0:
+        ks, vs, xb = exact
+        c.ne, c.dx, c.qx = sum(k.shape[2] for k in ks), d, a.ptr(q32)
+        c.x_dtype, segs = _exact_segments(ks, vs)
+        c.n_xseg = len(segs)
+        for i, (k, v) in enumerate(segs):
+            e = c.xseg[i]
+            e.k, e.v = a.ptr(k, "const uint8_t *"), a.ptr(v, "const uint8_t *")
+            e.n = k.shape[2]
+            es = k.element_size()
+            e.k_sb, e.k_sh, e.k_st = (k.stride(j) * es for j in range(3))
+            e.v_sb, e.v_sh, e.v_st = (v.stride(j) * es for j in range(3))
         if xb is not None:  # [B|1, H|1, R|1, n_x], broadcast through zero strides
             xb = xb.float()
             if xb.ndim != 4 or xb.stride(3) != 1:

@@ -95,7 +95,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     partials of the coded tokens, merged in torch with the exact tokens' partial; then the value codec's
     ``unmix`` once per row."""
     from qjl.codecs.views import kernel_readable
-    from qjl.kernels.paged import check_paged, term_queries
+    from qjl.kernels.paged import check_exact, check_paged, joined_exact, term_queries
     from qjl.kernels.reference import merge_stacked_partials, partial_softmax
 
     if not kernel_readable(key_codec, value_codec):
@@ -104,6 +104,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if max_codes is None:  # else the caller vouches for the arguments (qjl.kernels.paged.paged_decode)
         check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                     code_end)
+    exact = joined_exact(check_exact(exact, q))
     kview, vview = key_codec.score_view(), value_codec.mix_view()
     b, hkv, r, d = q.shape
     dev = q.device
