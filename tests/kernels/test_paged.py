@@ -128,6 +128,15 @@ def test_bad_arguments_are_named():
     for backend in BACKENDS:  # an address past the buffer is refused before any kernel reads it
         with pytest.raises(ValueError, match="reach byte"):
             paged_decode(q, kc, far, vc, vf, bt, bs, s, e, backend=backend)
+    neg = bt.clone()
+    neg[1, 0] = -1
+    for backend in BACKENDS:  # ranges and blocks (the C kernel checks them itself, before reading any)
+        with pytest.raises(ValueError, match="code_start/code_end must satisfy"):
+            paged_decode(q, kc, kf, vc, vf, bt, bs, e, s, backend=backend)
+        with pytest.raises(ValueError, match="maps only"):
+            paged_decode(q, kc, kf, vc, vf, bt, bs - 1, s, e, backend=backend)
+        with pytest.raises(ValueError, match="must be >= 0"):
+            paged_decode(q, kc, kf, vc, vf, neg, bs, s, e, backend=backend)
     big = bt.clone()
     big[0, 0] = 10_000  # a block past the pool: refused by every backend, also after a call that passed
     for backend in BACKENDS:

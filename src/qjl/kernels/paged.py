@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = ["PagedField", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
-           "query_maps", "unmix_matrix", "check_exact", "joined_exact", "fields_signature",
+           "query_maps", "unmix_matrix", "check_exact", "joined_exact", "check_static", "fields_signature",
            "extent_bytes"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
@@ -151,6 +151,42 @@ def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict,
     """ValueError naming the argument unless the arguments fit the contract (:func:`paged_decode`), including
     that every address a kernel may read lies inside its field's buffer.  Returns the fields' signature
     (:func:`fields_signature`), for launchers that memoize on it."""
+    sig, room = check_static(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size,
+                             code_start, code_end)
+    b = q.shape[0]
+    starts, ends = code_start.tolist(), code_end.tolist()
+    if any(e < s or s < 0 for s, e in zip(starts, ends)):
+        raise ValueError(RANGE_ERRORS["order"])
+    end = max(ends, default=0)
+    if end > block_table.shape[1] * block_size:
+        raise ValueError(RANGE_ERRORS["maps"].format(end=end, cols=block_table.shape[1], size=block_size))
+    if block_table.shape[1] == 1:  # one block per sequence (the transformers cache): plain ints
+        col = block_table[:, 0].tolist()
+        lo, top = min(col, default=0), max(col, default=0)
+    else:
+        used = block_table[:, : max(1, -(-end // block_size))]
+        lo, top = (int(used.min()), int(used.max())) if used.numel() and b else (0, 0)
+    if lo < 0:
+        raise ValueError(RANGE_ERRORS["negative"])
+    if top > room[0]:
+        raise ValueError(RANGE_ERRORS["past"].format(field=room[1], top=top, room=room[0]))
+    return sig
+
+
+RANGE_ERRORS = {  # the checks that read the ranges and the block table (also raised for the C kernel's own checks)
+    "order": "code_start/code_end must satisfy 0 <= code_start <= code_end",
+    "maps": "code_end reaches token {end} but block_table maps only {cols} blocks of {size}",
+    "negative": "block_table: the blocks holding coded tokens must be >= 0",
+    "past": "{field}: offset/strides reach past the end of its buffer at block {top} (blocks up to {room} fit)",
+}
+
+
+def check_static(q, key_codec, key_fields: dict, value_codec, value_fields: dict, block_table, block_size: int,
+                 code_start, code_end) -> tuple:
+    """:func:`check_paged` without reading the ranges' and the block table's values (for a kernel that checks
+    those itself, as the CPU kernel does): the arguments' types and shapes, and the fields (present, their
+    sizes, inside their buffers).  Returns (the fields' signature, (the largest block index every field's
+    buffer holds, the name of the field that bounds it))."""
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or not q.dtype.is_floating_point:
         raise ValueError(f"q must be a float tensor [B, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
     b, h = q.shape[:2]
@@ -161,27 +197,8 @@ def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict,
     for name, t in (("code_start", code_start), ("code_end", code_end)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b,) or t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a [B={b}] int tensor, got {getattr(t, 'shape', t)!r}")
-    starts, ends = code_start.tolist(), code_end.tolist()
-    if any(e < s or s < 0 for s, e in zip(starts, ends)):
-        raise ValueError("code_start/code_end must satisfy 0 <= code_start <= code_end")
-    end = max(ends, default=0)
-    if end > block_table.shape[1] * block_size:
-        raise ValueError(f"code_end reaches token {end} but block_table maps only "
-                         f"{block_table.shape[1]} blocks of {block_size}")
-    if block_table.shape[1] == 1:  # one block per sequence (the transformers cache): plain ints
-        col = block_table[:, 0].tolist()
-        lo, top = min(col, default=0), max(col, default=0)
-    else:
-        used = block_table[:, : max(1, -(-end // block_size))]
-        lo, top = (int(used.min()), int(used.max())) if used.numel() else (0, 0)
-    if lo < 0:
-        raise ValueError("block_table: the blocks holding coded tokens must be >= 0")
     sig = fields_signature(key_fields, value_fields)
-    room = _field_room(key_codec, key_fields, value_codec, value_fields, h, block_size, q.device, sig)
-    if top > room[0]:
-        raise ValueError(f"{room[1]}: offset/strides reach past the end of its buffer at block {top} "
-                         f"(blocks up to {room[0]} fit)")
-    return sig
+    return sig, _field_room(key_codec, key_fields, value_codec, value_fields, h, block_size, q.device, sig)
 
 
 _ROOM: dict = {}  # the static checks' result per key of plain values (no object kept alive)

@@ -94,7 +94,8 @@ def decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
 
 def exact_tokens(exact, rows: DecodeRows, num_kv_heads: int, current=None):
     """(xk, xv [B, H_kv, n_x, D], xbias [B, 1, 1, n_x]) of the rows' exact slots and the current token
-    (the last column), or None when there are none.
+    (the last column), or None when there are none; with both, xk and xv are the two segments (a tuple each,
+    as :func:`qjl.kernels.paged.paged_decode` takes them).
 
     exact: (key, value) PagedFields of the pages' exact slots, or None when ``sinks + window == 0``;
     current: None or (k, v) [B, H_kv, D].
@@ -112,9 +113,9 @@ def exact_tokens(exact, rows: DecodeRows, num_kv_heads: int, current=None):
         return None
     if len(ks) == 1:
         return ks[0], vs[0], rows.bias(current is not None)
-    dt = torch.promote_types(ks[0].dtype, ks[1].dtype)
-    return (torch.cat([ks[0].to(dt), ks[1].to(dt)], dim=2), torch.cat([vs[0].to(dt), vs[1].to(dt)], dim=2),
-            rows.bias(True))
+    # two segments (exact slots, current token), taken in order (qjl.kernels.paged.check_exact): the CPU kernel
+    # reads them where they are; the other backends join them
+    return tuple(ks), tuple(vs), rows.bias(True)
 
 
 def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, block_size, *, key_codec, value_codec,

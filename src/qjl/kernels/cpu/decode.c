@@ -272,9 +272,28 @@ static void do_item(void *ctx, int64_t i) {
     if (__atomic_sub_fetch(&j->left[u], 1, __ATOMIC_ACQ_REL) == 0) finish_unit(j, u);
 }
 
-/* Returns 0, or -1 for arguments outside what the kernel reads (the launcher checks them first). */
+/* The ranges and every block the items will read, before any is read: 0, or -2 a range out of order (start < 0
+ * or end < start), -3 a range past the block table, -4 a negative block, -5 a block past max_block. */
+static int check_ranges(const qjl_decode_args *a) {
+    for (int64_t b = 0; b < a->batch; b++) {
+        const int64_t s = a->code_start[b], e = a->code_end[b];
+        if (s < 0 || e < s) return -2;
+        if (e > a->max_blocks * a->block_size) return -3;
+        for (int64_t j = e > s ? s / a->block_size : 0; e > s && j <= (e - 1) / a->block_size; j++) {
+            const int64_t blk = a->block_table[b * a->max_blocks + j];
+            if (blk < 0) return -4;
+            if (blk > a->max_block) return -5;
+        }
+    }
+    return 0;
+}
+
+/* Returns 0, -1 for arguments outside what the kernel reads (the launcher checks them first), or
+ * check_ranges' code (nothing read). */
 QJL_EXPORT int qjl_paged_decode(const qjl_decode_args *a) {
     if (check_args(a)) return -1;
+    const int bad = check_ranges(a);
+    if (bad) return bad;
     const int avx2 = a->simd && QJL_HAVE_AVX2 && cpu_has_avx2();
     const int64_t B = a->batch, H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.n;
     const int64_t units = B * H * rchunks;

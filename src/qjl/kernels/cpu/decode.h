@@ -59,6 +59,7 @@ typedef struct {
     int64_t batch, heads, rows;           /* B, H_kv, R query rows per KV head */
     const int32_t *block_table;           /* [B, max_blocks] */
     int64_t max_blocks, block_size;
+    int64_t max_block;                    /* the largest block index every field's buffer holds (checked) */
     const int32_t *code_start, *code_end; /* [B]: coded tokens [start, end) of each sequence */
     const float *bias;                    /* [B, bias_stride] additive over coded tokens t, or NULL */
     int64_t bias_stride;

@@ -143,7 +143,15 @@ def _template(mod, key_codec, key_fields, value_codec, value_fields, d: int, sig
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t.detach()
     return t.detach().to(torch.float32).contiguous()
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int32 and t.is_contiguous():
+        return t
+    return t.to(torch.int32).contiguous()
 
 
 _X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -168,7 +176,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     impl: "c" or "c-portable"; threads: OpenMP threads (default ``torch.get_num_threads()``);
     split_tokens: coded tokens per work item (0: enough items for every thread).
     """
-    from qjl.kernels.paged import check_exact, check_paged, kernel_readable, term_queries
+    from qjl.kernels.paged import check_exact, check_paged, check_static, kernel_readable, term_queries
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -176,11 +184,13 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
-    sig = check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
-                      code_end)
+    # the ranges and the blocks are checked by the kernel itself (before it reads anything): no reads of their
+    # values here (each a few torch operations per layer and step)
+    sig, room = check_static(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
+                             code_end)
     b, hkv, r, d = q.shape
     tpl = _template(mod, key_codec, key_fields, value_codec, value_fields, d, sig)
-    bt = block_table.to(torch.int32).contiguous()
+    bt = _i32(block_table)
     a = _Args(mod.ffi)
     c = a.c
     mod.ffi.memmove(c, tpl.c, mod.ffi.sizeof("qjl_decode_args"))
@@ -193,8 +203,9 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
             c.key[i].q = a.ptr(_f32(qt))
     c.batch, c.heads, c.rows = b, hkv, r
     c.block_table, c.max_blocks, c.block_size = a.ptr(bt, "int32_t *"), bt.shape[1], int(block_size)
-    c.code_start = a.ptr(code_start.to(torch.int32).contiguous(), "int32_t *")
-    c.code_end = a.ptr(code_end.to(torch.int32).contiguous(), "int32_t *")
+    c.max_block = min(room[0], 2**62)
+    c.code_start = a.ptr(_i32(code_start), "int32_t *")
+    c.code_end = a.ptr(_i32(code_end), "int32_t *")
     if code_bias is not None:
         cb = _f32(code_bias)
         if cb.ndim != 2 or cb.shape[0] != b or (b and cb.shape[1] < int(code_end.max())):
@@ -225,8 +236,12 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     c.split_tokens = int(split_tokens)
     c.threads = int(threads or torch.get_num_threads())
     c.simd = int(impl == "c")
-    if mod.lib.qjl_paged_decode(c) != 0:
-        raise ValueError("the C kernel refused its arguments (code widths, lengths or group sizes)")
+    rc = mod.lib.qjl_paged_decode(c)
+    if rc < -1:  # a range or a block out of bounds (nothing was read): the full check names it
+        check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
+                    code_end)
+    if rc != 0:
+        raise ValueError("the C kernel refused its arguments (code widths, lengths, group sizes, ranges or blocks)")
     return out
 
 
