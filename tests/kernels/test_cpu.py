@@ -70,6 +70,8 @@ def test_exact_segments_bad_input():
         launch.paged_decode(*c.args(), exact=(xk.to(torch.int32), xv.to(torch.int32), xb))
     with pytest.raises(ValueError, match="xbias"):
         launch.paged_decode(*c.args(), exact=((xk[:, :, :2],), (xv[:, :, :2],), xb))
+    with pytest.raises(ValueError, match="device"):
+        launch.paged_decode(*c.args(), exact=(xk.to("meta"), xv.to("meta"), xb))
 
 
 @pytest.mark.parametrize("impl", IMPLS)

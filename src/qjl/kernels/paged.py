@@ -299,6 +299,8 @@ def check_exact(exact, q) -> tuple | None:
             raise ValueError(f"exact: xv must have xk's shape {tuple(k.shape)}, got {getattr(v, 'shape', v)!r}")
         if not (k.is_floating_point() and v.is_floating_point()):
             raise TypeError(f"exact: xk and xv must be floating point, got {k.dtype} and {v.dtype}")
+        if k.device != q.device or v.device != q.device:
+            raise ValueError(f"exact: xk and xv must be on q's device {q.device}, got {k.device} and {v.device}")
     n = sum(k.shape[2] for k in ks)
     if xbias is not None and (xbias.ndim != 4 or xbias.shape[-1] != n
                               or any(xbias.shape[i] not in (1, (b, h, r)[i]) for i in range(3))):
