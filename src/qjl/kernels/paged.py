@@ -153,32 +153,25 @@ def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict,
     (:func:`fields_signature`), for launchers that memoize on it."""
     sig, room = check_static(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size,
                              code_start, code_end)
-    b = q.shape[0]
     starts, ends = code_start.tolist(), code_end.tolist()
     if any(e < s or s < 0 for s, e in zip(starts, ends)):
-        raise ValueError(RANGE_ERRORS["order"])
+        raise ValueError("code_start/code_end must satisfy 0 <= code_start <= code_end")
     end = max(ends, default=0)
     if end > block_table.shape[1] * block_size:
-        raise ValueError(RANGE_ERRORS["maps"].format(end=end, cols=block_table.shape[1], size=block_size))
+        raise ValueError(f"code_end reaches token {end} but block_table maps only "
+                         f"{block_table.shape[1]} blocks of {block_size}")
     if block_table.shape[1] == 1:  # one block per sequence (the transformers cache): plain ints
         col = block_table[:, 0].tolist()
         lo, top = min(col, default=0), max(col, default=0)
     else:
         used = block_table[:, : max(1, -(-end // block_size))]
-        lo, top = (int(used.min()), int(used.max())) if used.numel() and b else (0, 0)
+        lo, top = (int(used.min()), int(used.max())) if used.numel() else (0, 0)
     if lo < 0:
-        raise ValueError(RANGE_ERRORS["negative"])
+        raise ValueError("block_table: the blocks holding coded tokens must be >= 0")
     if top > room[0]:
-        raise ValueError(RANGE_ERRORS["past"].format(field=room[1], top=top, room=room[0]))
+        raise ValueError(f"{room[1]}: offset/strides reach past the end of its buffer at block {top} "
+                         f"(blocks up to {room[0]} fit)")
     return sig
-
-
-RANGE_ERRORS = {  # the checks that read the ranges and the block table (also raised for the C kernel's own checks)
-    "order": "code_start/code_end must satisfy 0 <= code_start <= code_end",
-    "maps": "code_end reaches token {end} but block_table maps only {cols} blocks of {size}",
-    "negative": "block_table: the blocks holding coded tokens must be >= 0",
-    "past": "{field}: offset/strides reach past the end of its buffer at block {top} (blocks up to {room} fit)",
-}
 
 
 def check_static(q, key_codec, key_fields: dict, value_codec, value_fields: dict, block_table, block_size: int,
@@ -356,13 +349,11 @@ def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, valu
     backend = kernels.pick_backend(q.device, backend)
     if max_codes is not None and (isinstance(max_codes, bool) or not isinstance(max_codes, int) or max_codes < 0):
         raise ValueError(f"max_codes must be None or a non-negative int, got {max_codes!r}")
-    exact = check_exact(exact, q)
-    if backend == "cpu":
+    if backend == "cpu":  # every backend checks ``exact`` (check_exact) itself
         from qjl.kernels.cpu import launch
 
         return launch.paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size,
                                    code_start, code_end, exact=exact, code_bias=code_bias)
-    exact = joined_exact(exact)
     if backend == "triton":
         from qjl.kernels.triton import launch
 

@@ -186,26 +186,14 @@ static inline v8f exp8(v8f x) {
     return res;
 }
 
-/* a row of n 16-bit floats (fp16: dtype 1, bf16: 2) or fp32 (0) as float32 */
+/* a row of n contiguous floats in dtype 0 fp32, 1 fp16 (F16C where compiled for it) or 2 bf16, as float32 */
 static void read_row(const uint8_t *p, int dtype, int64_t n, float *out) {
     int64_t i = 0;
-    uint16_t h;
-    if (dtype == 0) {
-        memcpy(out, p, sizeof(float) * (size_t)n);
-        return;
-    }
-    if (dtype == 2) {
-        for (; i < n; i++) {
-            memcpy(&h, p + 2 * i, 2);
-            const uint32_t bits = (uint32_t)h << 16;
-            memcpy(out + i, &bits, 4);
-        }
-        return;
-    }
 #if defined(__F16C__) && defined(__AVX__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+    if (dtype == 1)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
 #endif
-    for (; i < n; i++) { memcpy(&h, p + 2 * i, 2); out[i] = half_to_float(h); }
+    read_run(p + i * dtype_bytes(dtype), dtype_bytes(dtype), dtype, n - i, out + i);
 }
 
 /* max(m, x[0], ..., x[len - 1]) (NaNs ignored, like `x > m ? x : m`) */

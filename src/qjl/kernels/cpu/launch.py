@@ -213,9 +213,10 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         c.bias, c.bias_stride = a.ptr(cb), cb.shape[1]
     out = torch.empty(b, hkv, r, d)
     exact = check_exact(exact, q)
-    if exact is not None and sum(k.shape[2] for k in exact[0]) > 0:
+    ne = 0 if exact is None else sum(k.shape[2] for k in exact[0])
+    if ne > 0:
         ks, vs, xb = exact
-        c.ne, c.dx, c.qx = sum(k.shape[2] for k in ks), d, a.ptr(q32)
+        c.ne, c.dx, c.qx = ne, d, a.ptr(q32)
         c.x_dtype, segs = _exact_segments(ks, vs)
         c.n_xseg = len(segs)
         for i, (k, v) in enumerate(segs):
