@@ -31,6 +31,46 @@ def test_sensitivity_predicts_the_output_error():
     assert torch.stack(ek).mean().item() == pytest.approx(dist * s_k, rel=0.20)
 
 
+def _sensitivity_direct(q, k, v, mask, scale, tokens):
+    """S_K, S_V summed term by term (the module doc's formulas), in float64: q [B, H_q, R, D], k, v [B, H_kv, L, D],
+    mask [B, 1|H_q, R, L] additive (or None)."""
+    b, hq, r, d = q.shape
+    g = hq // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)  # [B, H_q, L, D]
+    logits = q.double() @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        logits = logits + mask.double()
+    p = torch.softmax(logits, -1).nan_to_num(0.0)
+    o = p @ v
+    s_k = s_v = 0.0
+    for t in range(*tokens.indices(k.shape[2])):
+        p2 = p[..., t].square()  # [B, H_q, R]
+        dist2 = (v[:, :, t].unsqueeze(2) - o).square().sum(-1)
+        s_k += (q.double().square().sum(-1) * p2 * k[:, :, t].square().sum(-1).unsqueeze(-1) * dist2).sum().item()
+        s_v += (p2 * v[:, :, t].square().sum(-1).unsqueeze(-1)).sum().item()
+    return s_k * scale ** 2 / d, s_v
+
+
+@pytest.mark.parametrize("heads_in_mask", [1, 6])
+def test_sensitivity_equals_the_direct_sum(heads_in_mask):
+    """The five-pass form (a - 2 o.w + |o|^2 c) against the term-by-term sum: GQA (6 query heads on 2 KV heads),
+    a mask (shared or per head) with a row that sees nothing (its weights count as 0), a bool mask, tokens a sub-range."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 6, 5, 16, generator=g)
+    k, v = torch.randn(2, 2, 40, 16, generator=g) * 2, torch.randn(2, 2, 40, 16, generator=g)
+    mask = torch.zeros(2, heads_in_mask, 5, 40)
+    mask[..., 35:] = float("-inf")
+    mask[1, :, 2] = float("-inf")  # a padded query row
+    mask[0, -1, :, 10:20] = float("-inf")  # with a mask per head, the last head's differs
+    tokens = slice(4, 30)
+    want = _sensitivity_direct(q, k, v, mask, 0.25, tokens)
+    for m in (mask, mask == 0):
+        got = layer_sensitivity(q, k, v, m, 0.25, tokens)
+        assert got == pytest.approx(want, rel=1e-5)
+    assert layer_sensitivity(q, k, v, None, 0.25, tokens) == pytest.approx(
+        _sensitivity_direct(q, k, v, None, 0.25, tokens), rel=1e-5)
+
+
 def _stats(s_k, s_v):
     keys = [(2.25, 0.12), (3.25, 0.034), (4.25, 0.0093), (5.25, 0.0025)]
     values = [(2.125, 0.13), (3.25, 0.034), (4.25, 0.0093)]

@@ -166,3 +166,40 @@ def test_bad_rows_write_nothing():
     assert not pages.view(torch.int16).any()
     write_codes(lay, fields, k, v.nan_to_num(), torch.arange(5) + 16)
     assert pages.view(torch.int16).any()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
+def test_cell_moments_equal_the_torch_reference(bits):
+    """The C moments (cells by a branchless search) against ``lloyd_max.cell_moments``: rows of rotated unit
+    vectors, entries exactly on every boundary (a tie counts the boundary as not below), beyond both ends
+    and zero rows; float64 sums in another order, so within 1e-12 relative."""
+    from qjl.core.lloyd_max import cell_moments
+    from qjl.kernels.cpu import launch
+
+    codec = TurboQuantMSE(64, bits, seed=bits)
+    bnd, cent = codec.boundaries, codec.centroids
+    y = torch.randn(200, 64, generator=torch.Generator().manual_seed(bits))
+    y = y / y.norm(dim=-1, keepdim=True)
+    y[0, : bnd.numel()] = bnd[:64]  # ties
+    y[1, :8] = torch.tensor([-2.0, 2.0, -1.0, 1.0, 0.0, -0.0, 1e-30, -1e-30])
+    y[2] = 0.0
+    got = launch.cell_moments(y.reshape(4, 50, 64), bnd, cent)
+    want = cell_moments(y.reshape(4, 50, 64), bnd, cent)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float64 and a.shape == (4, 50)
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert torch.equal(want[1].flatten()[2], (cent[torch.bucketize(torch.zeros(64), bnd)].double() ** 2).sum())
+
+
+def test_cell_moments_refuse_bad_input():
+    from qjl.kernels.cpu import launch
+
+    c = TurboQuantMSE(64, 3)
+    y = torch.randn(5, 64)
+    y[3, 7] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        launch.cell_moments(y, c.boundaries, c.centroids)
+    with pytest.raises(ValueError, match="codebook"):
+        launch.cell_moments(torch.randn(5, 64), c.boundaries[:-1], c.centroids)
+    with pytest.raises(ValueError, match="codebook"):
+        launch.cell_moments(torch.randn(5, 64), c.boundaries[:5], c.centroids[:6])

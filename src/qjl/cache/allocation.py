@@ -23,8 +23,9 @@ layer is ``D_K(key codec) S_K + D_V(value codec) S_V`` (in squared units of the 
 kept exact (a candidate for the first and last ``boundary_layers``) predicts 0 and costs the exact dtype's
 bits.  ``benchmarks/auto_bits.py`` checks that this proxy ranks configurations as the measured KL does.
 
-Cost: one attention pass of ``queries`` rows per layer, and ``sample_tokens`` vectors quantized per
-candidate -- a few percent of the prefill (measured in docs/cache.md).
+Cost: one attention pass of ``queries`` rows per layer (:func:`layer_sensitivity`), and the cells of
+``sample_tokens`` vectors per candidate width (:func:`distortions`) -- a few percent of the prefill (measured in
+docs/cache.md).
 """
 
 from __future__ import annotations
@@ -101,26 +102,32 @@ def _compressible(n: int, sinks: int, window: int) -> slice:
 
 def layer_sensitivity(query, keys, values, mask, scaling: float, tokens: slice) -> tuple:
     """``(S_K, S_V)`` of the module doc. query: [B, H_q, R, D]; keys/values: [B, H_kv, L, D] (as stored);
-    mask: [B, 1|H_q, R, L] or None; ``tokens``: the positions whose codes would carry the error."""
+    mask: [B, 1|H_q, R, L] or None; ``tokens``: the positions whose codes would carry the error.
+
+    Five passes over the [rows, L] weights: scores, softmax, ``p v``, ``p^2`` and one product of ``p^2`` with
+    per-token columns, since ``sum_t p_rt^2 ||k_t||^2 ||v_t - o_r||^2 = a_r - 2 o_r . w_r + ||o_r||^2 c_r``
+    with ``a = p^2 (||k||^2 ||v||^2)``, ``w = p^2 (||k||^2 v)``, ``c = p^2 ||k||^2`` (tested against the
+    direct sum)."""
     b, hq, r, d = query.shape
     hkv = keys.shape[1]
-    q = query.float().reshape(b, hkv, hq // hkv * r, d)
+    g = hq // hkv
+    q = query.float().reshape(b, hkv, g * r, d)
     k, v = keys.float(), values.float()
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, H_kv, g*R, L]
+    logits = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling)  # [B, H_kv, g*R, L]
     if mask is not None:
-        seen = padding.visible(mask).expand(b, hq, r, -1).reshape(b, hkv, hq // hkv * r, -1)
-        logits = logits.masked_fill(~seen, float("-inf"))
-    p = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        hidden = ~padding.visible(mask)  # [B, 1|H_q, R, L]
+        hidden = hidden.unsqueeze(1) if hidden.shape[1] == 1 else hidden.reshape(b, hkv, g, r, -1)
+        logits.view(b, hkv, g, r, -1).masked_fill_(hidden, float("-inf"))
+    p = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
     o = torch.matmul(p, v)  # [B, H_kv, g*R, D]
-    p2 = p[..., tokens].square()
-    kn2 = k[:, :, tokens].square().sum(-1)  # [B, H_kv, T]
-    vt = v[:, :, tokens]
-    vn2 = vt.square().sum(-1)
-    dist2 = (vn2.unsqueeze(-2) - 2 * torch.matmul(o, vt.transpose(-1, -2)) + o.square().sum(-1, keepdim=True)).clamp(min=0)
-    qn2 = q.square().sum(-1)  # [B, H_kv, g*R]
-    s_k = (scaling ** 2 / d) * (qn2 * (p2 * kn2.unsqueeze(-2) * dist2).sum(-1)).sum()
-    s_v = (p2 * vn2.unsqueeze(-2)).sum()
-    return float(s_k), float(s_v)
+    p2 = p[..., tokens].square()  # [B, H_kv, g*R, T]
+    kt, vt = k[:, :, tokens], v[:, :, tokens]
+    kn2, vn2 = kt.square().sum(-1, keepdim=True), vt.square().sum(-1, keepdim=True)  # [B, H_kv, T, 1]
+    cols = torch.matmul(p2, torch.cat([kn2 * vt, kn2 * vn2, kn2, vn2], dim=-1))  # [B, H_kv, g*R, D + 3]
+    w, a, c, s_v = cols[..., :d], cols[..., d], cols[..., d + 1], cols[..., d + 2]
+    per_row = (a.double() - 2 * (o * w).sum(-1).double() + o.square().sum(-1).double() * c.double()).clamp(min=0)
+    s_k = (scaling ** 2 / d) * (q.square().sum(-1).double() * per_row).sum()
+    return float(s_k), float(s_v.double().sum())
 
 
 def _distortion(codec, x: torch.Tensor, *fit) -> float:
@@ -143,20 +150,23 @@ def _rotation_key(codec):
 def distortions(codecs, x: torch.Tensor, fit: bool = False) -> list:
     """[:func:`_distortion` of each codec on ``x: [B, H, n, D]``]; ``fit``: quantize with each codec's
     per-sequence fit of ``x`` (keys).  TurboQuant MSE candidates that share a rotation (a layer's candidates
-    differ only in widths and norm dtypes) rotate ``x`` once and run the codec's own :meth:`cells` in the
-    rotated basis, without packing or the inverse rotation: equal to the one-by-one path to float32 rounding
-    (tested)."""
-    from qjl.core.validation import check_vectors
+    differ only in widths and norm dtypes) rotate ``x`` once; each width's cells are then read once as two
+    moments per vector (:func:`qjl.core.lloyd_max.cell_moments`, in C on the CPU), from which every norm dtype's
+    error follows without packing or the inverse rotation: ``||r y - s c||^2 = r^2 - 2 r s cos + s^2 cc`` with
+    ``s`` the norm the codec stores (corrected by ``cos`` and rounded to its dtype as the codec does).  Equal to
+    the one-by-one path up to float32 rounding (tested)."""
+    from qjl.core.validation import check_fits, check_vectors
 
     codecs = list(codecs)
     if not codecs:
         return []
     check_vectors("x", x, codecs[0].dim, min_ndim=2)
     xf = x.float()
-    total = xf.square().sum().clamp(min=1e-30)
+    total = float(xf.square().sum().clamp(min=1e-30))
     norm = torch.linalg.vector_norm(xf, dim=-1)
     unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
-    rotated, out = {}, []
+    r = norm.double()
+    rotated, moments, out = {}, {}, []
     for codec in codecs:
         args = codec.fit(xf) if fit else ()
         key = None if args else _rotation_key(codec)
@@ -165,11 +175,28 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False) -> list:
             continue
         if key not in rotated:
             rotated[key] = codec.rotation.apply(unit)
-        y = rotated[key]
-        idx, stored = codec.cells(y, norm)
-        err = (norm.unsqueeze(-1) * y - stored.float().unsqueeze(-1) * codec.centroids.to(y.device)[idx]).square().sum()
-        out.append(float(err / total))
+        if key + (codec.bits,) not in moments:
+            moments[key + (codec.bits,)] = _moments(rotated[key], codec.centroids, codec.boundaries)
+        cos, cc = moments[key + (codec.bits,)]
+        stored = norm
+        if codec.correct_norm:  # as TurboQuantMSE.cells: ||x|| / <u, u_hat> where positive, in float32
+            c32 = cos.float()
+            stored = norm / torch.where(c32 > 0, c32, torch.ones_like(c32))
+        check_fits("corrected norm of x" if codec.correct_norm else "norm of x", stored, codec.norm_dtype)
+        s = stored.to(codec.norm_dtype).double()
+        err = (r.square() - 2 * r * s * cos + s.square() * cc).clamp(min=0).sum()
+        out.append(float(err) / total)
     return out
+
+
+def _moments(y: torch.Tensor, centroids: torch.Tensor, boundaries: torch.Tensor) -> tuple:
+    """(cos, cc) of :func:`qjl.core.lloyd_max.cell_moments`, by the C kernel where it serves ``y``."""
+    from qjl.core.lloyd_max import cell_moments
+    from qjl.kernels.cpu import launch
+
+    if y.device.type == "cpu" and launch.available():
+        return launch.cell_moments(y, boundaries, centroids)
+    return cell_moments(y, boundaries.to(y.device), centroids.to(y.device))
 
 
 def _bits(codec) -> float:

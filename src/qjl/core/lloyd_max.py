@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Codebook", "sphere_codebook", "polar_codebook", "lloyd_max", "sphere_pdf", "polar_pdf"]
+__all__ = ["Codebook", "sphere_codebook", "polar_codebook", "lloyd_max", "sphere_pdf", "polar_pdf", "cell_moments"]
 
 _VERSION = 1
 _GRID = 400_001
@@ -165,3 +165,13 @@ def bucket(y: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
     for b in boundaries.tolist():
         idx += y > b
     return idx.long()
+
+
+def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tensor) -> tuple:
+    """Per-row moments of the cells of y: [..., n] -> (cos [...], cc [...]) float64 with ``cos = sum_i y_i c_i``
+    and ``cc = sum_i c_i^2``, ``c_i = centroids[bucket(y_i)]``.  With the norm ``s`` a codec stores for a row
+    of norm ``r`` (``y`` the unit vector rotated), ``||r y - s c||^2 = r^2 - 2 r s cos + s^2 cc``: what the
+    width allocation reads a candidate's distortion from (its C twin: ``qjl.kernels.cpu.launch.cell_moments``)."""
+    c = centroids.to(y.device)[bucket(y, boundaries.to(y.device))].double()
+    return (y.double() * c).sum(-1), c.square().sum(-1)
+

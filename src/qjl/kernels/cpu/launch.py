@@ -16,7 +16,7 @@ import weakref
 import torch
 
 __all__ = ["available", "implementation", "simd_path", "paged_decode", "bucket_norms", "store_rows",
-           "IMPLS"]
+           "cell_moments", "IMPLS"]
 
 IMPLS = ("c", "c-portable")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
@@ -265,6 +265,27 @@ def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
                                   int(bool(qpass.correct_norm)), torch.finfo(qpass.norm_dtype).max,
                                   a.ptr(codes, "uint8_t *"), a.ptr(stored), torch.get_num_threads())
     return rc, codes, stored
+
+
+def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tensor) -> tuple:
+    """:func:`qjl.core.lloyd_max.cell_moments` in C: y [..., n] float (CPU) against a codebook of ``2^bits`` cells
+    -> (cos [...], cc [...]) float64, ``sum y c`` and ``sum c^2`` over each row's cells (summed in float64 in
+    coordinate order).  Raises ValueError for a non-finite y or a codebook that is not ``2^bits`` cells."""
+    mod = _require()
+    bnd, cent = _f32(boundaries), _f32(centroids)
+    bits = cent.numel().bit_length() - 1
+    if cent.numel() < 2 or cent.numel() != 1 << bits or bnd.numel() != cent.numel() - 1 or bits > 8:
+        raise ValueError(f"centroids/boundaries must be a codebook of 2^bits cells (bits 1-8), got "
+                         f"{cent.numel()} centroids and {bnd.numel()} boundaries")
+    n = y.shape[-1]
+    y2 = _f32(y.reshape(-1, n))
+    cos, cc = torch.empty(y2.shape[0], dtype=torch.float64), torch.empty(y2.shape[0], dtype=torch.float64)
+    a = _Args(mod.ffi)
+    rc = mod.lib.qjl_cell_moments(a.ptr(y2), y2.shape[0], n, a.ptr(bnd), bnd.numel(), a.ptr(cent), bits,
+                                  a.ptr(cos, "double *"), a.ptr(cc, "double *"), torch.get_num_threads())
+    if rc:
+        raise ValueError("y must be finite (the C cell moments refused it)")
+    return cos.reshape(y.shape[:-1]), cc.reshape(y.shape[:-1])
 
 
 def store_rows(codes: torch.Tensor, stored: torch.Tensor, codes_field, norm_field, blocks: torch.Tensor,

@@ -1,6 +1,7 @@
 /* The CPU half of TurboQuant MSE quantization: Lloyd-Max cells (the number of boundaries below each coordinate,
  * as torch.bucketize), LSB-first packing, the norm correction's cosine (summed in coordinate order) and the
- * stored norm in one pass (qjl_bucket_norms); the rows' store into paged fields (qjl_store_rows). */
+ * stored norm in one pass (qjl_bucket_norms); the rows' store into paged fields (qjl_store_rows); the cells'
+ * moments per row, which the width allocation's distortions read (qjl_cell_moments). */
 
 typedef struct {
     const float *y, *bnd, *cent;
@@ -33,6 +34,52 @@ static void bucket_row(void *ctx, int64_t i) {
         if ((pos & 7) + bits > 8) out[(pos >> 3) + 1] |= (uint8_t)(w >> 8);
     }
     j->cos[i] = acc;
+}
+
+/* Moments of rows y [rows, n] against a Lloyd-Max codebook of 2^bits cells: cos[i] = sum_c y[i,c] * cent[cell],
+ * cc[i] = sum_c cent[cell]^2 (cell = the number of boundaries below y[i,c], as torch.bucketize), float64 sums
+ * in coordinate order.  The cell by a branchless search over the 2^bits - 1 sorted boundaries. */
+typedef struct {
+    const float *y, *bnd, *cent;
+    int64_t rows, n;
+    int32_t bits;
+    double *cos, *cc;
+} qjl_moments_job;
+
+#define QJL_MOMENT_ROWS 64
+
+static void moments_rows(void *ctx, int64_t item) {
+    const qjl_moments_job *j = ctx;
+    const int64_t r0 = item * QJL_MOMENT_ROWS;
+    const int64_t r1 = r0 + QJL_MOMENT_ROWS < j->rows ? r0 + QJL_MOMENT_ROWS : j->rows;
+    const int top = 1 << (j->bits - 1);
+    for (int64_t i = r0; i < r1; i++) {
+        const float *yi = j->y + i * j->n;
+        double cs = 0.0, sq = 0.0;
+        for (int64_t c = 0; c < j->n; c++) {
+            const float v = yi[c];
+            int idx = 0;
+            for (int step = top; step; step >>= 1) idx += j->bnd[idx + step - 1] < v ? step : 0;
+            const double ct = j->cent[idx];
+            cs += (double)v * ct;
+            sq += ct * ct;
+        }
+        j->cos[i] = cs;
+        j->cc[i] = sq;
+    }
+}
+
+/* Returns 0, or -1 for bad arguments (bits outside 1..8, nbnd != 2^bits - 1, a non-finite entry of y: then
+ * the outputs are unspecified). */
+QJL_EXPORT int qjl_cell_moments(const float *y, int64_t rows, int64_t n, const float *bnd, int32_t nbnd,
+                                const float *cent, int32_t bits, double *cos, double *cc, int32_t threads) {
+    if (bits < 1 || bits > 8 || nbnd != (1 << bits) - 1 || rows < 0 || n < 1) return -1;
+    for (int64_t i = 0; i < rows * n; i++)
+        if (!isfinite(y[i])) return -1;
+    const qjl_moments_job job = {y, bnd, cent, rows, n, bits, cos, cc};
+    const int64_t items = (rows + QJL_MOMENT_ROWS - 1) / QJL_MOMENT_ROWS;
+    parallel_for(items, items > 1 && threads > 1 ? threads : 1, moments_rows, (void *)&job);
+    return 0;
 }
 
 /* float32 -> a stored dtype's bits, rounded to nearest even exactly as torch's .to(dtype) (the callers
