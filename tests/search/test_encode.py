@@ -34,13 +34,18 @@ def test_c_encoder_bit_exact(bits, dim, scaled):
 
 
 @pytest.mark.parametrize("bits", [1, 3, 4])
-def test_search_codec_matches_turboquant(bits):
-    from qjl.search.codecs import SearchCodec
+@pytest.mark.parametrize("n,shifted", [(500, False), (2 * 1024 + 37, True)])
+def test_search_codec_matches_turboquant(bits, n, shifted):
+    """Rows in several encode chunks (ENCODE_ROWS), each shifted by ``shift`` inside encode, in order."""
+    from qjl.search.codecs import ENCODE_ROWS, SearchCodec
 
+    assert ENCODE_ROWS == 1024  # the second case spans three chunks
     sc = SearchCodec("tq-mse-rn", 64, bits)
-    x = torch.randn(500, 64) * 4
-    codes, factors = sc.encode(x)
-    ref = TurboQuantMSE(64, bits, correct_norm=True).quantize(x)
+    g = torch.Generator().manual_seed(n + bits)
+    x = torch.randn(n, 64, generator=g) * 4
+    shift = torch.randn(64, generator=g) if shifted else None
+    codes, factors = sc.encode(x, shift=shift)
+    ref = TurboQuantMSE(64, bits, correct_norm=True).quantize(x - shift if shifted else x)
     # rotate-then-divide against divide-then-rotate: codes differ only where a coordinate is within float32
     # rounding of a cell edge (then by one cell), so almost never
     from qjl.core.packing import unpack_bits

@@ -39,6 +39,7 @@ CODEC_NAMES = ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar")
 # zero-padded to the next power of two: more coordinates, so more bits per vector, as faiss's "HR," prefix)
 ROTATION_CODECS = {"haar": ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar"), "hadamard": ("tq-mse", "tq-mse-rn", "tq-prod")}
 FAST_CODECS = ("tq-mse", "tq-mse-rn", "qjl")  # one factor per vector, a sum over coordinates: fast-scannable
+ENCODE_ROWS = 1024  # rows shifted, rotated and encoded together: their rotated copy stays in cache
 
 
 def check_rotation(codec: str, rotation: str) -> None:
@@ -155,28 +156,38 @@ class SearchCodec:
         """Code bytes plus the float16 factors."""
         return self.stride + 2 * self.nseg
 
-    def _encode_mse(self, x: torch.Tensor, rbits: int = 0):
-        """TurboQuantMSE.quantize with the scale + bucket + pack step in C: ``x`` is rotated first and divided
-        by its norm in the kernel (codes equal TurboQuantMSE's up to float32 rounding at cell edges: encode.py)."""
+    def _encode_mse(self, x: torch.Tensor, rbits: int = 0, shift: torch.Tensor | None = None):
+        """TurboQuantMSE.quantize of ``x - shift`` with the scale + bucket + pack step in C: each chunk of
+        :data:`ENCODE_ROWS` rows is shifted, rotated and encoded while it is in cache (no [n, dim] temporaries),
+        and divided by its norm in the kernel (codes equal TurboQuantMSE's up to float32 rounding at cell
+        edges: encode.py)."""
         codec = self.codec
-        norm = torch.linalg.vector_norm(x, dim=-1)
+        parts, norms, dots = [], [], []
+        for xc in x.split(ENCODE_ROWS):
+            if shift is not None:
+                xc = xc - shift
+            norm = torch.linalg.vector_norm(xc, dim=-1)
+            codes, dot = encode_lloyd_max(codec.rotation.apply(xc).contiguous(), codec.codebook, codec.bits,
+                                          norm=torch.where(norm > 0, norm, torch.ones_like(norm)), rbits=rbits)
+            parts.append(codes)
+            norms.append(norm)
+            dots.append(dot)
+        codes, norm, dot = (torch.cat(t) if len(t) > 1 else t[0] for t in (parts, norms, dots))
         check_fits("norm of x", norm, torch.float16)
-        y = codec.rotation.apply(x)
-        codes, dot = encode_lloyd_max(y.contiguous(), codec.codebook, codec.bits,
-                                      norm=torch.where(norm > 0, norm, torch.ones_like(norm)), rbits=rbits)
         if codec.correct_norm:
             norm = norm / torch.where(dot > 0, dot, torch.ones_like(dot))
             check_fits("corrected norm of x", norm, torch.float16)
         return codes, norm.half().unsqueeze(0)
 
-    def encode(self, x: torch.Tensor, planes=None):
-        """x: [n, dim] float32 (finite) -> (codes [n, stride] uint8, factors [nseg, n] float16).
+    def encode(self, x: torch.Tensor, planes=None, shift: torch.Tensor | None = None):
+        """x: [n, dim] float32 (finite) -> (codes [n, stride] uint8, factors [nseg, n] float16) of ``x - shift``
+        (``shift``: [dim], or None).
 
         ``planes``: a :class:`~qjl.search.fastscan.FastLayout` -> the codes as its planes
         ``[n, planes.row_bytes]`` (``rows_to_planes(codes, planes)``; written so by the C encoder directly)."""
         if self.name in ("tq-mse", "tq-mse-rn"):
-            return self._encode_mse(x.float(), planes.rbits if planes is not None else 0)
-        codes, factors = self._encode_other(x)
+            return self._encode_mse(x.float(), planes.rbits if planes is not None else 0, shift)
+        codes, factors = self._encode_other(x if shift is None else x - shift)
         if planes is not None:
             from .fastscan import rows_to_planes
 

@@ -174,16 +174,19 @@ class Index:
         center = self.center_vec
         if self.config.center and center is None and n:
             center = x.mean(0)
-        xc = x if center is None else x - center
         cdots = None
         if self.cdots is not None:
             cdots = x @ center if n else torch.empty(0)
             check_fits("<center, x> (x times the index's center)", cdots, torch.float16)
         lists = assign(x, self.centroids) if self.config.nlist else torch.zeros(n, dtype=torch.int64)
         residual = self.config.nlist and self.config.by_residual
-        codes, factors = self.codec.encode(x - self.centroids[lists] if residual else xc, planes=self.fast)
+        if residual:
+            codes, factors = self.codec.encode(x - self.centroids[lists], planes=self.fast)
+        else:  # x - center is formed a chunk at a time inside encode
+            codes, factors = self.codec.encode(x, planes=self.fast, shift=center)
         new = {"codes": codes, "factors": factors, "ids": ids, "center_vec": center,
-               "norms": None if self.norms is None else torch.linalg.vector_norm(xc, dim=1).half(),
+               "norms": None if self.norms is None else torch.linalg.vector_norm(
+                   x if center is None else x - center, dim=1).half(),
                "cdots": None if cdots is None else cdots.half(),
                "vectors": None if self.vectors is None else x}
         self._merge(new, lists)
