@@ -67,6 +67,9 @@ def test_sensitivity_equals_the_direct_sum(heads_in_mask):
     for m in (mask, mask == 0):
         got = layer_sensitivity(q, k, v, m, 0.25, tokens)
         assert got == pytest.approx(want, rel=1e-5)
+    one = mask[:1]  # a mask of batch 1 broadcast over the batch
+    assert layer_sensitivity(q, k, v, one, 0.25, tokens) == pytest.approx(
+        _sensitivity_direct(q, k, v, one.expand(2, -1, -1, -1), 0.25, tokens), rel=1e-5)
     assert layer_sensitivity(q, k, v, None, 0.25, tokens) == pytest.approx(
         _sensitivity_direct(q, k, v, None, 0.25, tokens), rel=1e-5)
 
@@ -107,12 +110,20 @@ def test_default_key_candidates_leave_out_2_bit_keys_from_3_bits_per_value():
     assert widths(AutoBits(3.0, key_candidates=(AutoBits(2.5).key_candidates[0],))) == [2]
 
 
-def test_distortions_from_one_rotation_equal_the_codecs_own():
-    """The batched path (one rotation per sample, the codec's steps in the rotated basis) gives each codec's
-    own quantize/dequantize distortion: fp16 and fp8 norms, with and without the norm correction, 2-6 bits;
-    a padded Hadamard rotation and a codec with a per-sequence fit go through the codec itself."""
+@pytest.mark.parametrize("moments", ["c", "torch"])
+def test_distortions_from_one_rotation_equal_the_codecs_own(moments, monkeypatch):
+    """The batched path (one rotation per sample, each width's cell moments, every norm dtype's error from them)
+    gives each codec's own quantize/dequantize distortion: fp16 and fp8 norms, with and without the norm
+    correction, 2-6 bits, the moments from the C kernel or from torch; a padded Hadamard rotation and a codec
+    with a per-sequence fit go through the codec itself."""
     from qjl.cache.allocation import _distortion, distortions
     from qjl.codecs.registry import make_codec
+    from qjl.kernels.cpu import launch
+
+    if moments == "torch":
+        monkeypatch.setattr(launch, "available", lambda: False)
+    elif not launch.available():
+        pytest.skip("the C kernels do not build here")
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, 200, 64, generator=g) * torch.linspace(0.2, 3.0, 64)

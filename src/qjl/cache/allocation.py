@@ -116,7 +116,7 @@ def layer_sensitivity(query, keys, values, mask, scaling: float, tokens: slice) 
     logits = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling)  # [B, H_kv, g*R, L]
     if mask is not None:
         hidden = ~padding.visible(mask)  # [B, 1|H_q, R, L]
-        hidden = hidden.unsqueeze(1) if hidden.shape[1] == 1 else hidden.reshape(b, hkv, g, r, -1)
+        hidden = hidden.unsqueeze(1) if hidden.shape[1] == 1 else hidden.expand(b, hq, r, -1).reshape(b, hkv, g, r, -1)
         logits.view(b, hkv, g, r, -1).masked_fill_(hidden, float("-inf"))
     p = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
     o = torch.matmul(p, v)  # [B, H_kv, g*R, D]
