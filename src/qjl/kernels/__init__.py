@@ -32,8 +32,9 @@ _LAZY = {"paged_decode": "qjl.kernels.paged", "PagedField": "qjl.kernels.paged",
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _LAZY:  # imported on first use, then a plain attribute (no lookup per call in hot loops)
+        value = globals()[name] = getattr(importlib.import_module(_LAZY[name]), name)
+        return value
     raise AttributeError(f"module 'qjl.kernels' has no attribute {name!r}")
 
 

@@ -83,7 +83,7 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
     if key.shape[0] == 0:
         return
     from ... import kernels
-    from ...kernels.cpu.launch import store_rows
+    from ...kernels.cpu.launch import store_bounds, store_rows
 
     h = key.shape[1]
     kf, vf = _role(fields, "key"), _role(fields, "value")
@@ -92,10 +92,17 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
                 or _quantize_keys(layout.key_codec, key, blocks, offs, kf)),
                ("value", layout.value_codec, vf, _cpu_rows(layout.value_codec, value, vf)
                 or _codes(layout.value_codec, value)))
+    bounds = None
     for role, codec, role_fields, enc in encoded:
         if isinstance(enc, tuple):  # C rows: stored straight into the pages
             p = kernels.cpu_pass(codec)
-            store_rows(*enc, role_fields[p.codes], role_fields[p.norm], blocks, offs)
+            if bounds is None:  # the positions' checks, once per step when a plan is shared by the layers
+                bounds = plan.memo.get("store_bounds") if plan is not None else None
+                if bounds is None:
+                    bounds = store_bounds(blocks, offs)
+                    if plan is not None:
+                        plan.memo["store_bounds"] = bounds
+            store_rows(*enc, role_fields[p.codes], role_fields[p.norm], blocks, offs, bounds=bounds)
             continue
         for name, t in enc.fields.items():
             f = role_fields[name]

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 __all__ = ["available", "implementation", "simd_path", "paged_decode", "bucket_norms", "store_rows",
-           "cell_moments", "IMPLS"]
+           "cell_moments", "store_bounds", "IMPLS"]
 
 IMPLS = ("c", "c-portable")
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
@@ -288,29 +288,40 @@ def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Ten
     return cos.reshape(y.shape[:-1]), cc.reshape(y.shape[:-1])
 
 
-def store_rows(codes: torch.Tensor, stored: torch.Tensor, codes_field, norm_field, blocks: torch.Tensor,
-               slots: torch.Tensor) -> None:
-    """codes [N * H, nbytes] uint8 and stored norms [N * H] float32 (:func:`bucket_norms`) written into paged
-    fields (CPU buffers) at (blocks [N], slots [N], KV heads 0..H-1), the norm in ``norm_field``'s dtype."""
-    from qjl.kernels.paged import extent_bytes
-
-    mod = _require()
+def store_bounds(blocks: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """What :func:`store_rows` checks its positions with: (blocks, slots as int64 contiguous, the smallest of
+    both, the largest block, the largest slot).  A caller that stores several fields at the same positions (the
+    vLLM backend: every layer of a step) computes it once and passes it as ``bounds``."""
     for name, t in (("blocks", blocks), ("slots", slots)):
         if not isinstance(t, torch.Tensor) or t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
             raise ValueError(f"{name} must be a 1-d int tensor, got {getattr(t, 'shape', t)!r}")
-    n_tok = blocks.shape[0]
+    if blocks.shape[0] == 0 or slots.shape != blocks.shape:
+        raise ValueError(f"blocks and slots must hold one entry per token (at least one), got "
+                         f"{tuple(blocks.shape)} and {tuple(slots.shape)}")
+    blk, slt = blocks.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    return blk, slt, min(int(blk.min()), int(slt.min())), int(blk.max()), int(slt.max())
+
+
+def store_rows(codes: torch.Tensor, stored: torch.Tensor, codes_field, norm_field, blocks: torch.Tensor,
+               slots: torch.Tensor, bounds: tuple | None = None) -> None:
+    """codes [N * H, nbytes] uint8 and stored norms [N * H] float32 (:func:`bucket_norms`) written into paged
+    fields (CPU buffers) at (blocks [N], slots [N], KV heads 0..H-1), the norm in ``norm_field``'s dtype.
+    ``bounds``: :func:`store_bounds` of these blocks and slots (computed here when None)."""
+    from qjl.kernels.paged import extent_bytes
+
+    mod = _require()
+    blk, slt, lo, top_block, top_slot = store_bounds(blocks, slots) if bounds is None else bounds
+    n_tok = blk.shape[0]
     rows, nbytes = codes.shape
-    if (n_tok == 0 or slots.shape[0] != n_tok or rows % n_tok or tuple(stored.shape) != (rows,)
+    if (slt.shape[0] != n_tok or rows % n_tok or tuple(stored.shape) != (rows,)
             or codes_field.entry_bytes != nbytes or norm_field.dtype not in _DTYPES):
         raise ValueError(f"store_rows: {rows} rows of {nbytes} bytes (stored {tuple(stored.shape)}) do not fit "
                          f"{n_tok} tokens of {codes_field.entry_bytes}-byte codes with a {norm_field.dtype} norm")
-    blk, slt = blocks.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
-    lo = min(int(blk.min()), int(slt.min()))
     for name, f in (("codes_field", codes_field), ("norm_field", norm_field)):
         if f.buffer.device.type != "cpu":
             raise ValueError(f"{name} must live in CPU memory, got {f.buffer.device}")
-        last = (f.offset + int(blk.max()) * f.stride_block + (rows // n_tok - 1) * f.stride_head
-                + int(slt.max()) * f.stride_token + f.entry_bytes)
+        last = (f.offset + top_block * f.stride_block + (rows // n_tok - 1) * f.stride_head
+                + top_slot * f.stride_token + f.entry_bytes)
         if lo < 0 or min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > extent_bytes(f.buffer):
             raise ValueError(f"{name}: blocks/slots reach byte {last} of a buffer of {extent_bytes(f.buffer)} "
                              f"(or an index is negative): nothing stored")
