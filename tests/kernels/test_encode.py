@@ -97,8 +97,9 @@ def _pool(blocks=7, heads=3, slots=5, entry=40, seed=0):
 @pytest.mark.parametrize("bits,correct", [(1, False), (3, True), (4, True), (5, False)])
 def test_encoded_rows_stored_into_pages_are_the_codecs_codes(norm_dtype, bits, correct):
     """encode_rows_cpu + store_rows: each token's codes and norm land at its (block, slot) for every head, equal to
-    ``codec.quantize`` (codes bit-exact; corrected norms within one ulp of their dtype), and no other byte changes."""
-    from qjl.kernels.cpu.launch import store_rows
+    ``codec.quantize`` (codes bit-exact; corrected norms within one ulp of their dtype), and no other byte changes;
+    with ``bounds`` precomputed (store_bounds) the same."""
+    from qjl.kernels.cpu.launch import store_bounds, store_rows
 
     codec = TurboQuantMSE(64, bits, seed=bits, correct_norm=correct, norm_dtype=norm_dtype)
     p = kernels.cpu_pass(codec)
@@ -130,7 +131,16 @@ def test_encoded_rows_stored_into_pages_are_the_codecs_codes(norm_dtype, bits, c
         store_rows(*rows, codes_f, norm_f, blocks, slots.float())
     with pytest.raises(ValueError, match="do not fit"):
         store_rows(rows[0], rows[1][:-1], codes_f, norm_f, blocks, slots)
+    with pytest.raises(ValueError, match="one entry per token"):
+        store_rows(*rows, codes_f, norm_f, blocks[:0], slots[:0])
+    with pytest.raises(ValueError, match="one entry per token"):
+        store_rows(*rows, codes_f, norm_f, blocks, slots[:-1])
+    far = store_bounds(blocks + 7, slots)  # precomputed bounds are what is checked and written
+    with pytest.raises(ValueError, match="reach byte"):
+        store_rows(*rows, codes_f, norm_f, blocks, slots, bounds=far)
     assert torch.equal(buf, before_bad)
+    store_rows(*rows, codes_f, norm_f, blocks, slots, bounds=store_bounds(blocks, slots))
+    assert torch.equal(buf, before_bad)  # the same bytes again: passing the bounds changes nothing
     touched = torch.zeros(7, 3, 5, dtype=torch.bool)
     touched[blocks[:, None], heads, slots[:, None]] = True
     assert torch.equal(buf[~touched], before[~touched])
