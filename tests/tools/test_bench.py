@@ -16,7 +16,10 @@ def test_attention_and_quantize_rows(tmp_path):
     methods = {r["method"] for r in rows}
     assert {"sdpa-fp32 (enable_gqa)", "sdpa-fp32 (rows)", "sdpa-bf16 (rows)", "kivi-k2v2 dequant+sdpa"} <= methods
     ours = [r for r in rows if r["method"].startswith("tq-k3v2")]
-    assert len(ours) == 1 and ours[0]["method"].endswith("[cpu]")  # the CPU kernel was picked
+    # one row per codec pair of the preset's layers (3-bit keys in layers 0-27, 4-bit in the last two)
+    assert [r["method"] for r in ours] == ["tq-k3v2 L0-27 [cpu]", "tq-k3v2 L28-29 [cpu]"]  # the CPU kernel
+    assert ours[0]["bytes"] < ours[1]["bytes"]  # wider keys hold more
+    assert bench.layer_groups("tq-k45v3") == [(0, 14), (15, 29)] and bench.layer_groups("qjl-paper") == [(0, 29)]
     fp32 = next(r for r in rows if r["method"] == "sdpa-fp32 (rows)")
     assert fp32["bytes"] == 2 * 3 * 300 * 64 * 4
     assert 0 < ours[0]["bytes"] < fp32["bytes"] / 2  # bytes held (128-token fp16 window included): smaller

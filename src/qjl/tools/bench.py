@@ -13,8 +13,9 @@ measured bandwidth (the roofline of a bandwidth-bound decode).  Parts (:data:`PA
    KIVI-style dequantize-then-SDPA (contexts up to 16k: it is two orders slower), and
    :func:`qjl.cache.attention.attend` with the kernel the cache picks (:func:`qjl.kernels.paged_decode`:
    the C kernel on CPU, Triton on CUDA) for the presets ``tq-k3v2`` (<= 3.2 bits), ``qjl-paper`` and the
-   default ``tq-k45v3`` (its early-layer codecs); the layer holds the context as codes + its exact
-   window, as in generation.
+   default ``tq-k45v3``, one row per codec pair a preset uses across the embedded model's 30 layers
+   (:func:`layer_groups`: ``tq-k45v3 L0-14`` with 4-bit keys, ``L15-29`` with 5-bit); the layer holds the
+   context as codes + its exact window, as in generation.
 2. **quantization**: compressing the keys and values of an 8k-token prefill of the Llama
    layer, against a plain copy of the same tensors and against the prefill's causal attention.
 3. **end to end**: the embedded model with an 8k-token prompt (prefilled in chunks), then
@@ -74,12 +75,30 @@ def _median_ms(fn, repeats: int, warmup: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _layer(preset: str, k: torch.Tensor, v: torch.Tensor, kernel: str = "auto"):
-    """A LayerStore holding k, v [1, H_kv, L, D] as generation would leave it (codes + exact window)."""
+NUM_LAYERS = 30  # the embedded model's depth: where a preset's per-layer codecs change
+
+
+def layer_groups(preset: str, num_layers: int = NUM_LAYERS) -> list:
+    """[(first layer, last layer)] of the runs of layers sharing one (key, value) codec pair in ``preset``
+    (``tq-k45v3``: 4-bit keys in layers 0-14, 5-bit from 15 on); each is timed as its own row."""
+    from qjl.cache.config import QJLConfig
+
+    cfg, groups = QJLConfig.preset(preset), []
+    for i in range(num_layers):
+        if groups and cfg.specs(i, num_layers) == cfg.specs(groups[-1][0], num_layers):
+            groups[-1][1] = i
+        else:
+            groups.append([i, i])
+    return [tuple(g) for g in groups]
+
+
+def _layer(preset: str, k: torch.Tensor, v: torch.Tensor, kernel: str = "auto", layer_idx: int = 0):
+    """A LayerStore of layer ``layer_idx`` holding k, v [1, H_kv, L, D] as generation would leave it (codes +
+    exact window)."""
     from qjl.cache.config import QJLConfig
     from qjl.cache.storage import LayerStore
 
-    store = LayerStore(0, QJLConfig.preset(preset, kernel=kernel), num_layers=30)
+    store = LayerStore(layer_idx, QJLConfig.preset(preset, kernel=kernel), num_layers=NUM_LAYERS)
     store.append(k, v)
     store.flush()
     return store
@@ -136,9 +155,13 @@ def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smo
             from qjl.cache.attention import attend
 
             for preset in presets:
-                store = _layer(preset, k, v, kernel)
-                held = sum(store.nbytes().values())
-                timed[f"{preset} [{store.backend}]"] = (lambda store=store: attend(store, q, None, scale), held)
+                groups = layer_groups(preset)
+                for first, last in groups:  # one row per codec pair of the preset's layers
+                    store = _layer(preset, k, v, kernel, first)
+                    held = sum(store.nbytes().values())
+                    part = f" L{first}-{last}" if len(groups) > 1 else ""
+                    timed[f"{preset}{part} [{store.backend}]"] = (lambda store=store: attend(store, q, None, scale),
+                                                                   held)
             results = {}
             for method, (fn, nbytes) in timed.items():
                 ms = _median_ms(fn, repeats, warmup)
