@@ -201,15 +201,22 @@ def test_cell_moments_equal_the_torch_reference(bits):
     assert torch.equal(want[1].flatten()[2], (cent[torch.bucketize(torch.zeros(64), bnd)].double() ** 2).sum())
 
 
-def test_cell_moments_refuse_bad_input():
+@pytest.mark.parametrize("impl", ["c", "torch"])
+def test_cell_moments_refuse_bad_input(impl):
+    from qjl.core.lloyd_max import cell_moments
     from qjl.kernels.cpu import launch
 
+    fn = launch.cell_moments if impl == "c" else cell_moments
     c = TurboQuantMSE(64, 3)
     y = torch.randn(5, 64)
     y[3, 7] = float("inf")
-    with pytest.raises(ValueError, match="finite"):
-        launch.cell_moments(y, c.boundaries, c.centroids)
+    with pytest.raises(ValueError, match="finite|NaN or Inf"):
+        fn(y, c.boundaries, c.centroids)
     with pytest.raises(ValueError, match="codebook"):
-        launch.cell_moments(torch.randn(5, 64), c.boundaries[:-1], c.centroids)
+        fn(torch.randn(5, 64), c.boundaries[:-1], c.centroids)
     with pytest.raises(ValueError, match="codebook"):
-        launch.cell_moments(torch.randn(5, 64), c.boundaries[:5], c.centroids[:6])
+        fn(torch.randn(5, 64), c.boundaries[:5], c.centroids[:6])
+    with pytest.raises(TypeError, match="y must"):
+        fn(torch.ones(5, 64, dtype=torch.long), c.boundaries, c.centroids)
+    with pytest.raises(TypeError, match="centroids"):
+        fn(torch.randn(5, 64), c.boundaries, c.centroids.long())

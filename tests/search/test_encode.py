@@ -85,3 +85,13 @@ def test_encoder_writes_the_fast_scan_planes(bits, scan_bits, dim):
         assert torch.allclose(d, d0, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="rbits"):
         encode_lloyd_max(y, book, bits, rbits=bits)
+
+
+def test_search_codec_names_a_bad_shift():
+    from qjl.search.codecs import SearchCodec
+
+    sc = SearchCodec("tq-mse-rn", 64, 2)
+    for bad in (torch.zeros(63), torch.zeros(2, 64), torch.zeros(64, dtype=torch.long), [0.0] * 64):
+        with pytest.raises(ValueError, match="shift"):
+            sc.encode(torch.randn(4, 64), shift=bad)
+

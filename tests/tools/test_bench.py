@@ -40,6 +40,10 @@ def test_bad_arguments_are_named():
         bench.run_attention(contexts=(64,), layers=("gpt-5",))
     with pytest.raises(ValueError, match="contexts"):
         bench.run_attention(contexts=(0,))
+    with pytest.raises(ValueError, match="num_layers"):
+        bench.layer_groups("tq-k3v2", 0)
+    with pytest.raises(ValueError, match="preset"):
+        bench.layer_groups("tq-k9v9")
     with pytest.raises(ValueError, match="layer"):
         bench.run_quantize(tokens=64, layer="nope")
     with pytest.raises(ValueError, match="methods"):

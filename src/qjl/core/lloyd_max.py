@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Codebook", "sphere_codebook", "polar_codebook", "lloyd_max", "sphere_pdf", "polar_pdf", "cell_moments"]
+__all__ = ["Codebook", "sphere_codebook", "polar_codebook", "lloyd_max", "sphere_pdf", "polar_pdf", "cell_moments", "check_codebook"]
 
 _VERSION = 1
 _GRID = 400_001
@@ -167,11 +167,31 @@ def bucket(y: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
     return idx.long()
 
 
+def check_codebook(boundaries: torch.Tensor, centroids: torch.Tensor) -> int:
+    """The bits of a Lloyd-Max codebook given as tensors (``2^bits`` centroids, ``2^bits - 1`` boundaries,
+    bits 1-8); ValueError/TypeError naming the argument otherwise."""
+    for name, t in (("boundaries", boundaries), ("centroids", centroids)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.ndim != 1:
+            raise TypeError(f"{name} must be a 1-d float tensor, got {getattr(t, 'dtype', type(t).__name__)} "
+                            f"{tuple(getattr(t, 'shape', ()))}")
+    bits = centroids.numel().bit_length() - 1
+    if centroids.numel() < 2 or centroids.numel() != 1 << bits or bits > 8 or boundaries.numel() != centroids.numel() - 1:
+        raise ValueError(f"centroids/boundaries must be a codebook of 2^bits cells (bits 1-8), got "
+                         f"{centroids.numel()} centroids and {boundaries.numel()} boundaries")
+    return bits
+
+
 def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tensor) -> tuple:
     """Per-row moments of the cells of y: [..., n] -> (cos [...], cc [...]) float64 with ``cos = sum_i y_i c_i``
     and ``cc = sum_i c_i^2``, ``c_i = centroids[bucket(y_i)]``.  With the norm ``s`` a codec stores for a row
     of norm ``r`` (``y`` the unit vector rotated), ``||r y - s c||^2 = r^2 - 2 r s cos + s^2 cc``: what the
-    width allocation reads a candidate's distortion from (its C twin: ``qjl.kernels.cpu.launch.cell_moments``)."""
+    width allocation reads a candidate's distortion from (its C twin: ``qjl.kernels.cpu.launch.cell_moments``).
+    Raises TypeError/ValueError for a y that is not a finite float tensor or a codebook of the wrong size."""
+    from qjl.core.validation import check_vectors
+
+    check_codebook(boundaries, centroids)
+    if not isinstance(y, torch.Tensor) or y.ndim < 1:
+        raise TypeError(f"y must be a float tensor [..., n], got {type(y).__name__}")
+    check_vectors("y", y, y.shape[-1])
     c = centroids.to(y.device)[bucket(y, boundaries.to(y.device))].double()
     return (y.double() * c).sum(-1), c.square().sum(-1)
-

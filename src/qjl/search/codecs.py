@@ -185,6 +185,10 @@ class SearchCodec:
 
         ``planes``: a :class:`~qjl.search.fastscan.FastLayout` -> the codes as its planes
         ``[n, planes.row_bytes]`` (``rows_to_planes(codes, planes)``; written so by the C encoder directly)."""
+        if shift is not None and (not isinstance(shift, torch.Tensor) or not shift.is_floating_point()
+                                  or tuple(shift.shape) != (self.dim,)):
+            raise ValueError(f"shift must be a float tensor [{self.dim}] or None, got "
+                             f"{getattr(shift, 'dtype', type(shift).__name__)} {tuple(getattr(shift, 'shape', ()))}")
         if self.name in ("tq-mse", "tq-mse-rn"):
             return self._encode_mse(x.float(), planes.rbits if planes is not None else 0, shift)
         codes, factors = self._encode_other(x if shift is None else x - shift)

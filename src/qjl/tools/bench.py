@@ -83,6 +83,8 @@ def layer_groups(preset: str, num_layers: int = NUM_LAYERS) -> list:
     (``tq-k45v3``: 4-bit keys in layers 0-14, 5-bit from 15 on); each is timed as its own row."""
     from qjl.cache.config import QJLConfig
 
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
     cfg, groups = QJLConfig.preset(preset), []
     for i in range(num_layers):
         if groups and cfg.specs(i, num_layers) == cfg.specs(groups[-1][0], num_layers):

@@ -271,12 +271,13 @@ def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Ten
     """:func:`qjl.core.lloyd_max.cell_moments` in C: y [..., n] float (CPU) against a codebook of ``2^bits`` cells
     -> (cos [...], cc [...]) float64, ``sum y c`` and ``sum c^2`` over each row's cells (summed in float64 in
     coordinate order).  Raises ValueError for a non-finite y or a codebook that is not ``2^bits`` cells."""
+    from qjl.core.lloyd_max import check_codebook
+
     mod = _require()
+    bits = check_codebook(boundaries, centroids)
+    if not isinstance(y, torch.Tensor) or not y.is_floating_point() or y.ndim < 1 or y.device.type != "cpu":
+        raise TypeError(f"y must be a float CPU tensor [..., n], got {getattr(y, 'dtype', type(y).__name__)}")
     bnd, cent = _f32(boundaries), _f32(centroids)
-    bits = cent.numel().bit_length() - 1
-    if cent.numel() < 2 or cent.numel() != 1 << bits or bnd.numel() != cent.numel() - 1 or bits > 8:
-        raise ValueError(f"centroids/boundaries must be a codebook of 2^bits cells (bits 1-8), got "
-                         f"{cent.numel()} centroids and {bnd.numel()} boundaries")
     n = y.shape[-1]
     y2 = _f32(y.reshape(-1, n))
     cos, cc = torch.empty(y2.shape[0], dtype=torch.float64), torch.empty(y2.shape[0], dtype=torch.float64)
