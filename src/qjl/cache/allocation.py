@@ -155,7 +155,7 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False) -> list:
     error follows without packing or the inverse rotation: ``||r y - s c||^2 = r^2 - 2 r s cos + s^2 cc`` with
     ``s`` the norm the codec stores (corrected by ``cos`` and rounded to its dtype as the codec does).  Equal to
     the one-by-one path up to float32 rounding (tested)."""
-    from qjl.core.validation import check_fits, check_vectors
+    from qjl.core.validation import check_vectors
 
     codecs = list(codecs)
     if not codecs:
@@ -178,12 +178,7 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False) -> list:
         if key + (codec.bits,) not in moments:
             moments[key + (codec.bits,)] = _moments(rotated[key], codec.centroids, codec.boundaries)
         cos, cc = moments[key + (codec.bits,)]
-        stored = norm
-        if codec.correct_norm:  # as TurboQuantMSE.cells: ||x|| / <u, u_hat> where positive, in float32
-            c32 = cos.float()
-            stored = norm / torch.where(c32 > 0, c32, torch.ones_like(c32))
-        check_fits("corrected norm of x" if codec.correct_norm else "norm of x", stored, codec.norm_dtype)
-        s = stored.to(codec.norm_dtype).double()
+        s = codec.stored_norm(norm, cos.float()).double()  # the codec's float32 correction and rounding
         err = (r.square() - 2 * r * s * cos + s.square() * cc).clamp(min=0).sum()
         out.append(float(err) / total)
     return out

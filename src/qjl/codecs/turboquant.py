@@ -88,11 +88,17 @@ class TurboQuantMSE(Codec):
         int64 Lloyd-Max cells, the stored norm [...] in ``norm_dtype``: ``||x||``, or ``||x|| / <u, u_hat>`` with
         ``correct_norm``).  Raises ValueError where the stored norm overflows its dtype."""
         idx = bucket(y, on_device(self._boundaries, y.device))
-        if self.correct_norm:
-            cos = (y * on_device(self._centroids, y.device)[idx]).sum(-1)  # <u, u_hat> > 0 for any b >= 1
+        cos = (y * on_device(self._centroids, y.device)[idx]).sum(-1) if self.correct_norm else None
+        return idx, self.stored_norm(norm, cos)
+
+    def stored_norm(self, norm: torch.Tensor, cos: torch.Tensor | None) -> torch.Tensor:
+        """The norm this codec stores for vectors of norm ``norm`` [...] whose cells have ``cos`` [...] =
+        ``<u, u_hat>`` (used only with ``correct_norm``): ``||x||`` or ``||x|| / <u, u_hat>`` where positive, in
+        ``norm_dtype``.  Raises ValueError where it overflows that dtype."""
+        if self.correct_norm:  # <u, u_hat> > 0 for any b >= 1
             norm = norm / torch.where(cos > 0, cos, torch.ones_like(cos))
         check_fits("corrected norm of x" if self.correct_norm else "norm of x", norm, self.norm_dtype)
-        return idx, norm.to(self.norm_dtype)
+        return norm.to(self.norm_dtype)
 
     def norm_limit(self) -> float:
         """Norms up to the norm dtype's max are stored; with ``correct_norm`` the stored norm is

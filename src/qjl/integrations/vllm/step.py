@@ -93,6 +93,15 @@ class StepPlan:
                    (kept % block_size).to(dev), dec, qsl[dec], history, drows, prefill, erows, eblocks.to(dev),
                    eslots.to(dev))
 
+    def store_bounds(self) -> tuple:
+        """:func:`qjl.kernels.cpu.launch.store_bounds` of the step's code writes (``write_blocks``,
+        ``write_offsets``), computed once for every layer's store."""
+        if "store_bounds" not in self.memo:
+            from qjl.kernels.cpu.launch import store_bounds
+
+            self.memo["store_bounds"] = store_bounds(self.write_blocks, self.write_offsets)
+        return self.memo["store_bounds"]
+
     def addresses(self, tag: str, f, num_heads: int, blocks, slots) -> torch.Tensor:
         """``f.addresses(blocks[:, None], heads[None, :], slots[:, None])`` [N, H, entry_bytes], memoized by
         ``tag`` and the field's geometry."""

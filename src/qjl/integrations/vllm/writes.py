@@ -96,12 +96,8 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
     for role, codec, role_fields, enc in encoded:
         if isinstance(enc, tuple):  # C rows: stored straight into the pages
             p = kernels.cpu_pass(codec)
-            if bounds is None:  # the positions' checks, once per step when a plan is shared by the layers
-                bounds = plan.memo.get("store_bounds") if plan is not None else None
-                if bounds is None:
-                    bounds = store_bounds(blocks, offs)
-                    if plan is not None:
-                        plan.memo["store_bounds"] = bounds
+            if bounds is None:  # the positions' checks: once per step when a plan is shared by the layers
+                bounds = plan.store_bounds() if plan is not None else store_bounds(blocks, offs)
             store_rows(*enc, role_fields[p.codes], role_fields[p.norm], blocks, offs, bounds=bounds)
             continue
         for name, t in enc.fields.items():

@@ -11,6 +11,14 @@ typedef struct {
     float *cos;
 } qjl_bucket_job;
 
+/* The Lloyd-Max cell of v: the number of the 2^bits - 1 sorted boundaries below it (torch.bucketize), by a
+ * branchless search (top = 2^(bits - 1)). */
+static inline int lm_cell(const float *bnd, int top, float v) {
+    int idx = 0;
+    for (int step = top; step; step >>= 1) idx += bnd[idx + step - 1] < v ? step : 0;
+    return idx;
+}
+
 static void bucket_row(void *ctx, int64_t i) {
     const qjl_bucket_job *j = ctx;
     const int64_t n = j->n, nbytes = j->nbytes;
@@ -21,12 +29,7 @@ static void bucket_row(void *ctx, int64_t i) {
     float acc = 0.0f;
     for (int64_t c = 0; c < n; c++) {
         const float v = yi[c];
-        int lo = 0, hi = nbnd; /* first boundary >= v */
-        while (lo < hi) {
-            const int mid = (lo + hi) / 2;
-            if (bnd[mid] < v) lo = mid + 1;
-            else hi = mid;
-        }
+        const int lo = lm_cell(bnd, (nbnd + 1) / 2, v);
         acc += v * j->cent[lo];
         const int64_t pos = c * bits;
         const uint32_t w = (uint32_t)lo << (pos & 7);
@@ -38,7 +41,7 @@ static void bucket_row(void *ctx, int64_t i) {
 
 /* Moments of rows y [rows, n] against a Lloyd-Max codebook of 2^bits cells: cos[i] = sum_c y[i,c] * cent[cell],
  * cc[i] = sum_c cent[cell]^2 (cell = the number of boundaries below y[i,c], as torch.bucketize), float64 sums
- * in coordinate order.  The cell by a branchless search over the 2^bits - 1 sorted boundaries. */
+ * in coordinate order (cells by lm_cell). */
 typedef struct {
     const float *y, *bnd, *cent;
     int64_t rows, n;
@@ -58,9 +61,7 @@ static void moments_rows(void *ctx, int64_t item) {
         double cs = 0.0, sq = 0.0;
         for (int64_t c = 0; c < j->n; c++) {
             const float v = yi[c];
-            int idx = 0;
-            for (int step = top; step; step >>= 1) idx += j->bnd[idx + step - 1] < v ? step : 0;
-            const double ct = j->cent[idx];
+            const double ct = j->cent[lm_cell(j->bnd, top, v)];
             cs += (double)v * ct;
             sq += ct * ct;
         }
