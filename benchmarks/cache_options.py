@@ -7,7 +7,10 @@ the others are held out.  Writes ``<out>/cache-options-<time>/{config.json,metri
 
     python benchmarks/cache_options.py --methods tq-k45v3,tq-k3v3 --vary smooth_keys=False,True
     python benchmarks/cache_options.py --methods tq-k45v3 --vary exact_dtype=None,fp16
-    python benchmarks/cache_options.py --methods auto:3.0,tq-k3v2 --vary smooth_keys=True
+    python benchmarks/cache_options.py --methods auto:3.0,tq-k3v2 --vary smooth_values=False,True --texts held-out
+    python benchmarks/cache_options.py --methods tq-k3v2 --variants none smooth_values=True+smooth_keys=False
+
+Texts are ``qjl eval``'s (:mod:`qjl.tools.texts`: corpus names, ``held-out``, ``all``, or file paths).
 
 A method is a preset name or ``auto:<bits>`` (``QJLConfig.auto(bits_per_value=<bits>)``).
 """
@@ -21,48 +24,45 @@ from pathlib import Path
 
 import torch
 
-TEXTS = {
-    "gpl3": "/usr/share/common-licenses/GPL-3",  # the tuning text
-    "mpl2": "/usr/share/common-licenses/MPL-2.0",  # held out: another license
-    "argparse": "/usr/lib/python3.11/argparse.py",  # held out: source code (falls back to this Python's copy)
-}
-
-
-def _text_path(name: str) -> str:
-    import argparse as stdlib_argparse
-
-    path = TEXTS.get(name, name)
-    if name == "argparse" and not Path(path).exists():
-        path = stdlib_argparse.__file__
-    return path
-
-
-def _config(method: str, field: str | None, value):
+def _config(method: str, extra: dict):
     from qjl import QJLConfig
 
-    extra = {} if field is None else {field: value}
     if method.startswith("auto:"):
         return QJLConfig.auto(bits_per_value=float(method.split(":", 1)[1]), **extra)
     return QJLConfig.preset(method, **extra)
 
 
-def _parse_vary(spec: str | None):
+_CONV = {"None": None, "True": True, "False": False}
+
+
+def _parse_vary(spec: str | None, variants=None) -> list:
+    """-> [(label, {field: value})]: ``FIELD=V1,V2`` one field's values, or ``variants`` (each ``none`` or
+    ``F1=V1+F2=V2``: several fields at once)."""
+    if variants:
+        out = []
+        for v in variants:
+            pairs = [] if v == "none" else [a.split("=", 1) for a in v.split("+")]
+            out.append((v, {f: _CONV.get(x, x) for f, x in pairs}))
+        return out
     if not spec:
-        return None, [None]
+        return [("", {})]
     field, values = spec.split("=", 1)
-    conv = {"None": None, "True": True, "False": False}
-    return field, [conv.get(v, v) for v in values.split(",")]
+    return [(f"{field}={v}", {field: _CONV.get(v, v)}) for v in values.split(",")]
 
 
 def main(argv=None) -> int:
     from qjl import patch_attention
     from qjl.tools.evaluate import EvalSetup, evaluate_method, load_text_ids
     from qjl.tools.models import load_model
+    from qjl.tools.texts import resolve_texts
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", default="tq-k45v3", help="comma-separated presets or auto:<bits>")
     p.add_argument("--vary", default=None, help="FIELD=V1,V2 (a QJLConfig field and its values)")
-    p.add_argument("--texts", default="gpl3,mpl2,argparse", help=f"comma-separated: {sorted(TEXTS)} or paths")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="instead of --vary: each 'none' or F1=V1+F2=V2 (several QJLConfig fields at once)")
+    p.add_argument("--texts", default="gpl-3,licenses,python-source",
+                   help="comma-separated corpus texts (qjl.tools.texts), 'held-out', 'all' or file paths")
     p.add_argument("--context", type=int, default=1536)
     p.add_argument("--score", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
@@ -70,34 +70,34 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     torch.set_grad_enabled(False)
-    field, values = _parse_vary(a.vary)
+    variants = _parse_vary(a.vary, a.variants)
     methods = [m for m in a.methods.split(",") if m]
     for m in methods:  # bad names fail before the model loads
-        for v in values:
-            _config(m, field, v)
+        for _, extra in variants:
+            _config(m, extra)
+    texts = resolve_texts(a.texts.split(","))
     model, tok = load_model()
     patch_attention(model)
-    setup = EvalSetup(context=a.context, score=a.score, passkey_trials=0)
+    setup = EvalSetup(context=a.context, score=a.score)
     out = Path(a.out) / time.strftime("cache-options-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(vars(a), indent=1))
     rows = []
-    for text in a.texts.split(","):
-        ids = load_text_ids(tok, _text_path(text), setup.context + setup.score + 1)
-        ref_m, ref = evaluate_method(model, tok, ids, setup, None)
+    for text in texts:
+        ids, _ = load_text_ids(tok, text, setup.tokens)
+        ref_m, ref = evaluate_method(model, ids, setup, None)
         for method in methods:
-            for v in values:
-                cfg = _config(method, field, v)
+            for label, extra in variants:
+                cfg = _config(method, extra)
                 t0 = time.perf_counter()
-                m, _ = evaluate_method(model, tok, ids, setup, cfg, ref)
-                row = {"text": text, "method": method, "field": field, "value": v, "kl": m["kl"], "top1": m["top1"],
-                       "ppl_delta_pct": 100 * (m["ppl"] / ref_m["ppl"] - 1), "key_bits": m["key_bits"],
-                       "value_bits": m["value_bits"], "bits_per_value": m["bits_per_value"],
+                m, _ = evaluate_method(model, ids, setup, cfg, ref)
+                row = {"text": text, "method": method, "variant": label, "fields": extra, "kl": m["kl"], "top1": m["top1"],
+                       "ppl_delta_pct": 100 * (m["ppl"] / ref_m["ppl"] - 1),
+                       "compressed_bits": m["compressed_bits"],
                        "seconds": time.perf_counter() - t0}
                 rows.append(row)
-                print(f"{text:9s} {method:10s} {field or ''}={v!s:6s} KL {row['kl']:.4f}  ppl {row['ppl_delta_pct']:+.2f}%"
-                      f"  top1 {100 * row['top1']:.1f}%  bits K/V {row['key_bits']:.2f}/{row['value_bits']:.2f}",
-                      flush=True)
+                print(f"{text:14s} {method:10s} {label:30s} KL {row['kl']:.4f}  ppl {row['ppl_delta_pct']:+.2f}%"
+                      f"  top1 {100 * row['top1']:.1f}%  bits {row['compressed_bits']:.2f}", flush=True)
                 (out / "metrics.json").write_text(json.dumps(rows, indent=1))
     print(f"results: {out}")
     return 0

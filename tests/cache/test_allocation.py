@@ -163,6 +163,10 @@ def test_planned_budget_names_bad_arguments():
     from qjl.cache.allocation import planned_budget
 
     assert planned_budget(3.0, 6400, 32, False, 64, 64) == pytest.approx(3.0 / (1 + 100 / 6400))
+    # key / value means: one fp32 per row and channel, over the n tokens' key + value coordinates
+    for sk, sv, dims in ((True, False, 64), (False, True, 32), (True, True, 96)):
+        want = (3.0 - 32.0 * dims / (6400 * (64 + 32))) / (1 + 100 / 6400)
+        assert planned_budget(3.0, 6400, 32, sk, 64, 32, smooth_values=sv) == pytest.approx(want)
     for kw, name in ((dict(budget=0.0), "budget"), (dict(tokens=-1), "tokens"), (dict(flush_block=0), "flush_block"),
                      (dict(key_dim=1.5), "key_dim")):
         args = dict(budget=3.0, tokens=100, flush_block=32, smooth_keys=True, key_dim=64, value_dim=64) | kw

@@ -1,10 +1,11 @@
-"""Key smoothing: exact for softmax, a smaller error for keys with a shared offset, counted in bytes."""
+"""Key and value smoothing: exact for softmax, a smaller error for keys / values with a shared offset, counted
+in bytes; the value mean weighted by the prompt's attention."""
 
 import torch
 
 from qjl import CodecSpec, QJLConfig
 from qjl.cache.attention import attend
-from qjl.cache.smoothing import channel_mean
+from qjl.cache.smoothing import attention_weighted_mean, channel_mean
 from qjl.cache.storage import LayerStore
 
 
@@ -18,7 +19,8 @@ def test_channel_mean_skips_padding():
 def _store(smooth, bits=3, kernel="torch", residual=8):
     key = CodecSpec("turboquant_mse", {"bits": bits, "correct_norm": True})
     cfg = QJLConfig(key=key, value=CodecSpec("turboquant_mse", {"bits": 8}), late_key=None, residual_length=residual,
-                    flush_block=4, sink_tokens=2, smooth_keys=smooth, kernel=kernel, exact_dtype=None)
+                    flush_block=4, sink_tokens=2, smooth_keys=smooth, smooth_values=False, kernel=kernel,
+                    exact_dtype=None)
     return LayerStore(0, cfg)
 
 
@@ -58,3 +60,165 @@ def test_smoothing_keeps_softmax_exact_and_helps_codes():
     store = _store(True)
     _run(store, k, v, q)
     assert store.nbytes()["smoothing"] == 1 * 2 * 64 * 4  # mu: fp32 [B, H, D], counted
+
+
+def _vstore(smooth_values, vbits=8, kernel="torch", residual=8, smooth_keys=False):
+    cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 8, "correct_norm": True}),
+                    value=CodecSpec("turboquant_mse", {"bits": vbits, "correct_norm": True}), late_key=None,
+                    residual_length=residual, flush_block=4, sink_tokens=2, smooth_keys=smooth_keys,
+                    smooth_values=smooth_values, kernel=kernel, exact_dtype=None)
+    return LayerStore(0, cfg)
+
+
+def _values_with_offset(n, seed=0, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(batch, 2, n, 64, generator=g)
+    v += 3.0 * torch.randn(batch, 2, 1, 64, generator=g)  # a shared offset per KV head, 3x each token's spread
+    return torch.randn(batch, 2, n, 64, generator=g), v
+
+
+def _exact(q, k, v, softcap=None):
+    logits = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 64 ** -0.5
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return (logits.softmax(-1) @ v.repeat_interleave(2, 1)).transpose(1, 2)
+
+
+def test_value_smoothing_is_exact_on_every_path():
+    """mu_v subtracted from every stored value and added back to the output: the attention is unchanged (the
+    weights sum to 1) through the reference (with and without softcapping), SDPA (several new tokens with a
+    kernel backend) and the kernel (one new token), with or without key smoothing."""
+    k, v = _values_with_offset(41)
+    for t in (1, 3):
+        q = torch.randn(1, 4, t, 64)
+        for kernel in ("torch", "auto"):
+            for smooth_keys in (False, True):
+                store = _vstore(True, kernel=kernel, residual=64, smooth_keys=smooth_keys)
+                store.append(k[:, :, :40], v[:, :, :40])
+                store.before_attention(None, torch.randn(1, 4, 40, 64), 64 ** -0.5)
+                store.append(k[:, :, 40:41], v[:, :, 40:41])
+                assert store.mu_v is not None and store.mu_v.shape == (1, 2, 64)
+                assert store.values.abs().mean() < 0.5 * v[:, :, :41].abs().mean()  # what is stored is centered
+                # no mask: every new query sees all 41 tokens
+                assert torch.allclose(attend(store, q, None, 64 ** -0.5), _exact(q, k, v), atol=1e-5)
+        store = _vstore(True, kernel="torch", residual=64)
+        store.append(k, v)
+        store.before_attention(None, torch.randn(1, 4, 41, 64), 64 ** -0.5, 5.0)
+        assert torch.allclose(attend(store, q, None, 64 ** -0.5, softcap=5.0), _exact(q, k, v, 5.0), atol=1e-5)
+
+
+def test_value_smoothing_helps_codes_alike_on_every_path():
+    """With 2-bit value codes, the offset no longer costs bits: the error drops by more than half; the kernel
+    path (one new token) and the reference agree; mu_v is fp32 [B, H, D_v] and counted."""
+    k, v = _values_with_offset(41, seed=1)
+    q = torch.randn(1, 4, 1, 64)
+    exact = _exact(q, k, v)
+    errs = {}
+    for smooth in (False, True):
+        for kernel in ("torch", "auto"):
+            store = _vstore(smooth, vbits=2, kernel=kernel)
+            out = _run(store, k, v, q)
+            assert store.n_codes == 28 and (store.mu_v is not None) == smooth
+            if kernel == "auto":
+                assert store.kernel_ok
+            errs[smooth, kernel] = (out - exact).norm().item()
+        assert abs(errs[smooth, "torch"] - errs[smooth, "auto"]) < 1e-3 * exact.norm()
+    assert errs[True, "torch"] < 0.5 * errs[False, "torch"], errs
+    store = _vstore(True, vbits=2)
+    _run(store, k, v, q)
+    assert store.nbytes()["smoothing"] == 1 * 2 * 64 * 4
+    both = _vstore(True, vbits=2, smooth_keys=True)
+    _run(both, k, v, q)
+    assert both.nbytes()["smoothing"] == 2 * 1 * 2 * 64 * 4  # key and value means, each counted
+
+
+def test_value_smoothing_per_row_skips_padding_and_follows_select():
+    """A left-padded row's mean is over its real tokens; selecting rows reorders mu_v with everything else."""
+    k, v = _values_with_offset(20, seed=2, batch=2)
+    store = _vstore(True, residual=64)
+    store.append(k, v)
+    mask = torch.ones(2, 1, 20, 20, dtype=torch.bool)
+    mask[1, ..., :5] = False  # row 1: 5 padding tokens
+    store.before_attention(mask)
+    assert torch.allclose(store.mu_v[0], v[0].mean(1)) and torch.allclose(store.mu_v[1], v[1, :, 5:].mean(1))
+    mu = store.mu_v.clone()
+    store.select(torch.tensor([1, 0]))
+    assert torch.equal(store.mu_v, mu[[1, 0]])
+
+
+def test_value_smoothing_bad_input_leaves_store_unchanged():
+    """A value the exact dtype cannot hold after the shift is refused by the append, which changes nothing."""
+    wide = CodecSpec("turboquant_mse", {"bits": 4, "norm_dtype": "fp32"})
+    cfg = QJLConfig(key=wide, value=wide, late_key=None, residual_length=64, flush_block=4, smooth_values=True,
+                    exact_dtype="fp16")
+    store = LayerStore(0, cfg)
+    k, v = _values_with_offset(8)
+    store.append(k, v - 40000.0)
+    store.before_attention(None)
+    n, held = store.seq_length(), store.values.clone()
+    big = torch.full((1, 2, 1, 64), 30000.0)  # fits fp16, but not once mu_v (about -40000) is subtracted
+    try:
+        store.append(k[:, :, :1], big)
+    except ValueError as e:
+        assert "value_states" in str(e)
+    else:
+        raise AssertionError("an unstorable shifted value was accepted")
+    assert store.seq_length() == n and torch.equal(store.values, held)
+
+
+def test_attention_weighted_mean_follows_its_definition():
+    """mu_v[b, h] = sum_j w_j v_j / sum_j w_j, w_j the mean attention of the last `rows` query rows (and the GQA
+    group) under the mask, over the tokens to be coded (after the row's sinks, before the window); without a
+    query, uniform weights; a row whose range is empty falls back to all its real tokens."""
+    g = torch.Generator().manual_seed(5)
+    b, h, hq, t, n, d, dv = 2, 2, 4, 5, 12, 8, 6
+    q, k, v = (torch.randn(b, hq, t, d, generator=g), torch.randn(b, h, n, d, generator=g),
+               torch.randn(b, h, n, dv, generator=g))
+    mask = torch.ones(b, 1, t, n, dtype=torch.bool)
+    mask[..., n - t:] = torch.ones(t, t, dtype=torch.bool).tril()  # causal over the last t tokens
+    mask[1, ..., :3] = False  # row 1: 3 padding tokens
+    starts = torch.tensor([0, 3])
+    for rows, skip_first, skip_last, cap in ((64, 1, 4, None), (2, 0, 0, 0.5), (3, 2, 9, None)):
+        mu = attention_weighted_mean(v, starts, skip_first, skip_last, q, k, mask, 0.3, cap, rows=rows)
+        for bi in range(b):
+            for hi in range(h):
+                w = torch.zeros(n)
+                used = range(max(t - rows, 0), t)
+                for qh in range(hi * 2, hi * 2 + 2):  # query heads of KV head hi
+                    for r in used:
+                        logits = (k[bi, hi] @ q[bi, qh, r]) * 0.3
+                        logits = logits if cap is None else torch.tanh(logits / cap) * cap
+                        logits[~mask[bi, 0, r]] = float("-inf")
+                        w += logits.softmax(-1) / (2 * len(used))
+                keep = torch.zeros(n, dtype=torch.bool)
+                keep[int(starts[bi]) + skip_first: n - skip_last] = True
+                if not keep.any() or w[keep].sum() == 0:
+                    keep = torch.arange(n) >= starts[bi]
+                want = (w[keep, None] * v[bi, hi, keep]).sum(0) / w[keep].sum()
+                assert torch.allclose(mu[bi, hi], want, atol=1e-5), (rows, skip_first, skip_last, bi, hi)
+    plain = attention_weighted_mean(v, starts, 1, 4)  # no query: uniform over the range
+    assert torch.allclose(plain[0], v[0, :, 1:8].mean(1)) and torch.allclose(plain[1], v[1, :, 4:8].mean(1))
+
+
+def test_value_mean_weighted_by_attention_where_the_plain_mean_hurts():
+    """Queries attend to tokens whose values are near zero (as in several layers of the embedded model) while
+    the others carry a large offset: subtracting the plain mean would raise the error of the attended tokens'
+    codes; the attention-weighted mean does not (it lowers it here)."""
+    g = torch.Generator().manual_seed(7)
+    n, d = 60, 64
+    direction = torch.randn(d, generator=g)
+    k = 0.1 * torch.randn(1, 2, n, d, generator=g)
+    k[:, :, 10:30] += direction  # the tokens the queries look at
+    v = 5.0 * torch.randn(1, 2, 1, d, generator=g) + torch.randn(1, 2, n, d, generator=g)
+    v[:, :, 10:30] = 0.3 * torch.randn(1, 2, 20, d, generator=g)
+    q = (2.0 * direction).expand(1, 4, 8, d).clone() + 0.1 * torch.randn(1, 4, 8, d, generator=g)
+    exact = _exact(q[:, :, -1:], k, v)
+    errs = {}
+    for mode in ("off", "plain", "weighted"):
+        store = _vstore(mode != "off", vbits=2)
+        store.append(k[:, :, :59], v[:, :, :59])
+        store.before_attention(None, q[:, :, :-1] if mode == "weighted" else None, 64 ** -0.5)
+        store.flush()
+        store.append(k[:, :, 59:], v[:, :, 59:])
+        errs[mode] = (attend(store, q[:, :, -1:], None, 64 ** -0.5) - exact).norm().item()
+    assert errs["plain"] > 1.5 * errs["off"] and errs["weighted"] < errs["off"], errs

@@ -177,8 +177,8 @@ def test_nbytes_by_hand():
     r = cache.memory_report()
     assert r["key_code_bytes"] == 3 * key_code and r["value_code_bytes"] == 3 * value_code
     assert r["exact_bytes"] == 3 * exact and r["other_bytes"] == 3 * 8  # each row's first real position (int64)
-    assert r["smoothing_bytes"] == 3 * heads * d * 4  # key smoothing (on by default): fp32 mean per KV head
-    assert cache.nbytes() == 3 * (key_code + value_code + exact + 8 + heads * d * 4)
+    assert r["smoothing_bytes"] == 3 * 2 * heads * d * 4  # key and value smoothing (on by default): fp32 means
+    assert cache.nbytes() == 3 * (key_code + value_code + exact + 8 + 2 * heads * d * 4)
     assert r["key_bits"] == 8 * key_code / (heads * 20 * d)
 
 
@@ -410,6 +410,37 @@ def test_key_smoothing_refused_with_softcapping():
     layer.store.config = QJLConfig(smooth_keys=True)
     with pytest.raises(ValueError, match="softcapping"):
         layer.attend(torch.randn(1, 2, 1, 32), None, 1.0, softcap=50.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_value_smoothing_in_a_model(arch):
+    """#14: value smoothing through transformers: with everything exact the logits are those without it (the mean
+    added back after attention: prefill, chunks, decode, sliding and GQA layers), with 2-bit value codes they stay
+    close; the means are counted."""
+    model = _patched(arch)
+    ids = _prompt(40)
+    exact = dict(key=CodecSpec("turboquant_mse", {"bits": 8}), value=CodecSpec("turboquant_mse", {"bits": 8}),
+                 residual_length=64, flush_block=4, smooth_keys=True, exact_dtype="fp32")
+    outs = []
+    for sv in (False, True):
+        cache = QJLCache(model, QJLConfig(**exact, smooth_values=sv))
+        first = model(ids[:, :32], past_key_values=cache).logits
+        rest = [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(32, 40)]
+        outs.append(torch.cat([first, *rest], dim=1))
+        stores = [layer.store for layer in cache.layers if isinstance(layer, QJLCacheLayer)]
+        assert all((s.mu_v is not None) == sv for s in stores)
+    assert torch.allclose(outs[0], outs[1], atol=1e-4)
+    two_bit = QJLConfig(**{**exact, "value": CodecSpec("turboquant_mse", {"bits": 2}), "residual_length": 8},
+                        smooth_values=True)
+    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    cache = QJLCache(model, two_bit)
+    got = model(ids[:, :32], past_key_values=cache).logits
+    got = torch.cat([got] + [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(32, 40)], dim=1)
+    stores = [layer.store for layer in cache.layers if isinstance(layer, QJLCacheLayer)]
+    assert stores and all(s.n_codes > 0 for s in stores)
+    assert (got.softmax(-1) - ref.softmax(-1)).abs().max() < 0.1
+    # key and value means: fp32 [B, H_kv, D] each, per compressed layer
+    assert cache.memory_report()["smoothing_bytes"] == sum(2 * s.heads * s.key_dim * 4 for s in stores)
 
 
 def test_auto_widths_from_the_prompt():

@@ -12,7 +12,7 @@ from tiny_models import tiny_model
 
 torch.set_grad_enabled(False)
 
-# the quick set's prefill groups (exact storage dtype x key smoothing) and a few more presets
+# the quick set's prefill groups (exact storage dtype x key / value smoothing) and a few more presets
 NAMES = ["full precision", "tq-k45v3", "tq-k3v2", "qjl-paper", "kivi-k2v2", "tq-k4v3", "tq-k3v3"]
 PROMPT = 720  # > residual 128 + block 32 + EAGER_FLUSH 512: the prefill compresses the prompt right away
 
@@ -47,6 +47,14 @@ def _held(cache) -> list:
     return out
 
 
+def calls_of(model, ids) -> list:
+    """The update calls (with their attention) of a prefill through a DynamicCache."""
+    dyn = make_cache(model, None)
+    with record_updates(dyn) as calls:
+        model(ids, past_key_values=dyn)
+    return calls
+
+
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
@@ -54,11 +62,15 @@ def _same(a: list, b: list) -> bool:
 def test_groups_follow_exact_dtype_and_smoothing(model):
     caches = {n: make_cache(model, make_method(n)) for n in _names()}
     groups = prefill_groups(model, caches)
-    assert ["tq-k45v3", "tq-k3v2", "tq-k3v3"] in groups  # fp16 window, smoothed keys
+    assert ["tq-k45v3", "tq-k3v3"] in groups  # fp16 window, smoothed keys and values over 4 sinks + 128 window
+    assert ["tq-k3v2"] in groups  # a window of 136: another value mean
     assert ["qjl-paper", "kivi-k2v2", "tq-k4v3"] in groups  # fp16 window, keys as they are
     # transformers' QuantizedCache attends over the prompt as given, as DynamicCache does
     assert (["full precision", "hf-quanto-k4v4"] if has_quanto() else ["full precision"]) in groups
     assert prefill_key(model, make_cache(model, qjl.QJLConfig.auto(bits_per_value=3.0))) is None
+    # value smoothing changes the prefill's rounding (values stored minus their mean): its own group
+    plain = make_cache(model, qjl.QJLConfig.preset("tq-k3v2", smooth_values=False))
+    assert prefill_key(model, plain) != prefill_key(model, caches["tq-k3v2"])
     fp32 = make_cache(model, qjl.QJLConfig.preset("tq-k4v3", exact_dtype="fp32"))
     assert prefill_key(model, fp32) != prefill_key(model, caches["tq-k4v3"])
 
@@ -86,7 +98,7 @@ def test_a_shared_prefill_leaves_every_cache_as_its_own(model):
 
 def test_a_short_prompt_waits_for_the_next_append(model):
     """Below the eager flush the window keeps the prompt until the next forward: the same after a replay."""
-    cfg = qjl.QJLConfig.preset("tq-k3v2")
+    cfg = qjl.QJLConfig.preset("tq-k3v3")
     ids, nxt = _ids(300), _ids(8, seed=2)
     a, b = make_cache(model, cfg), make_cache(model, qjl.QJLConfig.preset("tq-k45v3"))
     shared_prefill(model, [b, a], _forward(model, ids))
@@ -120,7 +132,7 @@ def test_bad_input_is_refused_and_leaves_the_caches_empty(model):
     with pytest.raises(ValueError, match=r"caches\[0\] must be empty"):
         shared_prefill(model, [full], _forward(model, ids))
     with pytest.raises(ValueError, match="attention_mask"):
-        shared_prefill(model, [tq, make_cache(model, make_method("tq-k3v2"))], _forward(model, ids),
+        shared_prefill(model, [tq, make_cache(model, make_method("tq-k3v3"))], _forward(model, ids),
                        attention_mask=torch.ones(40))
     assert tq.get_seq_length() == 0
     with pytest.raises(ValueError, match="one forward"):
@@ -140,6 +152,16 @@ def test_bad_input_is_refused_and_leaves_the_caches_empty(model):
     with pytest.raises(ValueError, match="QJLConfig.auto"):
         replay_prefill(auto, calls)
     assert auto.get_seq_length() == 0
+    # value smoothing fits its mean to the prompt's last queries: updates recorded without attention cannot fill it
+    smoothed = make_cache(model, qjl.QJLConfig.preset("tq-k3v2"))
+    bare = make_cache(model, None)
+    with record_updates(bare) as calls:
+        for i, _k, _v, _ in calls_of(model, ids):
+            bare.update(_k, _v, i)
+    with pytest.raises(ValueError, match="smooth_values"):
+        replay_prefill(smoothed, calls)
+    assert smoothed.get_seq_length() == 0
+
     # a single cache without a key prefills on its own
     out = shared_prefill(model, [auto], _forward(model, ids))
     assert auto.get_seq_length() == 40 and out.logits.shape[1] == 40

@@ -34,18 +34,23 @@ def test_c_encoder_bit_exact(bits, dim, scaled):
 
 
 @pytest.mark.parametrize("bits", [1, 3, 4])
-@pytest.mark.parametrize("n,shifted", [(500, False), (2 * 1024 + 37, True)])
-def test_search_codec_matches_turboquant(bits, n, shifted):
-    """Rows in several encode chunks (ENCODE_ROWS), each shifted by ``shift`` inside encode, in order."""
+@pytest.mark.parametrize("n,shifted,rotation", [(500, False, "haar"), (2 * 1024 + 37, True, "haar"),
+                                                (1100, True, "hadamard")])
+def test_search_codec_matches_turboquant(bits, n, shifted, rotation):
+    """Rows in several encode chunks (ENCODE_ROWS), each shifted by ``shift`` inside encode, in order; the padded
+    Hadamard rotation (48 -> 64 coordinates) applied as one dense map equals TurboQuantMSE's transform."""
     from qjl.search.codecs import ENCODE_ROWS, SearchCodec
 
     assert ENCODE_ROWS == 1024  # the second case spans three chunks
-    sc = SearchCodec("tq-mse-rn", 64, bits)
+    dim = 64 if rotation == "haar" else 48
+    sc = SearchCodec("tq-mse-rn", dim, bits, rotation=rotation)
     g = torch.Generator().manual_seed(n + bits)
-    x = torch.randn(n, 64, generator=g) * 4
-    shift = torch.randn(64, generator=g) if shifted else None
+    x = torch.randn(n, dim, generator=g) * 4
+    shift = torch.randn(dim, generator=g) if shifted else None
     codes, factors = sc.encode(x, shift=shift)
-    ref = TurboQuantMSE(64, bits, correct_norm=True).quantize(x - shift if shifted else x)
+    ref = TurboQuantMSE(dim, bits, rotation, correct_norm=True).quantize(x - shift if shifted else x)
+    ref_rot = TurboQuantMSE(dim, bits, rotation).rotation.apply(x[:5])
+    assert torch.allclose(sc.query_coords(x[:5]), ref_rot, atol=1e-5 * float(ref_rot.abs().max()))
     # rotate-then-divide against divide-then-rotate: codes differ only where a coordinate is within float32
     # rounding of a cell edge (then by one cell), so almost never
     from qjl.core.packing import unpack_bits

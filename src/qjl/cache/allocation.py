@@ -244,12 +244,13 @@ def choose_widths(stats: list, budget: float, exact_bits: float, boundary: int) 
 
 
 def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bool, key_dim: int,
-                   value_dim: int) -> float:
+                   value_dim: int, smooth_values: bool = False) -> float:
     """Bits per value the codecs may use so that the storage *held* stays within ``budget`` from the end of
     the prefill on (``tokens`` compressed per row then).  Two things are held beyond the codes' own bits:
     the buffers' spare capacity (:func:`qjl.cache.buffers.grown_capacity`: at most ``max(n / 64, step)`` codes
     beyond the ``n`` in use, a fraction that only shrinks as ``n`` grows past ``tokens``), and with key
-    smoothing one float32 mean per row and key channel (``32 key_dim / n`` bits per key coordinate)."""
+    smoothing one float32 mean per row and key channel (``32 key_dim / n`` bits per key coordinate), with value
+    smoothing one per value channel."""
     from qjl.cache.buffers import GROWTH
 
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
@@ -260,7 +261,7 @@ def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bo
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     n = max(tokens, 1)
     spare = 1.0 + max(n // GROWTH, flush_block) / n
-    means = 32.0 * key_dim / (n * (key_dim + value_dim)) if smooth_keys else 0.0
+    means = 32.0 * (key_dim * smooth_keys + value_dim * smooth_values) / (n * (key_dim + value_dim))
     return (budget - means) / spare
 
 
@@ -317,15 +318,15 @@ class Allocator:
         nominal = self.auto.bits_per_value
         tokens = min(st["tokens"] for st in stats)
         budget = planned_budget(nominal, tokens, self.config.flush_block, self.config.smooth_keys,
-                                live[0].key_dim, live[0].value_dim)
+                                live[0].key_dim, live[0].value_dim, self.config.smooth_values)
         cheapest = sum(min(b for b, _ in st["keys"]) + min(b for b, _ in st["values"]) for st in stats) / (2 * len(stats))
         if cheapest > nominal + 1e-9:
             raise ValueError(f"bits_per_value={nominal:g} is below the cheapest candidates ({cheapest:.3f} bits/value)")
         if budget < cheapest:
-            warnings.warn(f"QJLConfig.auto(bits_per_value={nominal:g}): with {tokens} compressed prompt tokens the key "
-                          f"means and the buffers' spare capacity leave {budget:.3f} bits/value for the codes, below "
-                          f"the cheapest candidates ({cheapest:.3f}); using those, so the cache holds more than the "
-                          f"budget until the context grows", stacklevel=2)
+            warnings.warn(f"QJLConfig.auto(bits_per_value={nominal:g}): with {tokens} compressed prompt tokens the "
+                          f"smoothing means and the buffers' spare capacity leave {budget:.3f} bits/value for the "
+                          f"codes, below the cheapest candidates ({cheapest:.3f}); using those, so the cache holds more "
+                          f"than the budget until the context grows", stacklevel=2)
             budget = cheapest
         picks = choose_widths(stats, budget, exact_bits, self.auto.boundary_layers)
         self.choices = {}

@@ -48,19 +48,24 @@ def _check_mask(store, attention_mask) -> None:
 
 
 def attend(store, query: torch.Tensor, attention_mask, scaling: float, softcap=None) -> torch.Tensor:
-    """query: [B, H_q, t, D]; mask [B, 1|H, t, L] (additive float or bool) -> [B, t, H_q, D] in query's dtype."""
+    """query: [B, H_q, t, D]; mask [B, 1|H, t, L] (additive float or bool) -> [B, t, H_q, D] in query's dtype.
+
+    With value smoothing the store holds ``v - mu_v``; ``mu_v`` is added back here, after any path."""
     b, hq, t, d = query.shape
     hkv = store.keys.shape[1]
     g = hq // hkv
     _check_mask(store, attention_mask)
+    out = None
     if store.kernel_ok and softcap is None and store.key_codes is not None and g * t <= MAX_KERNEL_ROWS:
         qg = query.float().reshape(b, hkv, g * t, d)  # query head h reads KV head h // g
         out = _attend_kernel(store, qg, attention_mask, scaling, hq, t)
-        if out is not None:
-            return out.to(query.dtype)
-    if store.backend != "torch" and softcap is None:
-        return _attend_sdpa(store, query, attention_mask, scaling).to(query.dtype)
-    return _attend_reference(store, query, attention_mask, scaling, softcap).to(query.dtype)
+    if out is None and store.backend != "torch" and softcap is None:
+        out = _attend_sdpa(store, query, attention_mask, scaling)
+    if out is None:
+        out = _attend_reference(store, query, attention_mask, scaling, softcap)
+    if store.mu_v is not None:  # [B, H_kv, D_v] -> query head h reads KV head h // g
+        out = out + store.mu_v.repeat_interleave(g, dim=1).unsqueeze(1)
+    return out.to(query.dtype)
 
 
 def _attend_reference(store, query, attention_mask, scaling, softcap) -> torch.Tensor:

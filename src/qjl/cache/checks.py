@@ -59,14 +59,15 @@ def check_values(store, keys, values) -> None:
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"{name} contain NaN or Inf (first at {_first_bad(x)}); the cache refuses them "
                              "rather than store them (check the model's dtype for overflow)")
-    k = keys if store.mu is None else keys.float() - store.mu.unsqueeze(2)
+    k = store.stored_keys(keys)
+    v = store.stored_values(values)
     top = torch.finfo(store.exact_dtype).max
-    for name, x in (("key_states", k), ("value_states", values)):
+    for name, x in (("key_states", k), ("value_states", v)):
         big = float(x.float().abs().max())
         if big > top:
             raise ValueError(f"{name} hold a value {big:.4g} beyond the exact window's dtype {store.exact_dtype} "
                              f"(max {top:g}); use QJLConfig(exact_dtype='fp32') or None (the model's dtype)")
-    for role, x in (("key", k), ("value", values)):
+    for role, x in (("key", k), ("value", v)):
         for codec in _codecs(store, role):
             fit = store.key_fit if role == "key" and store.key_fit is not None else ()
             try:

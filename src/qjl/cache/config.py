@@ -104,7 +104,7 @@ class QJLConfig:
     """How a :class:`qjl.QJLCache` compresses keys and values.
 
     ``QJLConfig()`` is the default preset "tq-k45v3" (``DEFAULT_PRESET``): TurboQuant MSE keys with the
-    norm correction at 4 bits (5 bits in the deeper half of the layers), 3-bit values, key smoothing, 4
+    norm correction at 4 bits (5 bits in the deeper half of the layers), 3-bit values, key and value smoothing, 4
     exact sink tokens and the 128 most recent tokens exact.  ``QJLConfig(residual_length=64)`` is that preset with
     a shorter window.
 
@@ -134,6 +134,13 @@ class QJLConfig:
             scores shift by the same ``q . mu``), the codecs see keys without their shared offset.  On by
             default (measured better, docs/cache.md); not exact with attention logit softcapping:
             :class:`qjl.QJLCache` turns it off there, with a warning.
+        smooth_values: subtract from every stored value the channel mean ``mu_v`` of its layer's and KV head's
+            first values (each sequence's prompt) and add ``mu_v`` back to the attention output.  Exact for any
+            softmax (the weights of a query sum to 1, so ``sum_t p_t (v_t - mu_v) + mu_v = sum_t p_t v_t``),
+            also with softcapping; the value codecs see values without their shared offset.  The mean is weighted
+            by the attention of the prompt's last queries (:mod:`qjl.cache.smoothing`: the plain mean measured
+            worse).  On by default (measured better on every text for the default, docs/cache.md); a cache with
+            it prefills with the model (it reads the prompt's queries).
         allocation: None, or widths chosen per layer from the prompt (:class:`qjl.cache.allocation.AutoBits`;
             made by :meth:`QJLConfig.auto`); then ``key``/``value``/``late_key``/``layer_overrides`` are unused.
         seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
@@ -154,6 +161,7 @@ class QJLConfig:
     compress_sliding: bool = False
     exact_dtype: str | None = "half"
     smooth_keys: bool = True
+    smooth_values: bool = True
     allocation: object = None
     seed: int = 0
     kernel: str = "auto"
@@ -164,7 +172,7 @@ class QJLConfig:
         _check_int("flush_block", self.flush_block, 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < _MAX_CONFIG_SEED:
             raise ValueError(f"seed must be an int in [0, 2**62), got {self.seed!r}")
-        for name in ("compress_sliding", "smooth_keys"):
+        for name in ("compress_sliding", "smooth_keys", "smooth_values"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__} "
                                 f"{getattr(self, name)!r}")
@@ -268,7 +276,8 @@ class QJLConfig:
         return {"key": kb, "value": vb, "kv": (kb + vb) / 2}
 
     def describe(self, head_dim: int, num_layers: int | None = None) -> str:
-        smooth = ", key smoothing" if self.smooth_keys else ""
+        smooth = "".join(f", {name}" for on, name in ((self.smooth_keys, "key smoothing"),
+                                                       (self.smooth_values, "value smoothing")) if on)
         if self.allocation is not None:
             return (f"{self.allocation.describe()}, residual {self.residual_length}, sinks {self.sink_tokens}{smooth}")
         b = self.bits_per_value(head_dim, num_layers)

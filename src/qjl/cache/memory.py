@@ -29,11 +29,11 @@ class MemoryReport(Mapping):
     """Totals (keys below) and ``layers``: a list of :class:`LayerMemory`.
 
     Keys: ``bytes``, ``key_code_bytes``, ``value_code_bytes``, ``exact_bytes`` (sinks + window),
-    ``smoothing_bytes`` (key means), ``other_bytes`` (per-sequence fits, padding offsets),
+    ``smoothing_bytes`` (key and value means), ``other_bytes`` (per-sequence fits, padding offsets),
     ``uncompressed_layer_bytes`` (layers kept exact, e.g. sliding-window layers), ``baseline_bytes``,
     ``fp16_bytes``, ``compression_vs_baseline``, ``compression_vs_fp16``, ``key_bits`` / ``value_bits``
     (per coordinate of the compressed tokens), ``compressed_bits`` (bits per value of the compressed part with
-    everything it holds: codes, key means, per-sequence fits), ``exact_bits``, ``bits_per_value`` (everything held per stored
+    everything it holds: codes, key and value means, per-sequence fits), ``exact_bits``, ``bits_per_value`` (everything held per stored
     coordinate of keys and values), ``tokens``, ``widths`` (per compressed layer: key and value codecs).
     """
 
@@ -76,7 +76,7 @@ class MemoryReport(Mapping):
         rows = [("key codes", d["key_code_bytes"], f"{d['key_bits']:.2f} bits/coord"),
                 ("value codes", d["value_code_bytes"], f"{d['value_bits']:.2f} bits/coord"),
                 ("exact sinks + window", d["exact_bytes"], f"{d['exact_bits']:.2f} bits/coord"),
-                ("key smoothing means", d["smoothing_bytes"], ""),
+                ("smoothing means", d["smoothing_bytes"], ""),
                 ("other (fits, padding)", d["other_bytes"], ""),
                 ("layers kept exact", d["uncompressed_layer_bytes"], "")]
         lines = [f"QJLCache memory, {d['tokens']} tokens:"]

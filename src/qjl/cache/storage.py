@@ -20,8 +20,9 @@ Guarantees (issue #11):
 * :meth:`check_crop` / :meth:`check_select` validate before anything changes, so a cache can make
   ``crop`` and ``reorder`` all-or-nothing across layers.
 
-Key smoothing (``config.smooth_keys``, :mod:`qjl.cache.smoothing`): ``mu`` is fit once, before the
-first flush or at the first attention, and subtracted from every key the store holds.
+Key and value smoothing (``config.smooth_keys`` / ``smooth_values``, :mod:`qjl.cache.smoothing`): ``mu`` /
+``mu_v`` are fit once, before the first flush or at the first attention, and subtracted from every key / value
+the store holds; :func:`qjl.cache.attention.attend` adds ``mu_v`` back to its output.
 
 This module knows nothing of any framework; attention over a store is :mod:`qjl.cache.attention`,
 the transformers cache layer is :mod:`qjl.integrations.transformers.layer`.
@@ -34,7 +35,7 @@ import torch
 from qjl import kernels
 from qjl.cache import checks, padding
 from qjl.cache.buffers import CodeBuffer, TokenBuffer, storage_bytes
-from qjl.cache.smoothing import channel_mean
+from qjl.cache.smoothing import attention_weighted_mean, channel_mean
 from qjl.codecs.base import Codes
 from qjl.core.validation import STORAGE_DTYPES
 
@@ -77,6 +78,7 @@ class LayerStore:
         self._kc, self._vc = CodeBuffer(), CodeBuffer()
         self.key_fit = None  # the key codec's per-sequence fit (e.g. outlier channels), from the first block
         self.mu = None  # key smoothing: [B, H, D] float32
+        self.mu_v = None  # value smoothing: [B, H, D_v] float32
         self.row_start = None  # [B]: first real position of each row (left padding)
         self.slot_order = None  # [B, P]: slot -> position of the first P slots when rows are padded
         self.pads = None  # [B]: padding tokens of each row (when slot_order is set)
@@ -181,25 +183,45 @@ class LayerStore:
                 return
             checks.check_values(self, key_states, value_states)
             self.flush()  # an overflow left by a forward without attention through this store
-            k = key_states if self.mu is None else key_states.float() - self.mu.unsqueeze(2)
+            k, v = self.stored_keys(key_states), self.stored_values(value_states)
             self._wk.append(k)
-            self._wv.append(value_states)
+            self._wv.append(v)
         except BaseException:
             self.restore(snap)
             raise
 
-    def before_attention(self, attention_mask) -> None:
-        """First forward: read each row's first real token from the mask, fit the key mean."""
+    def stored_keys(self, key_states: torch.Tensor) -> torch.Tensor:
+        """Keys [B, H, t, D] as the store holds them (minus the key mean, once fitted)."""
+        return key_states if self.mu is None else key_states.float() - self.mu.unsqueeze(2)
+
+    def stored_values(self, value_states: torch.Tensor) -> torch.Tensor:
+        """Values [B, H, t, D_v] as the store holds them (minus the value mean, once fitted)."""
+        return value_states if self.mu_v is None else value_states.float() - self.mu_v.unsqueeze(2)
+
+    def before_attention(self, attention_mask, query=None, scaling: float = 1.0, softcap=None,
+                         query_mask="same") -> None:
+        """First forward: read each row's first real token from the mask, fit the key and value means.
+
+        ``query`` [B, H_q, t, D], ``scaling``, ``softcap``: the attention's, for the value mean's weights, under
+        ``query_mask`` [B, 1|H_q, t, L] (default: ``attention_mask``; a replayed prefill passes the recorded rows)."""
         if self.row_start is None:
             self.row_start = padding.row_starts(attention_mask, self.batch, self.device)
-        if self.config.smooth_keys and self.mu is None:
-            self.fit_mean()
+        self.fit_means(attention_mask if isinstance(query_mask, str) else query_mask, query, scaling, softcap)
 
-    def fit_mean(self) -> None:
-        """Key smoothing: mu from the window's keys (each row's real tokens), subtracted from all of them."""
-        w = self._wk.view()
-        self.mu = channel_mean(w, self.row_start)
-        self._wk.replace((w.float() - self.mu.unsqueeze(2)).to(self.exact_dtype))
+    def fit_means(self, attention_mask=None, query=None, scaling: float = 1.0, softcap=None) -> None:
+        """Key / value smoothing (as configured, once) from the window (the prompt, in position order): the keys'
+        channel mean over each row's real tokens, the values' mean weighted by the attention of the prompt's last
+        queries (:func:`qjl.cache.smoothing.attention_weighted_mean`; without a query -- no attention before the
+        first flush -- uniform weights over the tokens to be coded), each subtracted from everything held."""
+        if self.config.smooth_keys and self.mu is None:
+            w = self._wk.view()
+            self.mu = channel_mean(w, self.row_start)
+            self._wk.replace((w.float() - self.mu.unsqueeze(2)).to(self.exact_dtype))
+        if self.config.smooth_values and self.mu_v is None:
+            w = self._wv.view()
+            self.mu_v = attention_weighted_mean(w, self.row_start, self.config.sink_tokens, self.config.residual_length,
+                                                query, self._wk.view(), attention_mask, scaling, softcap)
+            self._wv.replace((w.float() - self.mu_v.unsqueeze(2)).to(self.exact_dtype))
 
     def after_attention(self) -> None:
         """Flush now if the window overflows by more than ``EAGER_FLUSH`` tokens (else at the next append)."""
@@ -215,8 +237,7 @@ class LayerStore:
         """Move the window's overflow to sinks (once), then (in whole blocks) to codes."""
         if not self.is_initialized or self.n_window <= self.config.residual_length or self.pending:
             return
-        if self.config.smooth_keys and self.mu is None:
-            self.fit_mean()
+        self.fit_means()
         if not self.sinks_done and not self._form_sinks():
             return
         if self.exact_only:
@@ -318,7 +339,8 @@ class LayerStore:
         self.sink_k, self.sink_v = sel(self.sink_k), sel(self.sink_v)
         self._kc.select(index)
         self._vc.select(index)
-        self.mu, self.row_start, self.slot_order = sel(self.mu), sel(self.row_start), sel(self.slot_order)
+        self.mu, self.mu_v = sel(self.mu), sel(self.mu_v)
+        self.row_start, self.slot_order = sel(self.row_start), sel(self.slot_order)
         self.pads = sel(self.pads)
         if self.key_fit is not None:
             self.key_fit = tuple(sel(t) for t in self.key_fit)
@@ -326,11 +348,11 @@ class LayerStore:
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def parts(self) -> dict:
-        """Tensors held, by part (the window and sinks are 'exact'; 'smoothing' is mu)."""
+        """Tensors held, by part (the window and sinks are 'exact'; 'smoothing' is mu and mu_v)."""
         return {"key_codes": self._kc.tensors(), "value_codes": self._vc.tensors(),
                 "exact": [*(self._wk.tensors() if self._wk else []), *(self._wv.tensors() if self._wv else []),
                           self.sink_k, self.sink_v],
-                "smoothing": [self.mu], "fit": list(self.key_fit or ()) + [self.row_start, self.slot_order, self.pads]}
+                "smoothing": [self.mu, self.mu_v], "fit": list(self.key_fit or ()) + [self.row_start, self.slot_order, self.pads]}
 
     def nbytes(self) -> dict:
         """Bytes of storage held by part (each storage counted once, capacity included)."""

@@ -10,16 +10,34 @@ any cache.  Nothing is patched at import time.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-__all__ = ["patch_attention", "qjl_attention_forward", "ATTN_NAME"]
+__all__ = ["patch_attention", "qjl_attention_forward", "ATTN_NAME", "recording_queries"]
 
 ATTN_NAME = "qjl"
+_QUERY_RECORDERS = []  # callbacks (layer_idx, query, attention_mask, scaling, softcap), see recording_queries
+
+
+@contextmanager
+def recording_queries(callback):
+    """Within the block, every attention call of a patched model also calls ``callback(layer_idx, query,
+    attention_mask, scaling, softcap)`` first (query [B, H_q, t, D]; the mask as the attention receives it), e.g. to
+    replay a prefill into another cache (:func:`qjl.integrations.transformers.prefill.record_updates`)."""
+    _QUERY_RECORDERS.append(callback)
+    try:
+        yield
+    finally:
+        _QUERY_RECORDERS.remove(callback)
 
 
 def qjl_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask, scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """query: [B, H_q, t, D]; key/value: [B, H_kv, t', D] -> ([B, t, H_q, D], None)."""
+    for record in _QUERY_RECORDERS:
+        record(getattr(module, "layer_idx", None), query, attention_mask,
+               query.shape[-1] ** -0.5 if scaling is None else scaling, kwargs.get("softcap"))
     layer = getattr(key, "_qjl_layer", None)
     if layer is None:
         if kwargs.get("softcap") is not None:  # transformers' SDPA refuses softcapping (Gemma 2)

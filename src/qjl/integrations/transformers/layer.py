@@ -96,7 +96,7 @@ class QJLCacheLayer(CacheLayerMixin):
         b, hq, t, _ = query.shape
         if t == 0:
             return query.new_zeros(b, 0, hq, store.value_dim)
-        store.before_attention(attention_mask)
+        store.before_attention(attention_mask, query, scaling, softcap)
         if store.pending and self.owner is not None:
             self.owner.observe(self, query, attention_mask, scaling)
         out = attend(store, query, store.slot_mask(attention_mask), scaling, softcap)

@@ -9,15 +9,17 @@ keys and values at the prefill (:func:`prefill_key`) therefore yield the same lo
 those calls and feeds them to the others (:func:`replay_prefill`): each ends in the state its own prefill
 would have left, bit for bit, at the cost of one forward.
 
-    caches = [qjl.QJLCache(model, qjl.QJLConfig.preset(n)) for n in ("tq-k3v2", "tq-k45v3")]
+    caches = [qjl.QJLCache(model, qjl.QJLConfig.preset(n)) for n in ("tq-k45v3", "tq-k3v3")]
     out = shared_prefill(model, caches, lambda c: model(input_ids, past_key_values=c, use_cache=True))
 
 What makes two prefills the same (:func:`prefill_key`), per layer: a compressed layer's exact storage dtype,
-key smoothing and kernel setting (codecs, window and sink sizes only act after the attention); transformers'
-``DynamicLayer``, ``DynamicSlidingWindowLayer`` and ``QuantizedLayer`` attend over the keys and values they
-were given at the prefill (a ``QuantizedLayer`` quantizes them for later), so they share one by their
-sliding window.  Configurations that choose anything from the
-prompt's queries (``QJLConfig.auto``) and cache classes not listed have no key: they prefill on their own.
+key smoothing, value smoothing with its sink and window sizes (its mean covers the tokens to be coded, weighted
+by the prompt's last queries, which are recorded with the updates) and kernel setting (codecs, and without value
+smoothing the window and sink sizes, only act after the attention); transformers' ``DynamicLayer``,
+``DynamicSlidingWindowLayer`` and ``QuantizedLayer`` attend over the keys and values they were given at the
+prefill (a ``QuantizedLayer`` quantizes them for later), so they share one by their sliding window.
+Configurations that choose anything from the prompt's queries (``QJLConfig.auto``) and cache classes not listed
+have no key: they prefill on their own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from contextlib import contextmanager
 
 import torch
 
+from qjl.cache.smoothing import VALUE_MEAN_ROWS
 from qjl.cache.storage import exact_storage
+from qjl.integrations.transformers.attention import recording_queries
 from qjl.integrations.transformers.layer import QJLCacheLayer
 
 __all__ = ["prefill_key", "record_updates", "replay_prefill", "shared_prefill"]
@@ -49,8 +53,10 @@ def prefill_key(model, cache):
             cfg = layer.store.config
             if cfg.allocation is not None:  # widths chosen from the prompt's queries
                 return None
+            # value smoothing's mean covers the tokens to be coded: it depends on the sinks and the window
+            values = (cfg.sink_tokens, cfg.residual_length) if cfg.smooth_values else None
             parts.append(("qjl", layer.is_sliding, exact_storage(cfg.exact_dtype, model.dtype), cfg.smooth_keys,
-                          cfg.kernel))
+                          values, cfg.kernel))
         elif type(layer) in exact or isinstance(layer, getattr(cu, "QuantizedLayer", ())):
             parts.append(("exact", layer.is_sliding, getattr(layer, "sliding_window", None)))
         else:
@@ -61,17 +67,30 @@ def prefill_key(model, cache):
 @contextmanager
 def record_updates(cache):
     """Within the block, every ``cache.update(keys, values, layer_idx)`` is also appended to the yielded list
-    as ``(layer_idx, keys, values)`` (keys/values ``[B, H_kv, t, D]``, the tensors the model passed)."""
+    as ``[layer_idx, keys, values, attention]`` (keys/values ``[B, H_kv, t, D]``, the tensors the model passed);
+    ``attention`` is what the layer's next attention call received -- ``(query, mask, scaling, softcap)`` with the
+    last :data:`~qjl.cache.smoothing.VALUE_MEAN_ROWS` rows of the query [B, H_q, r, D] and of the mask
+    [B, 1|H, r, L] (what value smoothing fits to) -- or None (no attention through a patched model)."""
     calls = []
     update = cache.update
 
     def recording(key_states, value_states, layer_idx, *args, **kwargs):
-        calls.append((layer_idx, key_states, value_states))
+        calls.append([layer_idx, key_states, value_states, None])
         return update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def attention(layer_idx, query, mask, scaling, softcap):
+        for call in reversed(calls):
+            if call[0] == layer_idx:
+                if call[3] is None:
+                    rows = query.shape[2] - min(VALUE_MEAN_ROWS, query.shape[2])
+                    call[3] = (query[:, :, rows:].clone(), None if mask is None else mask[:, :, rows:].clone(),
+                               scaling, softcap)
+                break
 
     cache.update = recording  # this instance only, for this block
     try:
-        yield calls
+        with recording_queries(attention):
+            yield calls
     finally:
         del cache.update
 
@@ -101,14 +120,21 @@ def replay_prefill(cache, calls: list, attention_mask=None) -> None:
                          f"got layers {idx}")
     mask = _layer_mask(attention_mask, calls[0][1].shape[0]) if calls else None
     try:
-        for i, k, v in calls:
+        for i, k, v, attn in calls:
             cache.update(k.clone(), v.clone(), i)
             layer = cache.layers[i]
             if isinstance(layer, QJLCacheLayer):
                 if layer.store.pending:
                     raise ValueError("replay_prefill cannot fill a cache whose widths are chosen from the prompt's "
                                      "queries (QJLConfig.auto): prefill it with the model")
-                layer.store.before_attention(mask)
+                if attn is None and layer.store.config.smooth_values:
+                    raise ValueError(f"replay_prefill: layer {i} has no recorded attention (its query), which value "
+                                     "smoothing (smooth_values) fits to: record the prefill through a patched model")
+                if attn is None:
+                    layer.store.before_attention(mask)
+                else:  # the recorded rows: the same value mean as the cache's own prefill
+                    query, rows_mask, scaling, softcap = attn
+                    layer.store.before_attention(mask, query, scaling, softcap, query_mask=rows_mask)
                 cache.attended(layer)
     except BaseException:
         cache.reset()

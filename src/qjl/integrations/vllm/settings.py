@@ -9,7 +9,7 @@ worker processes, which inherit the environment):
 
 When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides both.  Keys:
 
-* ``preset``: the codecs (per-layer widths included) and the seed come from this preset (its key smoothing,
+* ``preset``: the codecs (per-layer widths included) and the seed come from this preset (its key and value smoothing,
   on in the TurboQuant presets for transformers, is turned off: the paged backend does not implement it);
 * ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
 * ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields as dc_fields, replace
+from dataclasses import dataclass, replace
 
 from ...cache.config import QJLConfig
 from ...cache.presets import DEFAULT_PRESET, PRESETS
@@ -39,6 +39,8 @@ DEFAULT_WINDOW = 4  # exact recent tokens per sequence; docs/vllm.md measures wh
 PRESET_WINDOWS = {"tq-k3v2": 0}
 SERVABLE_KEYS = ("turboquant_mse", "qjl")
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
+# QJLConfig options fitted per sequence to its prompt, which the paged backend does not implement (turned off)
+UNSERVED_OPTIONS = ("smooth_keys", "smooth_values")
 _KEYS = ("preset", "sinks", "window", "seed", "decode")
 
 
@@ -66,9 +68,11 @@ class VLLMSettings:
 
     @property
     def config(self) -> QJLConfig:
-        # the preset's codecs and seed without key smoothing, which the paged backend does not implement
+        # the preset's codecs and seed without the prompt-fitted options, which the paged backend does not implement
         # (the cache's smoothing subtracts a per-sequence mean fitted on the prompt; vLLM's pages are shared)
-        over = {"smooth_keys": False} if self.seed is None else {"smooth_keys": False, "seed": self.seed}
+        over = dict.fromkeys(UNSERVED_OPTIONS, False)
+        if self.seed is not None:
+            over["seed"] = self.seed
         return QJLConfig.preset(self.preset, **over)
 
     @property
@@ -102,10 +106,10 @@ def check_servable(config: QJLConfig) -> None:
         if spec.name not in allowed:
             raise ValueError(f"the qjl vLLM backend cannot serve {where} codec {spec.name!r}: it serves "
                              f"{list(allowed)} (per-token codes that fit paged blocks)")
-    for f in dc_fields(config):
-        if "smooth" in f.name and getattr(config, f.name):
-            raise ValueError(f"the qjl vLLM backend does not implement key smoothing ({f.name}="
-                             f"{getattr(config, f.name)!r}); disable it for vLLM")
+    for name in UNSERVED_OPTIONS:
+        if getattr(config, name):
+            raise ValueError(f"the qjl vLLM backend does not implement {name} (fitted per sequence to its prompt; "
+                             f"vLLM's pages are shared): set {name}=False for vLLM")
 
 
 def enabled(environ=None) -> bool:
