@@ -35,6 +35,18 @@ def _config(method: str, extra: dict):
 _CONV = {"None": None, "True": True, "False": False}
 
 
+def _value(text: str):
+    """'None' / 'True' / 'False' / an int / a float / a string, as written."""
+    if text in _CONV:
+        return _CONV[text]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _parse_vary(spec: str | None, variants=None) -> list:
     """-> [(label, {field: value})]: ``FIELD=V1,V2`` one field's values, or ``variants`` (each ``none`` or
     ``F1=V1+F2=V2``: several fields at once)."""
@@ -42,12 +54,12 @@ def _parse_vary(spec: str | None, variants=None) -> list:
         out = []
         for v in variants:
             pairs = [] if v == "none" else [a.split("=", 1) for a in v.split("+")]
-            out.append((v, {f: _CONV.get(x, x) for f, x in pairs}))
+            out.append((v, {f: _value(x) for f, x in pairs}))
         return out
     if not spec:
         return [("", {})]
     field, values = spec.split("=", 1)
-    return [(f"{field}={v}", {field: _CONV.get(v, v)}) for v in values.split(",")]
+    return [(f"{field}={v}", {field: _value(v)}) for v in values.split(",")]
 
 
 def main(argv=None) -> int:

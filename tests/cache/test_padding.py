@@ -41,3 +41,23 @@ def test_remapped_mask_follows_the_slots():
     ks, vs = (x.gather(2, full[:, None, :, None].expand(-1, 1, -1, 8)) for x in (k, v))
     got = torch.nn.functional.scaled_dot_product_attention(q, ks, vs, attn_mask=remap_mask(mask, order))
     assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_sink_order_with_heavy_tokens():
+    """Extra (heavy) positions follow each row's sinks, then its padding, then every other position in order; the
+    order is a permutation of the first P positions, and the remapped mask still gives the same attention."""
+    order = sink_order(torch.tensor([0, 2]), 2, torch.tensor([[5, 7], [4, 6]]))
+    assert order.tolist() == [[0, 1, 5, 7, 2, 3, 4, 6], [2, 3, 4, 6, 0, 1, 5, 7]]
+    assert sink_order(torch.tensor([0, 0]), 0, torch.tensor([[3], [1]])).tolist() == [[3, 0, 1, 2], [1, 0, 2, 3]]
+    g = torch.Generator().manual_seed(1)
+    pads, n = [0, 3], 14
+    k, v, q = (torch.randn(2, 1, n, 8, generator=g) for _ in range(3))
+    mask = _left_padded_mask(pads, n, t=2)
+    q = q[:, :, -2:]
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    order = sink_order(torch.tensor(pads), 2, torch.tensor([[6, 9], [7, 8]]))
+    assert all(sorted(r) == list(range(order.shape[1])) for r in order.tolist())
+    full = torch.cat([order, torch.arange(order.shape[1], n).expand(2, -1)], dim=1)
+    ks, vs = (x.gather(2, full[:, None, :, None].expand(-1, 1, -1, 8)) for x in (k, v))
+    got = torch.nn.functional.scaled_dot_product_attention(q, ks, vs, attn_mask=remap_mask(mask, order.to(torch.int16)))
+    assert torch.allclose(got, ref, atol=1e-6)

@@ -222,3 +222,73 @@ def test_value_mean_weighted_by_attention_where_the_plain_mean_hurts():
         store.append(k[:, :, 59:], v[:, :, 59:])
         errs[mode] = (attend(store, q[:, :, -1:], None, 64 ** -0.5) - exact).norm().item()
     assert errs["plain"] > 1.5 * errs["off"] and errs["weighted"] < errs["off"], errs
+
+
+def _hstore(heavy, kernel="torch", vbits=2, kbits=2, residual=8):
+    cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": kbits, "correct_norm": True}),
+                    value=CodecSpec("turboquant_mse", {"bits": vbits, "correct_norm": True}), late_key=None,
+                    residual_length=residual, flush_block=4, sink_tokens=2, smooth_keys=False, smooth_values=False,
+                    heavy_tokens=heavy, kernel=kernel, exact_dtype=None)
+    return LayerStore(0, cfg)
+
+
+def test_heavy_tokens_are_the_most_attended_and_kept_exact():
+    """heavy_tokens: the tokens to be coded that the prompt's last queries attend to most (averaged over KV heads)
+    join the exact sinks (not the codes); attention over them is exact, every path alike, and the error drops;
+    they are counted with the exact tokens."""
+    g = torch.Generator().manual_seed(17)
+    n, d = 60, 64
+    direction = torch.randn(d, generator=g)
+    k = torch.randn(1, 2, n, d, generator=g)
+    k[:, :, [11, 23, 37]] += 3.0 * direction  # three mid tokens the queries look at, hence heavy
+    v = torch.randn(1, 2, n, d, generator=g)
+    q = (direction / direction.norm() * 6.0).expand(1, 4, 8, d).clone() + 0.3 * torch.randn(1, 4, 8, d, generator=g)
+    exact = _exact(q[:, :, -1:], k, v)
+    errs = {}
+    for heavy in (0, 3):
+        for kernel in ("torch", "auto"):
+            store = _hstore(heavy, kernel)
+            store.append(k[:, :, :59], v[:, :, :59])
+            store.before_attention(None, q[:, :, :-1], 64 ** -0.5)
+            store.flush()
+            store.append(k[:, :, 59:], v[:, :, 59:])
+            assert store.n_sink == 2 + heavy and store.n_codes == (59 - 2 - heavy - 8) // 4 * 4  # whole blocks
+            if heavy:
+                assert store.slot_order[0, 2:5].tolist() == [11, 23, 37]
+                assert torch.equal(store.sink_k[0, :, 2:5], k[0, :, [11, 23, 37]])
+                assert store.slot_order.dtype == torch.int16
+            errs[heavy, kernel] = (attend(store, q[:, :, -1:], None, 64 ** -0.5) - exact).norm().item()
+        assert abs(errs[heavy, "torch"] - errs[heavy, "auto"]) < 1e-3 * exact.norm()
+    assert errs[3, "torch"] < 0.5 * errs[0, "torch"], errs
+    plain, heavy = _hstore(0), _hstore(3)
+    for s in (plain, heavy):
+        s.append(k, v)
+        s.before_attention(None, q, 64 ** -0.5)
+        s.flush()
+    extra = heavy.nbytes()["exact"] - plain.nbytes()["exact"]
+    assert extra >= 2 * 3 * 2 * 64 * 4  # 3 more exact tokens: keys and values, 2 heads, fp32 here
+
+
+def test_heavy_tokens_need_attention_and_refuse_a_deep_crop():
+    """Without any attention before the first flush there is nothing to rank: no heavy tokens.  A crop into the
+    reordered slots is refused (nothing changes); a crop of the window works."""
+    k, v = _values_with_offset(60)
+    store = _hstore(3)
+    store.append(k, v)
+    store.flush()
+    assert store.n_sink == 2 and store.slot_order is None
+    store = _hstore(3)
+    store.append(k, v)
+    store.before_attention(None, torch.randn(1, 4, 8, 64), 64 ** -0.5)
+    store.flush()
+    assert store.n_sink == 5
+    p, held = store.slot_order.shape[1], store.seq_length()
+    store.crop(2)
+    assert store.seq_length() == held - 2
+    try:
+        store.crop(store.seq_length() - p + 1)
+    except ValueError as e:
+        assert "heavy tokens" in str(e)
+    else:
+        raise AssertionError("a crop into the reordered slots was accepted")
+    assert store.seq_length() == held - 2

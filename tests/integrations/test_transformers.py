@@ -122,6 +122,29 @@ def test_padded_batch_equals_rows_alone(arch):
         assert torch.equal(out[row, -64:], alone[0, -64:]), (row, out[row, -64:], alone[0, -64:])
 
 
+def test_heavy_tokens_in_a_padded_batch_equal_rows_alone():
+    """#14: heavy tokens are chosen per row from its own attention (padding masked out), so a left-padded batch
+    holds and generates what each row does alone; they are exact tokens (beside sinks and window)."""
+    model = _patched("llama")
+    cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 8}), value=CodecSpec("turboquant_mse", {"bits": 8}),
+                    residual_length=8, flush_block=1, sink_tokens=2, heavy_tokens=4, exact_dtype="fp32")
+    a, b = _prompt(40, seed=4)[0], _prompt(31, seed=5)[0]
+    batch = torch.stack([a, torch.cat([torch.zeros(9, dtype=torch.long), b])])
+    mask = torch.stack([torch.ones(40), torch.cat([torch.zeros(9), torch.ones(31)])]).long()
+    cache = QJLCache(model, cfg)
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=16, do_sample=False, past_key_values=cache)
+    store = cache.layers[0].store
+    assert store.n_sink == 6 and store.slot_order is not None
+    for row, ids in enumerate((a, b)):
+        alone = QJLCache(model, cfg)
+        got = model.generate(ids[None], max_new_tokens=16, do_sample=False, past_key_values=alone)
+        assert torch.equal(out[row, -16:], got[0, -16:])
+        mine = alone.layers[0].store
+        pad = 9 * row
+        assert (store.slot_order[row, 2:6].long() - pad).tolist() == mine.slot_order[0, 2:6].long().tolist()
+        assert torch.allclose(store.sink_k[row], mine.sink_k[0], atol=1e-6)
+
+
 def test_crop_then_continue_equals_never_seen():
     model = _patched("llama")
     ids = _prompt(60)
@@ -460,12 +483,13 @@ def test_auto_widths_from_the_prompt():
     assert again.memory_report()["widths"] == widths  # deterministic
 
 
-@pytest.mark.parametrize("prompt,new", [(220, 40), (400, 90)])
-def test_auto_holds_its_budget(prompt, new):
-    """#14: the budget is what the cache holds -- codes with the buffers' spare capacity, key means and fits
-    (``compressed_bits``) -- at every step of the generation, not only the codecs' nominal bits."""
+@pytest.mark.parametrize("prompt,new,heavy", [(220, 40, 0), (400, 90, 0), (400, 40, 16)])
+def test_auto_holds_its_budget(prompt, new, heavy):
+    """#14: the budget is what the cache holds -- codes with the buffers' spare capacity, key and value means, fits
+    and the slot order of heavy tokens (``compressed_bits``) -- at every step of the generation, not only the
+    codecs' nominal bits."""
     model = _patched("llama")
-    cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0)
+    cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0, heavy_tokens=heavy)
     cache = QJLCache(model, cfg)
     model(_prompt(prompt), past_key_values=cache)
     held = [cache.memory_report()["compressed_bits"]]

@@ -96,6 +96,19 @@ def test_a_shared_prefill_leaves_every_cache_as_its_own(model):
                 assert cache.memory_report()["key_code_bytes"] > 0  # the prompt was compressed
 
 
+def test_a_replayed_prefill_picks_the_same_heavy_tokens(model):
+    """Heavy tokens are chosen from the prompt's last queries, recorded with the updates: a replayed cache holds
+    the same exact tokens (and everything else) as its own prefill."""
+    ids = _ids(PROMPT)
+    a, b = (make_cache(model, qjl.QJLConfig.preset("tq-k45v3", heavy_tokens=h)) for h in (0, 8))
+    assert prefill_key(model, a) == prefill_key(model, b)  # the prefill's logits do not depend on them
+    shared_prefill(model, [a, b], _forward(model, ids))
+    own = make_cache(model, qjl.QJLConfig.preset("tq-k45v3", heavy_tokens=8))
+    model(ids, past_key_values=own, use_cache=True)
+    assert own.layers[0].store.n_sink == 4 + 8
+    assert _same(_held(b), _held(own))
+
+
 def test_a_short_prompt_waits_for_the_next_append(model):
     """Below the eager flush the window keeps the prompt until the next forward: the same after a replay."""
     cfg = qjl.QJLConfig.preset("tq-k3v3")

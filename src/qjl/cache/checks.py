@@ -93,8 +93,9 @@ def check_crop(store, n) -> None:
                              f"{unit} tokens each ({store.key_codec!r}); crop a multiple of {unit} from the codes "
                              f"(the window holds {store.n_window})")
     if store.slot_order is not None and held - n < store.slot_order.shape[1]:
-        raise ValueError(f"cannot crop layer {store.layer_idx} of a left-padded batch below its first "
-                         f"{store.slot_order.shape[1]} tokens (sinks + padding); reset the cache instead")
+        raise ValueError(f"cannot crop layer {store.layer_idx} of a left-padded batch (or one holding heavy tokens) "
+                         f"below its first {store.slot_order.shape[1]} tokens (the slots reordered for sinks, padding "
+                         "and heavy tokens); reset the cache instead")
 
 
 def check_index(store, index) -> torch.Tensor:

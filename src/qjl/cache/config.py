@@ -105,7 +105,7 @@ class QJLConfig:
 
     ``QJLConfig()`` is the default preset "tq-k45v3" (``DEFAULT_PRESET``): TurboQuant MSE keys with the
     norm correction at 4 bits (5 bits in the deeper half of the layers), 3-bit values, key and value smoothing, 4
-    exact sink tokens and the 128 most recent tokens exact.  ``QJLConfig(residual_length=64)`` is that preset with
+    exact sink tokens, the 16 prompt tokens the prompt attends to most and the 128 most recent tokens exact.  ``QJLConfig(residual_length=64)`` is that preset with
     a shorter window.
 
     Args:
@@ -141,6 +141,11 @@ class QJLConfig:
             by the attention of the prompt's last queries (:mod:`qjl.cache.smoothing`: the plain mean measured
             worse).  On by default (measured better on every text for the default, docs/cache.md); a cache with
             it prefills with the model (it reads the prompt's queries).
+        heavy_tokens: per sequence and layer, keep exact (with the sinks) this many more prompt tokens: those the
+            prompt's last queries attend to most (averaged over the layer's KV heads), among the tokens that would be
+            coded.  Attention sinks are not only the first tokens (KVSink, arXiv:2508.04257); an error in a token
+            that takes much of the attention moves the output most.  Counted with the exact tokens; 16 by default
+            (measured better on every text, docs/cache.md).
         allocation: None, or widths chosen per layer from the prompt (:class:`qjl.cache.allocation.AutoBits`;
             made by :meth:`QJLConfig.auto`); then ``key``/``value``/``late_key``/``layer_overrides`` are unused.
         seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
@@ -162,6 +167,7 @@ class QJLConfig:
     exact_dtype: str | None = "half"
     smooth_keys: bool = True
     smooth_values: bool = True
+    heavy_tokens: int = 16
     allocation: object = None
     seed: int = 0
     kernel: str = "auto"
@@ -169,6 +175,7 @@ class QJLConfig:
     def __post_init__(self):
         _check_int("residual_length", self.residual_length, 0)
         _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("heavy_tokens", self.heavy_tokens, 0)
         _check_int("flush_block", self.flush_block, 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < _MAX_CONFIG_SEED:
             raise ValueError(f"seed must be an int in [0, 2**62), got {self.seed!r}")

@@ -34,17 +34,33 @@ def row_starts(mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
     return torch.where(seen.any(dim=-1), first, torch.full_like(first, seen.shape[-1]))
 
 
-def sink_order(starts: torch.Tensor, sinks: int) -> torch.Tensor | None:
-    """Per-row order of the first ``P = sinks + max(starts)`` slots: [B, P] positions, or None when no row
-    is padded (or there are no sinks)."""
+def sink_order(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Per-row order of the first ``P`` slots: [B, P] positions, or None when no row is padded (or there are no
+    sinks) and there are no ``extra`` tokens.
+
+    Slots: the row's ``sinks`` first real tokens, then its ``extra`` [B, K] positions (ascending, each after the
+    row's sinks: exact tokens chosen elsewhere, :mod:`qjl.cache.storage`), then its padding, then every other
+    position in order; ``P`` covers the padding and the last extra position."""
+    k = 0 if extra is None else extra.shape[1]
     pad = int(starts.max()) if starts.numel() else 0
-    if sinks == 0 or pad == 0:
+    if k == 0 and (sinks == 0 or pad == 0):
         return None
-    p = sinks + pad
-    slot = torch.arange(p, device=starts.device).unsqueeze(0)  # [1, P]
-    s = starts.unsqueeze(1)  # [B, 1]
-    # slots < S: the row's first real tokens s..s+S-1; slots S..S+s-1: its padding 0..s-1; then in order
-    return torch.where(slot < sinks, slot + s, torch.where(slot < sinks + s, slot - sinks, slot))
+    if k == 0:
+        p = sinks + pad
+        slot = torch.arange(p, device=starts.device).unsqueeze(0)  # [1, P]
+        s = starts.unsqueeze(1)  # [B, 1]
+        # slots < S: the row's first real tokens s..s+S-1; slots S..S+s-1: its padding 0..s-1; then in order
+        return torch.where(slot < sinks, slot + s, torch.where(slot < sinks + s, slot - sinks, slot))
+    p = max(sinks + pad, int(extra.max()) + 1)
+    rows = []
+    for b in range(starts.shape[0]):
+        s = int(starts[b])
+        first = list(range(s, s + sinks))
+        chosen = sorted(int(e) for e in extra[b])
+        taken = set(first) | set(chosen)
+        rest = [i for i in range(p) if i not in taken and i < s] + [i for i in range(s, p) if i not in taken]
+        rows.append(first + chosen + rest)
+    return torch.tensor(rows, dtype=torch.long, device=starts.device)
 
 
 def to_slots(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -52,7 +68,7 @@ def to_slots(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     if order is None:
         return x
     p = order.shape[1]
-    idx = order.to(x.device)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+    idx = order.to(x.device, torch.long)[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
     return torch.cat([x[:, :, :p].gather(2, idx), x[:, :, p:]], dim=2)
 
 
@@ -68,5 +84,5 @@ def remap_mask(mask: torch.Tensor | None, order: torch.Tensor | None) -> torch.T
     if mask is None or order is None:
         return mask
     p = order.shape[1]
-    idx = order.to(mask.device)[:, None, None, :].expand(mask.shape[0], mask.shape[1], mask.shape[2], p)
+    idx = order.to(mask.device, torch.long)[:, None, None, :].expand(mask.shape[0], mask.shape[1], mask.shape[2], p)
     return torch.cat([mask[..., :p].gather(-1, idx), mask[..., p:]], dim=-1)

@@ -25,8 +25,10 @@ _QJL_PAPER_KEYS = CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 2.0
 
 
 def _fixed(key, value, **kw):
-    """The same key codec in every layer; key and value smoothing off unless given (baselines run as published)."""
-    return QJLConfig(key=key, value=value, late_key=None, **{"smooth_keys": False, "smooth_values": False, **kw})
+    """The same key codec in every layer; key and value smoothing and heavy tokens off unless given (baselines run
+    as published)."""
+    return QJLConfig(key=key, value=value, late_key=None,
+                     **{"smooth_keys": False, "smooth_values": False, "heavy_tokens": 0, **kw})
 
 
 PRESETS = {
@@ -36,8 +38,8 @@ PRESETS = {
     "tq-k4v3": _fixed(_tq(4), _tq(3)),
     # 5-bit keys in the deeper half of the layers: 4.0 bits per value (the default: QJLConfig())
     "tq-k45v3": QJLConfig(key=_tq(4), value=_tq(3), late_key=_tq(5)),
-    # key and value smoothing (docs/cache.md): 3-bit keys at KL 0.012 instead of 0.019 on GPL-3
-    "tq-k3v3": _fixed(_tq(3), _tq(3), smooth_keys=True, smooth_values=True),
+    # key and value smoothing, 16 heavy tokens (docs/cache.md): 3-bit keys at KL 0.012 instead of 0.019 on GPL-3
+    "tq-k3v3": _fixed(_tq(3), _tq(3), smooth_keys=True, smooth_values=True, heavy_tokens=16),
     # the 5x point (benchmarks/five_x_search.py): 3-bit keys (4-bit in the last 7% of the layers), 2-bit values
     # with 8-bit (float8 e4m3) norms, an fp16 exact window of 136 (+< 8) tokens
     "tq-k3v2": QJLConfig(key=_tq(3), value=_tq(2, norm_dtype="fp8"), late_key=_tq(4), late_fraction=0.07,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["channel_mean", "attention_weighted_mean", "softcap_of", "VALUE_MEAN_ROWS"]
+__all__ = ["channel_mean", "attention_weights", "attention_weighted_mean", "softcap_of", "VALUE_MEAN_ROWS"]
 
 VALUE_MEAN_ROWS = 64  # the prompt's last queries whose attention weights the value mean
 
@@ -47,37 +47,48 @@ def channel_mean(keys: torch.Tensor, starts: torch.Tensor | None = None) -> torc
     return out
 
 
+def attention_weights(query: torch.Tensor, keys: torch.Tensor, mask=None, scaling: float = 1.0,
+                      softcap: float | None = None, rows: int = VALUE_MEAN_ROWS) -> torch.Tensor:
+    """The attention the prompt's last queries pay each of its tokens -> w [B, H, n] float32.
+
+    query: [B, H_q, t, D] (H_q a multiple of H; its last ``rows`` rows are used, each new token's row attending to
+    ``keys`` [B, H, n, D] under ``mask`` [B, 1|H_q, t, n] -- additive float, bool (True = attend), or None: every
+    key); ``scaling`` and ``softcap`` as the attention's.  ``w[b, h, j]``: the softmax weight of token ``j``
+    averaged over the used rows and the GQA group of KV head ``h`` (a fully masked row weighs nothing)."""
+    b, h, n, _ = keys.shape
+    bq, hq, t, d = query.shape
+    g, r = hq // h, min(rows, t)
+    q = query[:, :, t - r:].float().reshape(b, h, g * r, d)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, H, g r, n]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if mask is not None:
+        m = mask[:, :, t - r:].expand(b, hq, r, n).reshape(b, h, g * r, n)
+        logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0).mean(dim=2)
+
+
 def attention_weighted_mean(values: torch.Tensor, starts: torch.Tensor | None = None, skip_first: int = 0,
                             skip_last: int = 0, query: torch.Tensor | None = None, keys: torch.Tensor | None = None,
                             mask=None, scaling: float = 1.0, softcap: float | None = None,
-                            rows: int = VALUE_MEAN_ROWS) -> torch.Tensor:
+                            rows: int = VALUE_MEAN_ROWS, weights: torch.Tensor | None = None) -> torch.Tensor:
     """The values' channel mean weighted by attention -> mu [B, H, D_v] float32.
 
-    values / keys: [B, H, n, D_v] / [B, H, n, D] (the prompt as stored, position order); query: [B, H_q, t, D]
-    (H_q a multiple of H; its last ``rows`` rows are used, each new token's row attending to ``keys`` under
-    ``mask`` [B, 1|H_q, t, n] -- additive float, bool (True = attend), or None: every key); ``scaling`` and
-    ``softcap`` as the attention's.  Token ``j`` of row ``b`` gets weight ``w_j``: the attention the used rows
-    (and the GQA group) pay it on average; without ``query`` every token weighs 1.  Only the tokens that will be
-    coded count: from ``starts[b] + skip_first`` (the row's first real token after its sinks) to ``n - skip_last``
-    (before the exact window); where that range is empty or weighs nothing, every real token of the row counts.
+    values / keys: [B, H, n, D_v] / [B, H, n, D] (the prompt as stored, position order).  Token ``j`` of row ``b``
+    weighs :func:`attention_weights` of ``query``, ``keys``, ``mask``, ``scaling``, ``softcap``, ``rows`` (or the
+    given ``weights`` [B, H, n]); without ``query`` every token weighs 1.  Only the tokens that will be coded count:
+    from ``starts[b] + skip_first`` (the row's first real token after its sinks) to ``n - skip_last`` (before the
+    exact window); where that range is empty or weighs nothing, every real token of the row counts.
     """
     b, h, n, dv = values.shape
     starts = torch.zeros(b, dtype=torch.long) if starts is None else starts.to("cpu", torch.long)
     pos = torch.arange(n, device=values.device)
-    if query is None:
+    if weights is not None:
+        w = weights
+    elif query is None:
         w = torch.ones(b, h, n, device=values.device)
     else:
-        bq, hq, t, d = query.shape
-        g, r = hq // h, min(rows, t)
-        q = query[:, :, t - r:].float().reshape(b, h, g * r, d)
-        logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, H, g r, n]
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        if mask is not None:
-            m = mask[:, :, t - r:].expand(b, hq, r, n).reshape(b, h, g * r, n)
-            logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
-        p = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a fully masked row (padding) weighs nothing
-        w = p.mean(dim=2)
+        w = attention_weights(query, keys, mask, scaling, softcap, rows)
     out = torch.zeros(b, h, dv, dtype=torch.float32, device=values.device)
     for row in range(b):
         s = int(starts[row])

@@ -35,7 +35,7 @@ import torch
 from qjl import kernels
 from qjl.cache import checks, padding
 from qjl.cache.buffers import CodeBuffer, TokenBuffer, storage_bytes
-from qjl.cache.smoothing import attention_weighted_mean, channel_mean
+from qjl.cache.smoothing import attention_weighted_mean, attention_weights, channel_mean
 from qjl.codecs.base import Codes
 from qjl.core.validation import STORAGE_DTYPES
 
@@ -77,10 +77,11 @@ class LayerStore:
         self.sink_k = self.sink_v = None
         self._kc, self._vc = CodeBuffer(), CodeBuffer()
         self.key_fit = None  # the key codec's per-sequence fit (e.g. outlier channels), from the first block
+        self.heavy_w = None  # heavy tokens: [B, n] the prompt's attention per position (until the sinks form)
         self.mu = None  # key smoothing: [B, H, D] float32
         self.mu_v = None  # value smoothing: [B, H, D_v] float32
         self.row_start = None  # [B]: first real position of each row (left padding)
-        self.slot_order = None  # [B, P]: slot -> position of the first P slots when rows are padded
+        self.slot_order = None  # [B, P] int16/int32: slot -> position of the first P slots (padding, heavy tokens)
         self.pads = None  # [B]: padding tokens of each row (when slot_order is set)
         self.sinks_done = False
         self.auto_stats = None  # what the width allocation measured on this layer (qjl.cache.allocation)
@@ -217,10 +218,16 @@ class LayerStore:
             w = self._wk.view()
             self.mu = channel_mean(w, self.row_start)
             self._wk.replace((w.float() - self.mu.unsqueeze(2)).to(self.exact_dtype))
+        weights = None
+        if query is not None and ((self.config.smooth_values and self.mu_v is None)
+                                  or (self.config.heavy_tokens and self.heavy_w is None and not self.sinks_done)):
+            weights = attention_weights(query, self._wk.view(), attention_mask, scaling, softcap)  # [B, H, n]
+            if self.config.heavy_tokens and not self.sinks_done:
+                self.heavy_w = weights.mean(1)
         if self.config.smooth_values and self.mu_v is None:
             w = self._wv.view()
             self.mu_v = attention_weighted_mean(w, self.row_start, self.config.sink_tokens, self.config.residual_length,
-                                                query, self._wk.view(), attention_mask, scaling, softcap)
+                                                weights=weights)
             self._wv.replace((w.float() - self.mu_v.unsqueeze(2)).to(self.exact_dtype))
 
     def after_attention(self) -> None:
@@ -257,22 +264,42 @@ class LayerStore:
         self._wv.replace(wv[:, :, n:])
 
     def _form_sinks(self) -> bool:
-        """Each row's first ``sink_tokens`` real tokens become its sinks (False: not enough tokens yet)."""
+        """Each row's first ``sink_tokens`` real tokens, and its ``heavy_tokens`` heaviest, become its sinks (False:
+        not enough tokens yet)."""
         s, n = self.config.sink_tokens, self.n_window
         starts = self.row_start if self.row_start is not None else torch.zeros(self.batch, dtype=torch.long)
         starts = starts.to(self.device).clamp(max=max(n - s, 0))
-        order = padding.sink_order(starts, s)
+        extra = self._heavy_positions(starts, n)
+        order = padding.sink_order(starts, s, extra)
         if n < (s if order is None else order.shape[1]):
             return False
         wk, wv = padding.to_slots(self._wk.view(), order), padding.to_slots(self._wv.view(), order)
         if order is not None:
-            self.slot_order, self.pads = order, starts
+            # held for the rest of the sequence: the narrowest integer type that holds its positions
+            self.slot_order, self.pads = order.to(torch.int16 if order.shape[1] <= 2 ** 15 else torch.int32), starts
+        s += 0 if extra is None else extra.shape[1]
         if s:
             self.sink_k, self.sink_v = wk[:, :, :s].clone(), wv[:, :, :s].clone()
         self._wk.replace(wk[:, :, s:])
         self._wv.replace(wv[:, :, s:])
-        self.sinks_done = True
+        self.sinks_done, self.heavy_w = True, None
         return True
+
+    def _heavy_positions(self, starts: torch.Tensor, n: int):
+        """``heavy_tokens`` positions per row [B, K] (ascending): the tokens to be coded (after the row's sinks,
+        before the exact window) that the prompt's last queries attend to most, averaged over KV heads; K is the
+        same for every row (at most the fewest candidates of a row).  None without weights (no attention yet)."""
+        if not self.config.heavy_tokens or self.heavy_w is None:
+            return None
+        w = self.heavy_w[:, :n]
+        end = min(w.shape[1], n - self.config.residual_length)
+        first = starts.to(w.device) + self.config.sink_tokens
+        k = min(self.config.heavy_tokens, max(0, end - int(first.max())))
+        if k == 0:
+            return None
+        pos = torch.arange(w.shape[1], device=w.device)
+        masked = w.masked_fill((pos[None] < first[:, None]) | (pos[None] >= end), float("-inf"))
+        return masked.topk(k, dim=1).indices.sort(dim=1).values.to(starts.device)
 
     def _without_padding(self, block: torch.Tensor) -> torch.Tensor:
         """The first flushed block with each row's padding slots (just after its sinks) zeroed."""

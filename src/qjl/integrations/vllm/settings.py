@@ -40,7 +40,7 @@ PRESET_WINDOWS = {"tq-k3v2": 0}
 SERVABLE_KEYS = ("turboquant_mse", "qjl")
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
 # QJLConfig options fitted per sequence to its prompt, which the paged backend does not implement (turned off)
-UNSERVED_OPTIONS = ("smooth_keys", "smooth_values")
+UNSERVED_OPTIONS = {"smooth_keys": False, "smooth_values": False, "heavy_tokens": 0}  # name: its off value
 _KEYS = ("preset", "sinks", "window", "seed", "decode")
 
 
@@ -70,7 +70,7 @@ class VLLMSettings:
     def config(self) -> QJLConfig:
         # the preset's codecs and seed without the prompt-fitted options, which the paged backend does not implement
         # (the cache's smoothing subtracts a per-sequence mean fitted on the prompt; vLLM's pages are shared)
-        over = dict.fromkeys(UNSERVED_OPTIONS, False)
+        over = dict(UNSERVED_OPTIONS)
         if self.seed is not None:
             over["seed"] = self.seed
         return QJLConfig.preset(self.preset, **over)
@@ -106,10 +106,10 @@ def check_servable(config: QJLConfig) -> None:
         if spec.name not in allowed:
             raise ValueError(f"the qjl vLLM backend cannot serve {where} codec {spec.name!r}: it serves "
                              f"{list(allowed)} (per-token codes that fit paged blocks)")
-    for name in UNSERVED_OPTIONS:
-        if getattr(config, name):
+    for name, off in UNSERVED_OPTIONS.items():
+        if getattr(config, name) != off:
             raise ValueError(f"the qjl vLLM backend does not implement {name} (fitted per sequence to its prompt; "
-                             f"vLLM's pages are shared): set {name}=False for vLLM")
+                             f"vLLM's pages are shared): set {name}={off!r} for vLLM")
 
 
 def enabled(environ=None) -> bool:
