@@ -148,18 +148,25 @@ def test_heavy_tokens_in_a_padded_batch_equal_rows_alone():
 def test_crop_then_continue_equals_never_seen():
     model = _patched("llama")
     ids = _prompt(60)
-    cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), residual_length=8, flush_block=4)
-    a, b = QJLCache(model, cfg), QJLCache(model, cfg)
-    model(ids[:, :40], past_key_values=a)
-    model(ids[:, 40:50], past_key_values=a)
-    a.crop(-10)
-    assert a.get_seq_length() == 40
-    model(ids[:, :40], past_key_values=b)
-    la = model(ids[:, 50:52], past_key_values=a).logits
-    lb = model(ids[:, 50:52], past_key_values=b).logits
-    assert torch.allclose(la, lb, atol=1e-6)
-    a.crop(-30)  # into the codes
-    assert a.get_seq_length() == 12
+    for heavy in (0, 16):
+        cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), residual_length=8, flush_block=4,
+                        heavy_tokens=heavy)
+        a, b = QJLCache(model, cfg), QJLCache(model, cfg)
+        model(ids[:, :40], past_key_values=a)
+        model(ids[:, 40:50], past_key_values=a)
+        a.crop(-10)
+        assert a.get_seq_length() == 40
+        model(ids[:, :40], past_key_values=b)
+        la = model(ids[:, 50:52], past_key_values=a).logits
+        lb = model(ids[:, 50:52], past_key_values=b).logits
+        assert torch.allclose(la, lb, atol=1e-6)
+        if heavy:  # the heavy tokens' slots are reordered: a crop below them is refused, nothing changes
+            with pytest.raises(ValueError, match="heavy tokens"):
+                a.crop(-30)
+            assert a.get_seq_length() == 42
+        else:
+            a.crop(-30)  # into the codes
+            assert a.get_seq_length() == 12
 
 
 def test_reorder_matches_reordered_inputs():
@@ -187,7 +194,7 @@ def test_beam_search_matches_full_precision():
 def test_nbytes_by_hand():
     model = _patched("llama")  # 3 layers, 2 KV heads, head_dim 64, fp32
     cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), value=CodecSpec("uniform", {"bits": 2, "group_size": 32}),
-                    residual_length=8, flush_block=4, sink_tokens=2)
+                    residual_length=8, flush_block=4, sink_tokens=2, heavy_tokens=0)
     cache = QJLCache(model, cfg)
     model(_prompt(30), past_key_values=cache)
     model(_prompt(1), past_key_values=cache)  # flushes the prompt's overflow: 2 sinks, 20 coded, 8 + 1 exact
@@ -376,7 +383,7 @@ def test_kivi_crop_is_all_or_nothing_across_layers():
     """#11.3: a crop that would cut into a KIVI group raises before any layer is cut."""
     model = _patched("llama")
     cfg = QJLConfig(key=CodecSpec("kivi", {"bits": 4, "group_size": 4}), value=CodecSpec("uniform", {"bits": 4}),
-                    residual_length=8, flush_block=4, sink_tokens=0)
+                    residual_length=8, flush_block=4, sink_tokens=0, heavy_tokens=0)
     cache = QJLCache(model, cfg)
     model(_prompt(30), past_key_values=cache)
     model(_prompt(1), past_key_values=cache)  # flushes the prompt: 20 tokens in codes, 11 in the window

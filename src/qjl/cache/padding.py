@@ -34,13 +34,14 @@ def row_starts(mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
     return torch.where(seen.any(dim=-1), first, torch.full_like(first, seen.shape[-1]))
 
 
-def sink_order(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+def sink_order(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = None, width: int = 0) -> torch.Tensor | None:
     """Per-row order of the first ``P`` slots: [B, P] positions, or None when no row is padded (or there are no
     sinks) and there are no ``extra`` tokens.
 
     Slots: the row's ``sinks`` first real tokens, then its ``extra`` [B, K] positions (ascending, each after the
     row's sinks: exact tokens chosen elsewhere, :mod:`qjl.cache.storage`), then its padding, then every other
-    position in order; ``P`` covers the padding and the last extra position."""
+    position in order; ``P`` covers the padding and the last extra position, and is at least ``width`` with extras
+    (a width that does not depend on which positions they are)."""
     k = 0 if extra is None else extra.shape[1]
     pad = int(starts.max()) if starts.numel() else 0
     if k == 0 and (sinks == 0 or pad == 0):
@@ -51,7 +52,7 @@ def sink_order(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = No
         s = starts.unsqueeze(1)  # [B, 1]
         # slots < S: the row's first real tokens s..s+S-1; slots S..S+s-1: its padding 0..s-1; then in order
         return torch.where(slot < sinks, slot + s, torch.where(slot < sinks + s, slot - sinks, slot))
-    p = max(sinks + pad, int(extra.max()) + 1)
+    p = max(sinks + pad, int(extra.max()) + 1, width)
     rows = []
     for b in range(starts.shape[0]):
         s = int(starts[b])

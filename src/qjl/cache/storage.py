@@ -269,8 +269,9 @@ class LayerStore:
         s, n = self.config.sink_tokens, self.n_window
         starts = self.row_start if self.row_start is not None else torch.zeros(self.batch, dtype=torch.long)
         starts = starts.to(self.device).clamp(max=max(n - s, 0))
-        extra = self._heavy_positions(starts, n)
-        order = padding.sink_order(starts, s, extra)
+        extra, end = self._heavy_positions(starts, n)
+        order = padding.sink_order(starts, s, extra, end)  # over the whole candidate range: bytes do not depend on
+        # which tokens are heavy
         if n < (s if order is None else order.shape[1]):
             return False
         wk, wv = padding.to_slots(self._wk.view(), order), padding.to_slots(self._wv.view(), order)
@@ -288,18 +289,19 @@ class LayerStore:
     def _heavy_positions(self, starts: torch.Tensor, n: int):
         """``heavy_tokens`` positions per row [B, K] (ascending): the tokens to be coded (after the row's sinks,
         before the exact window) that the prompt's last queries attend to most, averaged over KV heads; K is the
-        same for every row (at most the fewest candidates of a row).  None without weights (no attention yet)."""
+        same for every row (at most the fewest candidates of a row); and the end of the candidate range.  None
+        without weights (no attention yet)."""
         if not self.config.heavy_tokens or self.heavy_w is None:
-            return None
+            return None, 0
         w = self.heavy_w[:, :n]
         end = min(w.shape[1], n - self.config.residual_length)
         first = starts.to(w.device) + self.config.sink_tokens
         k = min(self.config.heavy_tokens, max(0, end - int(first.max())))
         if k == 0:
-            return None
+            return None, 0
         pos = torch.arange(w.shape[1], device=w.device)
         masked = w.masked_fill((pos[None] < first[:, None]) | (pos[None] >= end), float("-inf"))
-        return masked.topk(k, dim=1).indices.sort(dim=1).values.to(starts.device)
+        return masked.topk(k, dim=1).indices.sort(dim=1).values.to(starts.device), end
 
     def _without_padding(self, block: torch.Tensor) -> torch.Tensor:
         """The first flushed block with each row's padding slots (just after its sinks) zeroed."""

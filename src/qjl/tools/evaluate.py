@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qjl.integrations.transformers.layer import QJLCacheLayer
 from qjl.tools.methods import cache_memory, make_cache, prefill_groups
 
 __all__ = ["EvalSetup", "load_text_ids", "prefill_methods", "score_prefilled", "score_method", "quality", "measure",
@@ -194,8 +195,10 @@ def memory_at(model, ids: torch.Tensor, cfg, tokens: int, kv: list | None = None
     With ``kv`` (from :func:`capture_kv`, or :func:`tile_kv` of a full-precision cache's :func:`held_kv`) the
     cache receives those keys and values through its own ``update`` in the same two steps, without running
     the model again: the same tensors held, as a cache's bytes depend on its configuration and the token
-    count, not on the values.  Configurations that choose anything from the prompt's queries need the model
-    run (``kv=None``).
+    count, not on the values.  Its compressed layers take the prefill's attention step with the prompt's keys
+    standing in for its queries (value smoothing and heavy tokens are fitted there: which tokens are heavy
+    depends on the queries, how many does not).  Configurations that choose widths from the prompt's queries
+    need the model run (``kv=None``).
     """
     cache = make_cache(model, cfg)
     if kv is None:
@@ -206,7 +209,10 @@ def memory_at(model, ids: torch.Tensor, cfg, tokens: int, kv: list | None = None
     else:
         if kv[0][0].shape[-2] != tokens:
             raise ValueError(f"kv holds {kv[0][0].shape[-2]} tokens, not {tokens}")
-        for part in (slice(0, tokens - 1), slice(tokens - 1, tokens)):
+        for step, part in enumerate((slice(0, tokens - 1), slice(tokens - 1, tokens))):
             for i, (k, v) in enumerate(kv):
                 cache.update(k[..., part, :], v[..., part, :], i)
+                layer = cache.layers[i]
+                if step == 0 and isinstance(layer, QJLCacheLayer):  # the prefill's attention step
+                    layer.store.before_attention(None, k[..., part, :].float(), k.shape[-1] ** -0.5)
     return {"tokens": tokens, **cache_memory(cache)}
