@@ -167,9 +167,9 @@ def test_planned_budget_names_bad_arguments():
     for sk, sv, dims in ((True, False, 64), (False, True, 32), (True, True, 96)):
         want = (3.0 - 32.0 * dims / (6400 * (64 + 32))) / (1 + 100 / 6400)
         assert planned_budget(3.0, 6400, 32, sk, 64, 32, smooth_values=sv) == pytest.approx(want)
-    # heavy tokens: the slot order, int16 per row and position, shared by the KV heads
-    want = (3.0 - 32.0 * 64 / (6400 * 96) - 16.0 / (3 * 96)) / (1 + 100 / 6400)
-    assert planned_budget(3.0, 6400, 32, True, 64, 32, heavy_tokens=True, heads=3) == pytest.approx(want)
+    # heavy tokens: their positions, int32 per row, shared by the KV heads
+    want = (3.0 - 32.0 * 64 / (6400 * 96) - 32.0 * 16 / (3 * 6400 * 96)) / (1 + 100 / 6400)
+    assert planned_budget(3.0, 6400, 32, True, 64, 32, heavy_tokens=16, heads=3) == pytest.approx(want)
     for kw, name in ((dict(budget=0.0), "budget"), (dict(tokens=-1), "tokens"), (dict(flush_block=0), "flush_block"),
                      (dict(key_dim=1.5), "key_dim")):
         args = dict(budget=3.0, tokens=100, flush_block=32, smooth_keys=True, key_dim=64, value_dim=64) | kw

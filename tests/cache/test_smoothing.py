@@ -39,6 +39,22 @@ def _run(store, k, v, q):
     return attend(store, q, None, 64 ** -0.5)
 
 
+def _errors_by_path(make, mean: str, k, v, q, exact) -> dict:
+    """{(smoothing on, kernel): attention error} of stores ``make(on, kernel)`` after :func:`_run`; checks that 28
+    tokens were coded, that the mean attribute ``mean`` is fitted iff on, that the kernel reads the codes, and that
+    every path gives the same error."""
+    errs = {}
+    for on in (False, True):
+        for kernel in ("torch", "auto"):
+            store = make(on, kernel)
+            out = _run(store, k, v, q)
+            assert store.n_codes == 28 and (getattr(store, mean) is not None) == on
+            assert kernel == "torch" or store.kernel_ok
+            errs[on, kernel] = (out - exact).norm().item()
+        assert abs(errs[on, "torch"] - errs[on, "auto"]) < 1e-3 * exact.norm()  # every path alike
+    return errs
+
+
 def test_smoothing_keeps_softmax_exact_and_helps_codes():
     """Every stored key shifted by the same mu leaves attention unchanged; with codes, smoothing removes
     the offset the rotation would spread over every coordinate, so the error drops."""
@@ -48,14 +64,7 @@ def test_smoothing_keeps_softmax_exact_and_helps_codes():
                                                              scale=64 ** -0.5).transpose(1, 2)
     for smooth in (False, True):  # everything exact: smoothing changes nothing (up to float rounding)
         assert torch.allclose(_run(_store(smooth, residual=64), k, v, q), exact, atol=1e-5)
-    errs = {}
-    for smooth in (False, True):
-        for kernel in ("torch", "auto"):
-            store = _store(smooth, bits=3, kernel=kernel)
-            out = _run(store, k, v, q)
-            assert store.n_codes == 28 and (store.mu is not None) == smooth
-            errs[smooth, kernel] = (out - exact).norm().item()
-        assert abs(errs[smooth, "torch"] - errs[smooth, "auto"]) < 1e-3 * exact.norm()  # every path alike
+    errs = _errors_by_path(lambda on, kernel: _store(on, bits=3, kernel=kernel), "mu", k, v, q, exact)
     assert errs[True, "torch"] < 0.5 * errs[False, "torch"], errs
     store = _store(True)
     _run(store, k, v, q)
@@ -113,16 +122,7 @@ def test_value_smoothing_helps_codes_alike_on_every_path():
     k, v = _values_with_offset(41, seed=1)
     q = torch.randn(1, 4, 1, 64)
     exact = _exact(q, k, v)
-    errs = {}
-    for smooth in (False, True):
-        for kernel in ("torch", "auto"):
-            store = _vstore(smooth, vbits=2, kernel=kernel)
-            out = _run(store, k, v, q)
-            assert store.n_codes == 28 and (store.mu_v is not None) == smooth
-            if kernel == "auto":
-                assert store.kernel_ok
-            errs[smooth, kernel] = (out - exact).norm().item()
-        assert abs(errs[smooth, "torch"] - errs[smooth, "auto"]) < 1e-3 * exact.norm()
+    errs = _errors_by_path(lambda on, kernel: _vstore(on, vbits=2, kernel=kernel), "mu_v", k, v, q, exact)
     assert errs[True, "torch"] < 0.5 * errs[False, "torch"], errs
     store = _vstore(True, vbits=2)
     _run(store, k, v, q)
@@ -256,7 +256,7 @@ def test_heavy_tokens_are_the_most_attended_and_kept_exact():
             if heavy:
                 assert store.slot_order[0, 2:5].tolist() == [11, 23, 37]
                 assert torch.equal(store.sink_k[0, :, 2:5], k[0, :, [11, 23, 37]])
-                assert store.slot_order.dtype == torch.int16
+                assert store.heavy_pos.dtype == torch.int32 and store.heavy_pos.tolist() == [[11, 23, 37]]
             errs[heavy, kernel] = (attend(store, q[:, :, -1:], None, 64 ** -0.5) - exact).norm().item()
         assert abs(errs[heavy, "torch"] - errs[heavy, "auto"]) < 1e-3 * exact.norm()
     assert errs[3, "torch"] < 0.5 * errs[0, "torch"], errs

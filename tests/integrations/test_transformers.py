@@ -101,6 +101,17 @@ NEAR_LOSSLESS = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 8}), value=Co
                           residual_length=8, flush_block=1, sink_tokens=4)
 
 
+def _padded_generate(model, cfg, a, b, new: int):
+    """Greedy generation of ``new`` tokens for the batch of ``a`` and ``b`` (1-D ids, ``b`` the shorter, left-padded
+    with zeros to ``a``'s length) through a fresh QJLCache of ``cfg`` -> (output ids, the cache)."""
+    pad = a.numel() - b.numel()
+    batch = torch.stack([a, torch.cat([torch.zeros(pad, dtype=torch.long), b])])
+    mask = torch.stack([torch.ones(a.numel()), torch.cat([torch.zeros(pad), torch.ones(b.numel())])]).long()
+    cache = QJLCache(model, cfg)
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=new, do_sample=False, past_key_values=cache)
+    return out, cache
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_padded_batch_equals_rows_alone(arch):
     """#11.7: sinks are each row's first real tokens (read from the attention mask), so a left-padded batch
@@ -109,10 +120,7 @@ def test_padded_batch_equals_rows_alone(arch):
     length: a tiny difference, not a different token order)."""
     model = _patched(arch)
     a, b = _prompt(40, seed=2)[0], _prompt(27, seed=3)[0]
-    batch = torch.stack([a, torch.cat([torch.zeros(13, dtype=torch.long), b])])
-    mask = torch.stack([torch.ones(40), torch.cat([torch.zeros(13), torch.ones(27)])]).long()
-    cache = QJLCache(model, NEAR_LOSSLESS)
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=64, do_sample=False, past_key_values=cache)
+    out, cache = _padded_generate(model, NEAR_LOSSLESS, a, b, 64)
     store = cache.layers[0].store
     assert store.slot_order is not None and store.n_codes > 0
     assert torch.equal(store.row_start.cpu(), torch.tensor([0, 13]))
@@ -129,10 +137,7 @@ def test_heavy_tokens_in_a_padded_batch_equal_rows_alone():
     cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 8}), value=CodecSpec("turboquant_mse", {"bits": 8}),
                     residual_length=8, flush_block=1, sink_tokens=2, heavy_tokens=4, exact_dtype="fp32")
     a, b = _prompt(40, seed=4)[0], _prompt(31, seed=5)[0]
-    batch = torch.stack([a, torch.cat([torch.zeros(9, dtype=torch.long), b])])
-    mask = torch.stack([torch.ones(40), torch.cat([torch.zeros(9), torch.ones(31)])]).long()
-    cache = QJLCache(model, cfg)
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=16, do_sample=False, past_key_values=cache)
+    out, cache = _padded_generate(model, cfg, a, b, 16)
     store = cache.layers[0].store
     assert store.n_sink == 6 and store.slot_order is not None
     for row, ids in enumerate((a, b)):

@@ -244,14 +244,14 @@ def choose_widths(stats: list, budget: float, exact_bits: float, boundary: int) 
 
 
 def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bool, key_dim: int,
-                   value_dim: int, smooth_values: bool = False, heavy_tokens: bool = False, heads: int = 1) -> float:
+                   value_dim: int, smooth_values: bool = False, heavy_tokens: int = 0, heads: int = 1) -> float:
     """Bits per value the codecs may use so that the storage *held* stays within ``budget`` from the end of
     the prefill on (``tokens`` compressed per row then).  Two things are held beyond the codes' own bits:
     the buffers' spare capacity (:func:`qjl.cache.buffers.grown_capacity`: at most ``max(n / 64, step)`` codes
     beyond the ``n`` in use, a fraction that only shrinks as ``n`` grows past ``tokens``), and with key
     smoothing one float32 mean per row and key channel (``32 key_dim / n`` bits per key coordinate), with value
-    smoothing one per value channel, with heavy tokens the slot order (int16 per row and prompt position, shared by
-    the ``heads`` KV heads: at most ``16 / (heads (key_dim + value_dim))`` bits per value)."""
+    smoothing one per value channel, with heavy tokens their positions (``heavy_tokens`` int32 per row, shared by the
+    ``heads`` KV heads)."""
     from qjl.cache.buffers import GROWTH
 
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
@@ -263,7 +263,7 @@ def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bo
     n = max(tokens, 1)
     spare = 1.0 + max(n // GROWTH, flush_block) / n
     means = 32.0 * (key_dim * smooth_keys + value_dim * smooth_values) / (n * (key_dim + value_dim))
-    means += 16.0 / (heads * (key_dim + value_dim)) if heavy_tokens else 0.0
+    means += 32.0 * heavy_tokens / (heads * n * (key_dim + value_dim))
     return (budget - means) / spare
 
 
@@ -321,7 +321,7 @@ class Allocator:
         tokens = min(st["tokens"] for st in stats)
         budget = planned_budget(nominal, tokens, self.config.flush_block, self.config.smooth_keys,
                                 live[0].key_dim, live[0].value_dim, self.config.smooth_values,
-                                self.config.heavy_tokens > 0, live[0].heads)
+                                self.config.heavy_tokens, live[0].heads)
         cheapest = sum(min(b for b, _ in st["keys"]) + min(b for b, _ in st["values"]) for st in stats) / (2 * len(stats))
         if cheapest > nominal + 1e-9:
             raise ValueError(f"bits_per_value={nominal:g} is below the cheapest candidates ({cheapest:.3f} bits/value)")

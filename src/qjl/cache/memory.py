@@ -75,7 +75,7 @@ class MemoryReport(Mapping):
         d = self._d
         rows = [("key codes", d["key_code_bytes"], f"{d['key_bits']:.2f} bits/coord"),
                 ("value codes", d["value_code_bytes"], f"{d['value_bits']:.2f} bits/coord"),
-                ("exact sinks + window", d["exact_bytes"], f"{d['exact_bits']:.2f} bits/coord"),
+                ("exact sinks/heavy/window", d["exact_bytes"], f"{d['exact_bits']:.2f} bits/coord"),
                 ("smoothing means", d["smoothing_bytes"], ""),
                 ("other (fits, padding)", d["other_bytes"], ""),
                 ("layers kept exact", d["uncompressed_layer_bytes"], "")]

@@ -34,14 +34,13 @@ def row_starts(mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
     return torch.where(seen.any(dim=-1), first, torch.full_like(first, seen.shape[-1]))
 
 
-def sink_order(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = None, width: int = 0) -> torch.Tensor | None:
+def sink_order(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = None) -> torch.Tensor | None:
     """Per-row order of the first ``P`` slots: [B, P] positions, or None when no row is padded (or there are no
     sinks) and there are no ``extra`` tokens.
 
     Slots: the row's ``sinks`` first real tokens, then its ``extra`` [B, K] positions (ascending, each after the
     row's sinks: exact tokens chosen elsewhere, :mod:`qjl.cache.storage`), then its padding, then every other
-    position in order; ``P`` covers the padding and the last extra position, and is at least ``width`` with extras
-    (a width that does not depend on which positions they are)."""
+    position in order; ``P`` covers the padding and the last extra position."""
     k = 0 if extra is None else extra.shape[1]
     pad = int(starts.max()) if starts.numel() else 0
     if k == 0 and (sinks == 0 or pad == 0):
@@ -52,16 +51,15 @@ def sink_order(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = No
         s = starts.unsqueeze(1)  # [B, 1]
         # slots < S: the row's first real tokens s..s+S-1; slots S..S+s-1: its padding 0..s-1; then in order
         return torch.where(slot < sinks, slot + s, torch.where(slot < sinks + s, slot - sinks, slot))
-    p = max(sinks + pad, int(extra.max()) + 1, width)
-    rows = []
-    for b in range(starts.shape[0]):
-        s = int(starts[b])
-        first = list(range(s, s + sinks))
-        chosen = sorted(int(e) for e in extra[b])
-        taken = set(first) | set(chosen)
-        rest = [i for i in range(p) if i not in taken and i < s] + [i for i in range(s, p) if i not in taken]
-        rows.append(first + chosen + rest)
-    return torch.tensor(rows, dtype=torch.long, device=starts.device)
+    p = max(sinks + pad, int(extra.max()) + 1)
+    dev = starts.device
+    first = starts.long().unsqueeze(1) + torch.arange(sinks, device=dev)  # [B, S]
+    chosen = extra.to(dev).long().sort(dim=1).values  # [B, K]
+    taken = torch.zeros(starts.shape[0], p, dtype=torch.bool, device=dev)
+    taken.scatter_(1, torch.cat([first, chosen], dim=1), True)
+    # the untaken positions in ascending order (padding first, then the rest): a stable sort puts them first
+    rest = torch.sort(taken.to(torch.uint8), dim=1, stable=True).indices[:, : p - sinks - chosen.shape[1]]
+    return torch.cat([first, chosen, rest], dim=1)
 
 
 def to_slots(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

@@ -81,8 +81,8 @@ class LayerStore:
         self.mu = None  # key smoothing: [B, H, D] float32
         self.mu_v = None  # value smoothing: [B, H, D_v] float32
         self.row_start = None  # [B]: first real position of each row (left padding)
-        self.slot_order = None  # [B, P] int16/int32: slot -> position of the first P slots (padding, heavy tokens)
-        self.pads = None  # [B]: padding tokens of each row (when slot_order is set)
+        self.pads = None  # [B]: padding tokens of each row (when the first slots are reordered: slot_order)
+        self.heavy_pos = None  # [B, K] int32: each row's heavy tokens' positions (ascending), or None
         self.sinks_done = False
         self.auto_stats = None  # what the width allocation measured on this layer (qjl.cache.allocation)
         self.candidates = None  # (key codecs, value codecs) the allocation chooses from
@@ -235,6 +235,14 @@ class LayerStore:
         if self.n_window > self.config.residual_length + self.config.flush_block + EAGER_FLUSH:
             self.flush()
 
+    @property
+    def slot_order(self):
+        """[B, P] int64: slot -> position of the first P slots when they are reordered (left padding, heavy tokens),
+        else None; rebuilt from the row starts and heavy positions at each use, not held."""
+        if self.pads is None:
+            return None
+        return padding.sink_order(self.pads, self.config.sink_tokens, self.heavy_pos)
+
     def slot_mask(self, attention_mask):
         """The mask in slot order (sinks of padded rows first): [B, 1|H, t, L]."""
         return padding.remap_mask(attention_mask, self.slot_order)
@@ -269,15 +277,13 @@ class LayerStore:
         s, n = self.config.sink_tokens, self.n_window
         starts = self.row_start if self.row_start is not None else torch.zeros(self.batch, dtype=torch.long)
         starts = starts.to(self.device).clamp(max=max(n - s, 0))
-        extra, end = self._heavy_positions(starts, n)
-        order = padding.sink_order(starts, s, extra, end)  # over the whole candidate range: bytes do not depend on
-        # which tokens are heavy
+        extra = self._heavy_positions(starts, n)
+        order = padding.sink_order(starts, s, extra)
         if n < (s if order is None else order.shape[1]):
             return False
         wk, wv = padding.to_slots(self._wk.view(), order), padding.to_slots(self._wv.view(), order)
-        if order is not None:
-            # held for the rest of the sequence: the narrowest integer type that holds its positions
-            self.slot_order, self.pads = order.to(torch.int16 if order.shape[1] <= 2 ** 15 else torch.int32), starts
+        if order is not None:  # held: the row starts and heavy positions it is rebuilt from (slot_order)
+            self.pads, self.heavy_pos = starts, None if extra is None else extra.to(torch.int32)
         s += 0 if extra is None else extra.shape[1]
         if s:
             self.sink_k, self.sink_v = wk[:, :, :s].clone(), wv[:, :, :s].clone()
@@ -289,19 +295,18 @@ class LayerStore:
     def _heavy_positions(self, starts: torch.Tensor, n: int):
         """``heavy_tokens`` positions per row [B, K] (ascending): the tokens to be coded (after the row's sinks,
         before the exact window) that the prompt's last queries attend to most, averaged over KV heads; K is the
-        same for every row (at most the fewest candidates of a row); and the end of the candidate range.  None
-        without weights (no attention yet)."""
+        same for every row (at most the fewest candidates of a row).  None without weights (no attention yet)."""
         if not self.config.heavy_tokens or self.heavy_w is None:
-            return None, 0
+            return None
         w = self.heavy_w[:, :n]
         end = min(w.shape[1], n - self.config.residual_length)
         first = starts.to(w.device) + self.config.sink_tokens
         k = min(self.config.heavy_tokens, max(0, end - int(first.max())))
         if k == 0:
-            return None, 0
+            return None
         pos = torch.arange(w.shape[1], device=w.device)
         masked = w.masked_fill((pos[None] < first[:, None]) | (pos[None] >= end), float("-inf"))
-        return masked.topk(k, dim=1).indices.sort(dim=1).values.to(starts.device), end
+        return masked.topk(k, dim=1).indices.sort(dim=1).values.to(starts.device)
 
     def _without_padding(self, block: torch.Tensor) -> torch.Tensor:
         """The first flushed block with each row's padding slots (just after its sinks) zeroed."""
@@ -369,8 +374,7 @@ class LayerStore:
         self._kc.select(index)
         self._vc.select(index)
         self.mu, self.mu_v = sel(self.mu), sel(self.mu_v)
-        self.row_start, self.slot_order = sel(self.row_start), sel(self.slot_order)
-        self.pads = sel(self.pads)
+        self.row_start, self.pads, self.heavy_pos = sel(self.row_start), sel(self.pads), sel(self.heavy_pos)
         if self.key_fit is not None:
             self.key_fit = tuple(sel(t) for t in self.key_fit)
         self.batch = index.numel()
@@ -381,7 +385,7 @@ class LayerStore:
         return {"key_codes": self._kc.tensors(), "value_codes": self._vc.tensors(),
                 "exact": [*(self._wk.tensors() if self._wk else []), *(self._wv.tensors() if self._wv else []),
                           self.sink_k, self.sink_v],
-                "smoothing": [self.mu, self.mu_v], "fit": list(self.key_fit or ()) + [self.row_start, self.slot_order, self.pads]}
+                "smoothing": [self.mu, self.mu_v], "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos]}
 
     def nbytes(self) -> dict:
         """Bytes of storage held by part (each storage counted once, capacity included)."""

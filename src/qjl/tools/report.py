@@ -157,7 +157,7 @@ def eval_tables(metrics: dict) -> str:
 
 def _legend(many: bool, held: list, mem_tokens) -> str:
     lines = ["key/value/K+V: bits per value of the compressed tokens (codes, norms, scales, zero points, outlier "
-             "indices); exact: bits per value of the exact sinks + window (their dtype)."]
+             "indices); exact: bits per value of the exact sinks, heavy tokens and window (their dtype)."]
     if many:
         lines.append(f"KL/dppl/top1: the WORST over the held-out texts ({', '.join(held)}); each text below.")
     if mem_tokens:
@@ -170,7 +170,7 @@ def memory_summary(report: dict) -> str:
     """One readable line from :meth:`qjl.QJLCache.memory_report`: bytes by part, bits, ratios."""
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
     parts = [f"key codes {mib(report['key_code_bytes'])}", f"value codes {mib(report['value_code_bytes'])}",
-             f"exact sinks + window {mib(report['exact_bytes'])}"]
+             f"exact sinks, heavy tokens + window {mib(report['exact_bytes'])}"]
     if report.get("uncompressed_layer_bytes"):
         parts.append(f"uncompressed layers {mib(report['uncompressed_layer_bytes'])}")
     x = report["compression_vs_fp16"]
