@@ -292,3 +292,20 @@ def test_heavy_tokens_need_attention_and_refuse_a_deep_crop():
     else:
         raise AssertionError("a crop into the reordered slots was accepted")
     assert store.seq_length() == held - 2
+
+
+def test_heavy_tokens_follow_a_batch_selection_before_the_sinks_form():
+    """Rows reordered (beam search) between the prompt's attention and the first flush keep their own heavy tokens."""
+    g = torch.Generator().manual_seed(19)
+    d = 64
+    k, v = torch.randn(2, 2, 60, d, generator=g), torch.randn(2, 2, 60, d, generator=g)
+    direction = torch.randn(d, generator=g)
+    k[0, :, [10, 20]] += 3.0 * direction  # row 0 looks at 10 and 20, row 1 at 30 and 40
+    k[1, :, [30, 40]] += 3.0 * direction
+    q = (direction / direction.norm() * 6.0).expand(2, 4, 4, d).clone()
+    store = _hstore(2)
+    store.append(k, v)
+    store.before_attention(None, q, 64 ** -0.5)
+    store.select(torch.tensor([1, 0]))
+    store.flush()
+    assert store.heavy_pos.tolist() == [[30, 40], [10, 20]]

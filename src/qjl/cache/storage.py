@@ -244,7 +244,17 @@ class LayerStore:
         return padding.sink_order(self.pads, self.config.sink_tokens, self.heavy_pos)
 
     def slot_mask(self, attention_mask):
-        """The mask in slot order (sinks of padded rows first): [B, 1|H, t, L]."""
+        """The mask in slot order (sinks of padded rows and heavy tokens first): [B, 1|H, t, L].  When every
+        reordered column is plainly visible to every row (a decode step without padding), any order gives the same
+        mask, and the order is not rebuilt."""
+        if attention_mask is None or self.pads is None:
+            return attention_mask
+        width = self.config.sink_tokens + int(self.pads.max())
+        if self.heavy_pos is not None:
+            width = max(width, int(self.heavy_pos.max()) + 1)
+        head = attention_mask[..., :width]
+        if bool(head.all()) if head.dtype == torch.bool else bool((head == 0).all()):
+            return attention_mask
         return padding.remap_mask(attention_mask, self.slot_order)
 
     # -- compression -------------------------------------------------------------------------
@@ -375,6 +385,7 @@ class LayerStore:
         self._vc.select(index)
         self.mu, self.mu_v = sel(self.mu), sel(self.mu_v)
         self.row_start, self.pads, self.heavy_pos = sel(self.row_start), sel(self.pads), sel(self.heavy_pos)
+        self.heavy_w = sel(self.heavy_w)
         if self.key_fit is not None:
             self.key_fit = tuple(sel(t) for t in self.key_fit)
         self.batch = index.numel()
@@ -385,7 +396,8 @@ class LayerStore:
         return {"key_codes": self._kc.tensors(), "value_codes": self._vc.tensors(),
                 "exact": [*(self._wk.tensors() if self._wk else []), *(self._wv.tensors() if self._wv else []),
                           self.sink_k, self.sink_v],
-                "smoothing": [self.mu, self.mu_v], "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos]}
+                "smoothing": [self.mu, self.mu_v],
+                "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos, self.heavy_w]}
 
     def nbytes(self) -> dict:
         """Bytes of storage held by part (each storage counted once, capacity included)."""
