@@ -63,6 +63,12 @@ class QJLCache(Cache):
             warnings.warn(f"key smoothing turned off: it is not exact with this model's attention logit softcapping "
                           f"({cap}); pass QJLConfig(smooth_keys=False) to silence this", stacklevel=2)
             config = replace(config, smooth_keys=False)
+        if (getattr(model, "tp_size", None) or 1) > 1 and config.heavy_tokens:
+            warnings.warn("heavy tokens turned off under tensor parallelism: they are chosen from the attention "
+                          "averaged over a layer's KV heads, and each rank holds a subset of them (the choice would "
+                          "differ between ranks and from one process); pass QJLConfig(heavy_tokens=0) to silence "
+                          "this", stacklevel=2)
+            config = replace(config, heavy_tokens=0)
         text = model.config.get_text_config(decoder=True)
         layer_types, kwargs = get_layer_types_and_kwargs(text)
         if isinstance(kwargs, dict):  # transformers before 5.19: one kwargs dict for every layer
