@@ -97,6 +97,8 @@ def test_default_config_is_the_default_preset_and_hashable():
     (lambda: QJLConfig(compress_sliding="yes"), TypeError, "compress_sliding must be a bool"),
     (lambda: QJLConfig(smooth_keys=1), TypeError, "smooth_keys must be a bool"),
     (lambda: QJLConfig(smooth_values="on"), TypeError, "smooth_values must be a bool"),
+    (lambda: QJLConfig(heavy_tokens=-1), ValueError, "heavy_tokens"),
+    (lambda: QJLConfig(heavy_tokens=2.5), TypeError, "heavy_tokens must be an int"),
     (lambda: QJLConfig(residual_length=1.5), TypeError, "residual_length must be an int"),
     (lambda: QJLConfig(key="turboquant_mse"), TypeError, "key must be a qjl.CodecSpec"),
     (lambda: QJLConfig(late_key=CodecSpec("turboquant_mse", {"bits": 9})), ValueError, "bits must be in 1..8"),
