@@ -95,7 +95,7 @@ class SearchCodec:
         self.name, self.dim, self.bits, self.seed, self.rotation = name, dim, bits, seed, rotation
         if name in ("tq-mse", "tq-mse-rn"):
             self.codec = TurboQuantMSE(dim, bits, rotation, seed, "fp16", correct_norm=name == "tq-mse-rn")
-            # the padded Hadamard rotation as one dense [n, dim] map: one sgemm per chunk instead of 3 x log2(n)
+            # the padded Hadamard rotation as one dense [dim, n] map: one sgemm per chunk instead of 3 x log2(n)
             # small torch passes (the same rotation up to float32 rounding)
             self._dense = self.codec.rotation.matrix().T.contiguous() if rotation == "hadamard" else None
             n = self.codec.rotation.out_dim
