@@ -309,3 +309,22 @@ def test_heavy_tokens_follow_a_batch_selection_before_the_sinks_form():
     store.select(torch.tensor([1, 0]))
     store.flush()
     assert store.heavy_pos.tolist() == [[30, 40], [10, 20]]
+
+
+def test_attention_weights_and_sink_order_name_bad_input():
+    import pytest
+
+    from qjl.cache.padding import sink_order
+    from qjl.cache.smoothing import attention_weights
+
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8)
+    for bad, match in (((q, k[..., :4]), "does not match"), ((torch.randn(1, 3, 3, 8), k), "does not match"),
+                       ((q[0], k), "query must be"), ((q, k.long()), "keys must be")):
+        with pytest.raises(ValueError, match=match):
+            attention_weights(*bad)
+    with pytest.raises(ValueError, match="rows"):
+        attention_weights(q, k, rows=0)
+    with pytest.raises(ValueError, match="extra"):
+        sink_order(torch.tensor([0, 1]), 2, torch.tensor([[5, 6]]))
+    with pytest.raises(ValueError, match="extra"):
+        sink_order(torch.tensor([0]), 2, torch.tensor([[5.0]]))

@@ -257,7 +257,7 @@ def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bo
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
         raise ValueError(f"budget must be a positive number, got {budget!r}")
     for name, v, lo in (("tokens", tokens, 0), ("flush_block", flush_block, 1), ("key_dim", key_dim, 1),
-                        ("value_dim", value_dim, 1)):
+                        ("value_dim", value_dim, 1), ("heavy_tokens", heavy_tokens, 0), ("heads", heads, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     n = max(tokens, 1)

@@ -92,9 +92,10 @@ def check_crop(store, n) -> None:
             raise ValueError(f"cannot crop {n} tokens from layer {store.layer_idx}: {c} of them are codes of "
                              f"{unit} tokens each ({store.key_codec!r}); crop a multiple of {unit} from the codes "
                              f"(the window holds {store.n_window})")
-    if store.slot_order is not None and held - n < store.slot_order.shape[1]:
+    width = store.order_width()
+    if width and held - n < width:
         raise ValueError(f"cannot crop layer {store.layer_idx} of a left-padded batch (or one holding heavy tokens) "
-                         f"below its first {store.slot_order.shape[1]} tokens (the slots reordered for sinks, padding "
+                         f"below its first {width} tokens (the slots reordered for sinks, padding "
                          "and heavy tokens); reset the cache instead")
 
 

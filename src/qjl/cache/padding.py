@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["row_starts", "sink_order", "to_slots", "remap_mask", "zero_padding", "visible"]
+__all__ = ["row_starts", "order_width", "sink_order", "to_slots", "remap_mask", "zero_padding", "visible"]
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:
@@ -34,27 +34,32 @@ def row_starts(mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
     return torch.where(seen.any(dim=-1), first, torch.full_like(first, seen.shape[-1]))
 
 
-def sink_order(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Per-row order of the first ``P`` slots: [B, P] positions, or None when no row is padded (or there are no
-    sinks) and there are no ``extra`` tokens.
-
-    Slots: the row's ``sinks`` first real tokens, then its ``extra`` [B, K] positions (ascending, each after the
-    row's sinks: exact tokens chosen elsewhere, :mod:`qjl.cache.storage`), then its padding, then every other
-    position in order; ``P`` covers the padding and the last extra position."""
+def order_width(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = None) -> int:
+    """``P``, the first slots :func:`sink_order` reorders (they cover each row's sinks, its padding and the last
+    ``extra`` position), or 0 when nothing is reordered: no ``extra`` tokens, and no row padded (or no sinks)."""
     k = 0 if extra is None else extra.shape[1]
     pad = int(starts.max()) if starts.numel() else 0
-    if k == 0 and (sinks == 0 or pad == 0):
-        return None
     if k == 0:
-        p = sinks + pad
-        slot = torch.arange(p, device=starts.device).unsqueeze(0)  # [1, P]
-        s = starts.unsqueeze(1)  # [B, 1]
-        # slots < S: the row's first real tokens s..s+S-1; slots S..S+s-1: its padding 0..s-1; then in order
-        return torch.where(slot < sinks, slot + s, torch.where(slot < sinks + s, slot - sinks, slot))
-    p = max(sinks + pad, int(extra.max()) + 1)
+        return sinks + pad if sinks and pad else 0
+    return max(sinks + pad, int(extra.max()) + 1)
+
+
+def sink_order(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Per-row order of the first ``P`` slots (:func:`order_width`): [B, P] positions, or None when nothing is
+    reordered.
+
+    starts: [B] each row's first real position; extra: [B, K] integer positions, each after its row's sinks (exact
+    tokens chosen elsewhere, :mod:`qjl.cache.storage`), or None.  Slots: the row's ``sinks`` first real tokens, then
+    its ``extra`` positions (ascending), then its padding, then every other position in order."""
+    if extra is not None and (extra.dim() != 2 or extra.shape[0] != starts.shape[0] or extra.is_floating_point()):
+        raise ValueError(f"extra must be an integer tensor [{starts.shape[0]}, K] (one row per sequence), got "
+                         f"{extra.dtype} {tuple(extra.shape)}")
+    p = order_width(starts, sinks, extra)
+    if p == 0:
+        return None
     dev = starts.device
     first = starts.long().unsqueeze(1) + torch.arange(sinks, device=dev)  # [B, S]
-    chosen = extra.to(dev).long().sort(dim=1).values  # [B, K]
+    chosen = (first[:, :0] if extra is None else extra.to(dev).long()).sort(dim=1).values  # [B, K]
     taken = torch.zeros(starts.shape[0], p, dtype=torch.bool, device=dev)
     taken.scatter_(1, torch.cat([first, chosen], dim=1), True)
     # the untaken positions in ascending order (padding first, then the rest): a stable sort puts them first

@@ -55,8 +55,17 @@ def attention_weights(query: torch.Tensor, keys: torch.Tensor, mask=None, scalin
     ``keys`` [B, H, n, D] under ``mask`` [B, 1|H_q, t, n] -- additive float, bool (True = attend), or None: every
     key); ``scaling`` and ``softcap`` as the attention's.  ``w[b, h, j]``: the softmax weight of token ``j``
     averaged over the used rows and the GQA group of KV head ``h`` (a fully masked row weighs nothing)."""
+    for name, x in (("query", query), ("keys", keys)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor [B, H, n, D], got {getattr(x, 'dtype', type(x).__name__)} "
+                             f"{tuple(getattr(x, 'shape', ()))}")
     b, h, n, _ = keys.shape
     bq, hq, t, d = query.shape
+    if bq != b or d != keys.shape[-1] or hq % h:
+        raise ValueError(f"query {tuple(query.shape)} does not match keys {tuple(keys.shape)}: the same batch and head "
+                         "size, and a multiple of the KV heads")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive int, got {rows!r}")
     g, r = hq // h, min(rows, t)
     q = query[:, :, t - r:].float().reshape(b, h, g * r, d)
     logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, H, g r, n]

@@ -243,16 +243,17 @@ class LayerStore:
             return None
         return padding.sink_order(self.pads, self.config.sink_tokens, self.heavy_pos)
 
+    def order_width(self) -> int:
+        """The first slots held out of position order (sinks of padded rows, heavy tokens), 0 if none."""
+        return 0 if self.pads is None else padding.order_width(self.pads, self.config.sink_tokens, self.heavy_pos)
+
     def slot_mask(self, attention_mask):
         """The mask in slot order (sinks of padded rows and heavy tokens first): [B, 1|H, t, L].  When every
         reordered column is plainly visible to every row (a decode step without padding), any order gives the same
         mask, and the order is not rebuilt."""
         if attention_mask is None or self.pads is None:
             return attention_mask
-        width = self.config.sink_tokens + int(self.pads.max())
-        if self.heavy_pos is not None:
-            width = max(width, int(self.heavy_pos.max()) + 1)
-        head = attention_mask[..., :width]
+        head = attention_mask[..., :self.order_width()]
         if bool(head.all()) if head.dtype == torch.bool else bool((head == 0).all()):
             return attention_mask
         return padding.remap_mask(attention_mask, self.slot_order)
@@ -320,7 +321,7 @@ class LayerStore:
 
     def _without_padding(self, block: torch.Tensor) -> torch.Tensor:
         """The first flushed block with each row's padding slots (just after its sinks) zeroed."""
-        return block if self.slot_order is None or self.n_codes else padding.zero_padding(block, self.pads)
+        return block if self.pads is None or self.n_codes else padding.zero_padding(block, self.pads)
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """Codes of keys and values ``[B, H_kv, n, D]`` with this layer's codecs and kernels (not stored)."""
