@@ -59,7 +59,10 @@ def test_full_precision_path_equals_hflm(lm_pair):
 
 
 def test_loglikelihood_reads_the_compressed_context(lm_pair, monkeypatch):
-    lm = _make(lm_pair, "tq-k2v2")
+    from qjl import QJLConfig
+
+    # exact tokens in the model's float32 (the default "half" would round them: ~1e-3 in log-probs)
+    lm = _make(lm_pair, QJLConfig.preset("tq-k2v2", exact_dtype="fp32"))
     made = []
     make = lm.make_cache
     monkeypatch.setattr(lm, "make_cache", lambda: made.append(make()) or made[-1])
@@ -125,3 +128,19 @@ def test_registered_and_arguments_checked():
         QJLLM(pretrained=None, chunk=0)
     with pytest.raises(ValueError, match="preset"):
         QJLLM(pretrained=None, preset="tq-k9")
+    with pytest.raises(ValueError, match="auto-<bits"):
+        QJLLM(pretrained=None, preset="auto-three")
+    with pytest.raises(TypeError, match="preset"):
+        QJLLM(pretrained=None, preset=3.0)
+
+
+def test_auto_widths_and_configs(lm_pair):
+    from qjl import QJLConfig
+
+    lm = _make(lm_pair, "auto-3.0")
+    assert lm.qjl_config.allocation is not None and lm.qjl_config.allocation.bits_per_value == 3.0
+    got = lm.loglikelihood(_requests(PAIRS[:1]))
+    assert len(got) == 1 and got[0][0] < 0
+    cfg = QJLConfig.preset("tq-k3v2")
+    assert _make(lm_pair, cfg).qjl_config is cfg
+    assert _make(lm_pair, cfg, kernel="torch").qjl_config.kernel == "torch"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -49,7 +50,8 @@ class QJLLM(HFLM):
     Args:
         pretrained: "smollm2" (the embedded model), a model directory, a .gguf file, or a loaded
             transformers model (then ``tokenizer`` is required).
-        preset: a :data:`qjl.PRESETS` name (default: :data:`qjl.DEFAULT_PRESET`) or "none" (``DynamicCache``).
+        preset: a :data:`qjl.PRESETS` name (default: :data:`qjl.DEFAULT_PRESET`), "auto-<bits>", "none"
+            (``DynamicCache``), or a :class:`qjl.QJLConfig` (from Python).
         chunk: continuation tokens per forward pass while teacher-forcing (>= 1).
         kernel: passed to the preset (``QJLConfig.kernel``): "auto", "cpu", "triton" or "torch".
         **kwargs: ``HFLM`` arguments (``tokenizer``, ``max_length``, ``batch_size`` for generation, ...).
@@ -64,7 +66,18 @@ class QJLLM(HFLM):
         if chunk < 1:
             raise ValueError(f"chunk must be a positive int, got {chunk!r}")
         preset = preset or DEFAULT_PRESET
-        self.qjl_config = None if preset == "none" else QJLConfig.preset(preset, kernel=kernel)
+        if isinstance(preset, QJLConfig):
+            self.qjl_config = preset if kernel == "auto" else replace(preset, kernel=kernel)
+        elif isinstance(preset, str) and preset.startswith("auto-"):
+            try:
+                bits = float(preset[5:])
+            except ValueError:
+                raise ValueError(f"preset: {preset!r}: write auto-<bits per value>, e.g. auto-3.0") from None
+            self.qjl_config = QJLConfig.auto(bits_per_value=bits, kernel=kernel)
+        elif isinstance(preset, str):
+            self.qjl_config = None if preset == "none" else QJLConfig.preset(preset, kernel=kernel)
+        else:
+            raise TypeError(f"preset must be a preset name or a qjl.QJLConfig, got {type(preset).__name__}")
         self.preset, self.chunk = preset, chunk
         if isinstance(pretrained, str):
             from qjl.tools.models import check_model_name, load_model
