@@ -34,23 +34,26 @@ SCRIPT = textwrap.dedent("""
     qjl.patch_attention(model)
     # an fp32 window: fp16 storage rounds the ranks' 1e-7 float differences to different fp16 values now and
     # then, which flips codes later (measured 3.6e-3 on the logits, same tokens)
-    cfg = qjl.QJLConfig.preset("tq-k45v3", residual_length=8, flush_block=4, kernel="torch", exact_dtype=None,
-                               heavy_tokens=0)
+    # heavy tokens on (the preset's 16): chosen from the attention summed over every rank's KV heads (an all-reduce)
+    cfg = qjl.QJLConfig.preset("tq-k45v3", residual_length=8, flush_block=4, kernel="torch", exact_dtype=None)
     ids = torch.tensor([[(5 * j + 11) % 90 + 3 for j in range(48)]])
-    import warnings
-    with warnings.catch_warnings(record=True) as caught:  # heavy tokens (averaged over KV heads) are off under TP
-        warnings.simplefilter("always")
-        heavy = qjl.QJLCache(model, qjl.QJLConfig.preset("tq-k45v3")).qjl_config.heavy_tokens
-    heavy_warned = any("tensor parallelism" in str(w.message) for w in caught)
     cache = qjl.QJLCache(model, cfg)
     with torch.no_grad():
         gen = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)
+        # auto widths: each layer's error terms summed over the ranks' heads, so every rank chooses alike
+        auto = qjl.QJLCache(model, qjl.QJLConfig.auto(4.0, residual_length=8, flush_block=4, kernel="torch",
+                                                      exact_dtype=None))
+        model(torch.tensor([[(7 * j + 5) % 90 + 3 for j in range(400)]]), past_key_values=auto)
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         json.dump({{"tokens": gen.sequences[0].tolist(), "scores": [s[0].tolist() for s in gen.scores],
-                   "key_bits": [l.store.key_codec.bits for l in cache.layers], "heavy": heavy,
-                   "heavy_warned": heavy_warned}}, open(out, "w"))
+                   "key_bits": [l.store.key_codec.bits for l in cache.layers],
+                   "heavy": [l.store.heavy_pos.tolist() for l in cache.layers],
+                   "auto": [repr((l.store.key_spec, l.store.value_spec)) for l in auto.layers],
+                   "auto_terms": [[l.store.auto_stats["s_k"], l.store.auto_stats["s_v"],
+                                   *(d for _, d in l.store.auto_stats["keys"] + l.store.auto_stats["values"])]
+                                  for l in auto.layers]}}, open(out, "w"))
     if tp:
         torch.distributed.destroy_process_group()
 """)
@@ -72,7 +75,10 @@ def test_transformers_tp2_with_qjlcache_equals_one_process(tmp_path):
           str(script), str(model), str(two)], env)
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert a["key_bits"] == b["key_bits"]
-    assert (a["heavy"], a["heavy_warned"], b["heavy"], b["heavy_warned"]) == (16, False, 0, True)
+    assert a["heavy"] == b["heavy"] and all(len(h[0]) == 16 for h in a["heavy"])
+    assert a["auto"] == b["auto"] and len(set(a["auto"])) > 1  # the same widths, and not one width everywhere
+    # the error terms they were chosen from: every KV head's, on every rank (rank 0 alone holds one of two heads)
+    assert sum(a["auto_terms"], []) == pytest.approx(sum(b["auto_terms"], []), rel=1e-4)
     assert a["tokens"] == b["tokens"]
     worst = max(abs(x - y) for sa, sb in zip(a["scores"], b["scores"]) for x, y in zip(sa, sb))
     assert worst < 1e-4, worst

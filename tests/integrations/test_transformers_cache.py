@@ -187,3 +187,20 @@ def test_long_generation_stays_close_to_full_precision():
     assert cache.get_seq_length() == 2048 and cache.layers[0].store.n_codes > 1800
     kls = torch.tensor(kls)
     assert kls.max() < 0.05 and kls.mean() < 0.02, (kls.max(), kls.mean())
+
+
+def test_tensor_parallel_without_a_known_group_turns_heavy_tokens_off_and_refuses_auto(monkeypatch):
+    """``tp_size > 1`` with no torch.distributed world of that size (a larger mesh, or none): the choices made from
+    every KV head cannot be summed over the ranks, so heavy tokens are turned off with a warning and ``auto`` is
+    refused by name (the TP=2 run itself, with the all-reduce, is tests/integrations/test_tp_transformers.py)."""
+    model = tiny_model("llama", dtype=torch.float32)
+    qjl.patch_attention(model)
+    monkeypatch.setattr(type(model), "tp_size", property(lambda self: 2))
+    with pytest.warns(UserWarning, match="heavy tokens turned off"):
+        cache = QJLCache(model, QJLConfig.preset("tq-k45v3"))
+    assert cache.qjl_config.heavy_tokens == 0
+    with pytest.raises(ValueError, match="auto under tensor parallelism"):
+        QJLCache(model, QJLConfig.auto(3.0))
+    monkeypatch.setattr(type(model), "tp_size", property(lambda self: None))
+    assert QJLCache(model, QJLConfig.auto(3.0)).qjl_config.allocation is not None
+    assert all(layer.store.rank_sum is None for layer in QJLCache(model, QJLConfig()).layers)

@@ -130,11 +130,17 @@ def layer_sensitivity(query, keys, values, mask, scaling: float, tokens: slice) 
     return float(s_k), float(s_v.double().sum())
 
 
-def _distortion(codec, x: torch.Tensor, *fit) -> float:
-    """Relative distortion sum ||x - x_hat||^2 / sum ||x||^2 of ``codec`` on ``x: [B, H, n, D]``."""
+def _distortion_parts(codec, x: torch.Tensor, *fit) -> tuple:
+    """``(sum ||x - x_hat||^2, sum ||x||^2)`` of ``codec`` on ``x: [B, H, n, D]``."""
     xf = x.float()
     err = (codec.dequantize(codec.quantize(xf, *fit)) - xf).square().sum()
-    return float(err / xf.square().sum().clamp(min=1e-30))
+    return float(err), float(xf.square().sum())
+
+
+def _distortion(codec, x: torch.Tensor, *fit) -> float:
+    """Relative distortion sum ||x - x_hat||^2 / sum ||x||^2 of ``codec`` on ``x: [B, H, n, D]``."""
+    err, total = _distortion_parts(codec, x, *fit)
+    return err / max(total, 1e-30)
 
 
 def _rotation_key(codec):
@@ -147,8 +153,9 @@ def _rotation_key(codec):
     return codec.dim, codec.rotation.kind, codec.rotation.seed
 
 
-def distortions(codecs, x: torch.Tensor, fit: bool = False) -> list:
-    """[:func:`_distortion` of each codec on ``x: [B, H, n, D]``]; ``fit``: quantize with each codec's
+def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False) -> list:
+    """[relative distortion ``sum ||x - x_hat||^2 / sum ||x||^2`` of each codec on ``x: [B, H, n, D]``] (``parts``:
+    [(the sum of errors, the sum of ||x||^2)], for summing over ranks first); ``fit``: quantize with each codec's
     per-sequence fit of ``x`` (keys).  TurboQuant MSE candidates that share a rotation (a layer's candidates
     differ only in widths and norm dtypes) rotate ``x`` once; each width's cells are then read once as two
     moments per vector (:func:`qjl.core.lloyd_max.cell_moments`, in C on the CPU), from which every norm dtype's
@@ -162,7 +169,7 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False) -> list:
         return []
     check_vectors("x", x, codecs[0].dim, min_ndim=2)
     xf = x.float()
-    total = float(xf.square().sum().clamp(min=1e-30))
+    total = float(xf.square().sum())
     norm = torch.linalg.vector_norm(xf, dim=-1)
     unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
     r = norm.double()
@@ -171,7 +178,7 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False) -> list:
         args = codec.fit(xf) if fit else ()
         key = None if args else _rotation_key(codec)
         if key is None:
-            out.append(_distortion(codec, xf, *args))
+            out.append(_distortion_parts(codec, xf, *args))
             continue
         if key not in rotated:
             rotated[key] = codec.rotation.apply(unit)
@@ -180,8 +187,8 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False) -> list:
         cos, cc = moments[key + (codec.bits,)]
         s = codec.stored_norm(norm, cos.float()).double()  # the codec's float32 correction and rounding
         err = (r.square() - 2 * r * s * cos + s.square() * cc).clamp(min=0).sum()
-        out.append(float(err) / total)
-    return out
+        out.append((float(err), total))
+    return out if parts else [e / max(t, 1e-30) for e, t in out]
 
 
 def _moments(y: torch.Tensor, centroids: torch.Tensor, boundaries: torch.Tensor) -> tuple:
@@ -303,9 +310,16 @@ class Allocator:
         pick = torch.linspace(tokens.start, tokens.start + max(n - 1, 0), min(n, self.auto.sample_tokens)).round().long()
         ks, vs = keys[:, :, pick], values[:, :, pick]
         kc, vc = store.candidates
+        kd, vd = distortions(kc, ks, fit=True, parts=True), distortions(vc, vs, parts=True)
+        if store.rank_sum is not None:  # tensor parallelism: every rank's heads, so every rank chooses alike
+            flat = store.rank_sum(torch.tensor([s_k, s_v, *(x for pair in kd + vd for x in pair)], dtype=torch.float64,
+                                               device=query.device)).tolist()
+            s_k, s_v, rest = flat[0], flat[1], flat[2:]
+            kd, vd = list(zip(rest[0:2 * len(kd):2], rest[1:2 * len(kd):2])), list(zip(rest[2 * len(kd)::2],
+                                                                                     rest[2 * len(kd) + 1::2]))
         store.auto_stats = {"s_k": s_k, "s_v": s_v, "tokens": n,
-                            "keys": [(_bits(c), d) for c, d in zip(kc, distortions(kc, ks, fit=True))],
-                            "values": [(_bits(c), d) for c, d in zip(vc, distortions(vc, vs))]}
+                            "keys": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(kc, kd)],
+                            "values": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(vc, vd)]}
 
     def ready(self) -> bool:
         return self.choices is None and all(s.auto_stats is not None for s in self.stores)

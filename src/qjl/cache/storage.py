@@ -66,6 +66,10 @@ class LayerStore:
     def __init__(self, layer_idx: int, config, num_layers: int | None = None):
         self.layer_idx, self.config = layer_idx, config
         self.key_spec, self.value_spec = config.specs(layer_idx, num_layers) if config.allocation is None else (None, None)
+        # tensor parallelism: sums a statistic (a tensor) over the ranks that hold the layer's other KV heads, so that
+        # choices made from all heads (heavy tokens, auto widths) are the same on every rank and as in one process;
+        # None in one process (set by the integration)
+        self.rank_sum = None
         self.reset()
 
     def reset(self) -> None:
@@ -223,7 +227,8 @@ class LayerStore:
                                   or (self.config.heavy_tokens and self.heavy_w is None and not self.sinks_done)):
             weights = attention_weights(query, self._wk.view(), attention_mask, scaling, softcap)  # [B, H, n]
             if self.config.heavy_tokens and not self.sinks_done:
-                self.heavy_w = weights.mean(1)
+                w = weights.sum(1)  # summed over the KV heads (over every rank's heads: rank_sum)
+                self.heavy_w = w if self.rank_sum is None else self.rank_sum(w)
         if self.config.smooth_values and self.mu_v is None:
             w = self._wv.view()
             self.mu_v = attention_weighted_mean(w, self.row_start, self.config.sink_tokens, self.config.residual_length,

@@ -44,6 +44,27 @@ def _describe(store, spec, dim) -> str:
     return "pending (widths chosen after the prefill)" if store.pending else "exact"
 
 
+def _rank_sum(model):
+    """Under transformers' tensor parallelism (``model.tp_size > 1``): a function summing a tensor over the ranks
+    (an all-reduce over the torch.distributed world, which must then be the tensor-parallel group), so that the
+    choices made from every KV head of a layer (heavy tokens, ``auto`` widths) agree between ranks and with one
+    process; False when the world is larger than the tensor-parallel group; None in one process."""
+    tp = getattr(model, "tp_size", None) or 1
+    if tp == 1:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() == tp):
+        return False
+
+    def rank_sum(t):
+        t = t.contiguous().clone()
+        dist.all_reduce(t)
+        return t
+
+    return rank_sum
+
+
 class QJLCache(Cache):
     """Compressed KV cache for a Hugging Face decoder model.
 
@@ -63,12 +84,15 @@ class QJLCache(Cache):
             warnings.warn(f"key smoothing turned off: it is not exact with this model's attention logit softcapping "
                           f"({cap}); pass QJLConfig(smooth_keys=False) to silence this", stacklevel=2)
             config = replace(config, smooth_keys=False)
-        if (getattr(model, "tp_size", None) or 1) > 1 and config.heavy_tokens:
-            warnings.warn("heavy tokens turned off under tensor parallelism: they are chosen from the attention "
-                          "averaged over a layer's KV heads, and each rank holds a subset of them (the choice would "
-                          "differ between ranks and from one process); pass QJLConfig(heavy_tokens=0) to silence "
-                          "this", stacklevel=2)
+        rank_sum = _rank_sum(model)
+        if rank_sum is False and config.heavy_tokens:
+            warnings.warn("heavy tokens turned off: under tensor parallelism inside a larger device mesh they would be "
+                          "chosen from each rank's KV heads alone (the choice would differ between ranks and from one "
+                          "process); pass QJLConfig(heavy_tokens=0) to silence this", stacklevel=2)
             config = replace(config, heavy_tokens=0)
+        if rank_sum is False and config.allocation is not None:
+            raise ValueError("QJLConfig.auto under tensor parallelism needs the tensor-parallel group to be the whole "
+                             "torch.distributed world (each rank would choose widths from its own KV heads)")
         text = model.config.get_text_config(decoder=True)
         layer_types, kwargs = get_layer_types_and_kwargs(text)
         if isinstance(kwargs, dict):  # transformers before 5.19: one kwargs dict for every layer
@@ -85,6 +109,8 @@ class QJLCache(Cache):
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
+        for layer in self._compressed():
+            layer.store.rank_sum = rank_sum or None
         self._step, self._last = {}, -1  # layer index -> its state before this forward; last layer updated
         self._auto = None
         if config.allocation is not None:
