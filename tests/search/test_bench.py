@@ -51,5 +51,8 @@ def test_parse_ours_flags():
 
     assert parse_ours("tq-mse-rn") == ("tq-mse-rn", {"center": False, "rotation": "haar"})
     assert parse_ours("tq-mse-rn+ch") == ("tq-mse-rn", {"center": True, "rotation": "hadamard"})
+    assert parse_ours("tq-mse-rn+ck") == ("tq-mse-rn", {"center": True, "rotation": "hadamard-kron"})
+    with pytest.raises(ValueError, match="flags"):
+        parse_ours("tq-mse-rn+hk")
     with pytest.raises(ValueError, match="flags"):
         parse_ours("tq-mse-rn+x")

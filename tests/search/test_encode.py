@@ -35,14 +35,14 @@ def test_c_encoder_bit_exact(bits, dim, scaled):
 
 @pytest.mark.parametrize("bits", [1, 3, 4])
 @pytest.mark.parametrize("n,shifted,rotation", [(500, False, "haar"), (2 * 1024 + 37, True, "haar"),
-                                                (1100, True, "hadamard")])
+                                                (1100, True, "hadamard"), (1100, True, "hadamard-kron")])
 def test_search_codec_matches_turboquant(bits, n, shifted, rotation):
     """Rows in several encode chunks (ENCODE_ROWS), each shifted by ``shift`` inside encode, in order; the padded
     Hadamard rotation (48 -> 64 coordinates) applied as one dense map equals TurboQuantMSE's transform."""
     from qjl.search.codecs import ENCODE_ROWS, SearchCodec
 
     assert ENCODE_ROWS == 1024  # the second case spans three chunks
-    dim = 64 if rotation == "haar" else 48
+    dim = {"haar": 64, "hadamard": 48, "hadamard-kron": 96}[rotation]
     sc = SearchCodec("tq-mse-rn", dim, bits, rotation=rotation)
     g = torch.Generator().manual_seed(n + bits)
     x = torch.randn(n, dim, generator=g) * 4
@@ -55,7 +55,8 @@ def test_search_codec_matches_turboquant(bits, n, shifted, rotation):
     # rounding of a cell edge (then by one cell), so almost never
     from qjl.core.packing import unpack_bits
 
-    a, b = unpack_bits(codes, bits, 64), unpack_bits(ref.fields["codes"], bits, 64)
+    n_coords = sc.codec.rotation.out_dim  # 64 (haar at 64, padded 48), 96 (unpadded hadamard-kron)
+    a, b = unpack_bits(codes, bits, n_coords), unpack_bits(ref.fields["codes"], bits, n_coords)
     assert (a != b).float().mean() < 1e-3 and (a - b).abs().max() <= 1
     same = (a == b).all(-1)
     assert same.float().mean() > 0.95

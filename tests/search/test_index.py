@@ -152,6 +152,12 @@ def test_bytes_count_everything():
     assert had.nbytes()["codes"] == 10 * 64 and had.bits_per_dim() == pytest.approx((64 + 2) * 8 / 384)
     with pytest.raises(ValueError, match="rotation"):
         Index.create(384, codec="qjl", bits=1, rotation="hadamard")
+    # the unpadded Hadamard rotation of order 384 (12 x 32): the code bits of the dense rotation
+    kron = Index.create(384, codec="tq-mse-rn", bits=1, rotation="hadamard-kron", fastscan=False)
+    kron.add(torch.randn(10, 384))
+    assert kron.nbytes()["codes"] == 10 * 48 and kron.bits_per_dim() == pytest.approx((48 + 2) * 8 / 384)
+    with pytest.raises(ValueError, match="dim"):
+        Index.create(100, codec="tq-mse-rn", bits=1, rotation="hadamard-kron")
 
 
 def test_bad_input_is_named_and_leaves_the_index_unchanged():
@@ -237,3 +243,16 @@ def test_center_dots_that_overflow_float16_are_refused_and_leave_the_index_uncha
     with pytest.raises(ValueError, match="center"):
         ix.add(big)
     assert len(ix) == 10 and ix.cdots.shape == (10,)
+
+
+def test_default_rotation_is_the_unpadded_hadamard_where_the_dimension_allows():
+    """rotation="auto": 'hadamard-kron' for dim = m 2^k (m in 1, 12, 20; >= 32) and the rotation codecs, else the
+    dense 'haar'; the config holds the choice (so a saved index reloads with it), and explicit choices stand."""
+    assert Index.create(384).config.rotation == "hadamard-kron"
+    assert Index.create(64, codec="tq-prod", bits=2).config.rotation == "hadamard-kron"
+    assert Index.create(100).config.rotation == "haar" and Index.create(24).config.rotation == "haar"
+    assert Index.create(384, codec="qjl", bits=1).config.rotation == "haar"
+    assert Index.create(384, rotation="haar").config.rotation == "haar"
+    ix = Index.create(96, bits=2)
+    ix.add(torch.randn(20, 96))
+    assert ix.codec.codec.rotation.kind == "hadamard-kron" and ix.codec.n_coords == 96

@@ -7,6 +7,7 @@ from qjl.search import Index
 
 
 @pytest.mark.parametrize("kw", [dict(codec="tq-mse-rn", bits=3), dict(codec="tq-mse-rn", bits=1, rotation="hadamard", center=True), dict(codec="tq-prod", bits=2, metric="l2", rerank=2),
+                                dict(codec="tq-mse-rn", bits=2, rotation="hadamard-kron", center=True),
                                 dict(codec="qjl", bits=1, nlist=4), dict(codec="tq-mse-rn", bits=2, center=True)])
 def test_round_trip(tmp_path, kw):
     x = torch.randn(300, 64)

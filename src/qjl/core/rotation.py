@@ -4,10 +4,14 @@
   signs of R's diagonal moved into Q, so the law is exactly Haar), drawn in
   float64 on the CPU from a seeded ``torch.Generator``.
 * ``"hadamard"``: ``H D_R ... H D_1`` with random signs, applied in O(n log n).
+* ``"hadamard-kron"``: the same with a Hadamard transform of order ``d`` itself,
+  ``H = (H_m (x) H_{2^k}) / sqrt(d)`` for ``d = m 2^k``, ``m`` in 1, 12, 20
+  (:func:`qjl.core.hadamard.kron_hadamard`): no padding (384 stays 384), ``d (m + 2^k)``
+  multiply-adds per round instead of a dense rotation's ``d^2``.
 
 Vectors of dimension d are zero-padded to ``n = out_dim`` first (``n = d`` for
-Haar unless ``pad_pow2``; the next power of two for Hadamard), so a rotated unit
-vector is a point of S^{n-1}.  ``inverse(apply(x)) == x`` up to float error.
+Haar unless ``pad_pow2``; the next power of two for Hadamard; ``d`` for
+hadamard-kron), so a rotated unit vector is a point of S^{n-1}.  ``inverse(apply(x)) == x`` up to float error.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import torch
 
 from qjl.core.devices import on_device
 from qjl.core.validation import check_choice, check_positive_int
-from qjl.core.hadamard import hadamard_rotate, hadamard_rotate_t, next_pow2, random_signs
+from qjl.core.hadamard import (hadamard_rotate, hadamard_rotate_t, kron_hadamard, kron_hadamard_t, kron_orders,
+                               next_pow2, random_signs)
 
 __all__ = ["Rotation", "ROTATIONS"]
 
-ROTATIONS = ("haar", "hadamard")
+ROTATIONS = ("haar", "hadamard", "hadamard-kron")
 
 
 def haar_matrix(generator: torch.Generator, n: int) -> torch.Tensor:
@@ -45,13 +50,14 @@ class Rotation:
 
     Args:
         dim: input dimension d.
-        kind: "haar" or "hadamard".
+        kind: "haar", "hadamard" or "hadamard-kron" (``dim = m 2^k``, m in 1, 12, 20; dim >= 32).
         seed: seed; the same seed gives the same rotation in every process.
         pad_pow2: pad to the next power of two also for "haar" (PolarQuant needs it).
-        rounds: sign + Hadamard rounds for "hadamard" (3, as for the QJL sketch).
+        rounds: sign + Hadamard rounds (default: 3 for "hadamard", as for the QJL sketch; 2 for "hadamard-kron",
+            whose search-index recall matched the dense Haar rotation's at 1 and 2 rounds alike, README).
     """
 
-    def __init__(self, dim: int, kind: str = "haar", seed: int = 0, pad_pow2: bool = False, rounds: int = 3):
+    def __init__(self, dim: int, kind: str = "haar", seed: int = 0, pad_pow2: bool = False, rounds: int | None = None):
         self.dim = check_positive_int("dim", dim)
         check_choice("rotation", kind, ROTATIONS)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -60,13 +66,23 @@ class Rotation:
         if kind == "haar":
             self.out_dim = next_pow2(dim) if pad_pow2 else dim
             self._matrix = _seeded_haar(self.out_dim, seed)  # [n, n], shared by rotations of one seed
+        elif kind == "hadamard-kron":
+            if pad_pow2:
+                raise ValueError("rotation='hadamard-kron' keeps the dimension; a codec that needs a power of two "
+                                 "takes rotation='hadamard' (zero-padded) or 'haar'")
+            if kron_orders(dim) is None or dim < 32:
+                raise ValueError(f"rotation='hadamard-kron' needs dim = m * 2^k with m in 1, 12 or 20 and dim >= 32 "
+                                 f"(e.g. 96, 384, 768), got dim={dim}: use rotation='hadamard' (zero-padded) or 'haar'")
+            self.out_dim = dim
+            rounds = 2 if rounds is None else rounds
+            self._signs = random_signs(torch.Generator().manual_seed(seed), check_positive_int("rounds", rounds), dim)
         else:
             gen = torch.Generator().manual_seed(seed)
             self.out_dim = next_pow2(dim)
             if self.out_dim < 32:
                 raise ValueError(f"rotation='hadamard' needs dim > 16 (small Hadamard transforms are far from "
                                  f"Haar); got dim={dim}: use rotation='haar'")
-            self._signs = random_signs(gen, check_positive_int("rounds", rounds), self.out_dim)
+            self._signs = random_signs(gen, check_positive_int("rounds", 3 if rounds is None else rounds), self.out_dim)
 
     def __repr__(self):
         return f"Rotation(dim={self.dim}, kind={self.kind!r}, seed={self.seed}, out_dim={self.out_dim})"
@@ -75,6 +91,11 @@ class Rotation:
         """x: [..., dim] float32 -> [..., out_dim]."""
         if self.kind == "hadamard":
             return hadamard_rotate(x, on_device(self._signs, x.device))
+        if self.kind == "hadamard-kron":
+            signs = on_device(self._signs, x.device)
+            for r in range(signs.shape[0]):
+                x = kron_hadamard(x * signs[r])
+            return x
         pad = self.out_dim - self.dim
         x = torch.nn.functional.pad(x, (0, pad)) if pad else x
         return torch.matmul(x, on_device(self._matrix, x.device).T)
@@ -83,6 +104,11 @@ class Rotation:
         """y: [..., out_dim] -> [..., dim] (the transpose, then the padding dropped)."""
         if self.kind == "hadamard":
             return hadamard_rotate_t(y, on_device(self._signs, y.device), self.dim)
+        if self.kind == "hadamard-kron":
+            signs = on_device(self._signs, y.device)
+            for r in reversed(range(signs.shape[0])):
+                y = kron_hadamard_t(y) * signs[r]
+            return y
         return torch.matmul(y, on_device(self._matrix, y.device))[..., : self.dim]
 
     def matrix(self) -> torch.Tensor:

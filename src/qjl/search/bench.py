@@ -36,7 +36,7 @@ class BenchConfig:
     speed_queries: int = 200
     repeats: int = 3
     bits: tuple = (1, 2, 3, 4)
-    ours: tuple = ("tq-mse", "tq-mse-rn", "tq-mse-rn+c", "tq-prod", "qjl")
+    ours: tuple = ("tq-mse", "tq-mse-rn", "tq-mse-rn+c", "tq-mse-rn+ck", "tq-prod", "qjl")
     regimes: tuple = ("flat", "ivf")
     nlist: int = 1024
     nprobe: int = 32
@@ -109,11 +109,14 @@ def _methods(cfg: BenchConfig, regime: str, dim: int):
 
 def parse_ours(label: str) -> tuple:
     """``"tq-mse-rn+ch"`` -> ``("tq-mse-rn", {"center": True, "rotation": "hadamard"})``: after ``+``, ``c``
-    centers on the first batch's mean, ``h`` uses the zero-padded Hadamard rotation (IndexConfig)."""
+    centers on the first batch's mean, ``h`` uses the zero-padded Hadamard rotation, ``k`` the unpadded one of
+    order ``dim`` ("hadamard-kron") (IndexConfig)."""
     name, _, flags = label.partition("+")
-    if set(flags) - {"c", "h"}:
-        raise ValueError(f"codec flags after '+' are 'c' (center) and 'h' (hadamard rotation), got {label!r}")
-    return name, {"center": "c" in flags, "rotation": "hadamard" if "h" in flags else "haar"}
+    if set(flags) - {"c", "h", "k"} or {"h", "k"} <= set(flags):
+        raise ValueError(f"codec flags after '+' are 'c' (center) and one of 'h' (padded Hadamard rotation) or 'k' "
+                         f"(unpadded Hadamard rotation), got {label!r}")
+    rotation = "hadamard" if "h" in flags else "hadamard-kron" if "k" in flags else "haar"
+    return name, {"center": "c" in flags, "rotation": rotation}
 
 
 class _Ours:

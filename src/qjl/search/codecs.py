@@ -32,14 +32,28 @@ from .encode import encode_lloyd_max
 from .scan import Layout, Segment
 
 __all__ = ["SearchCodec", "make_search_codec", "CODEC_NAMES", "FAST_CODECS", "ROTATION_CODECS", "check_rotation",
-           "scan_centroids"]
+           "default_rotation", "scan_centroids"]
 
 CODEC_NAMES = ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar")
-# the rotation each codec may use: "haar" (dense, dim x dim) or "hadamard" (random signs and Hadamard transforms,
-# zero-padded to the next power of two: more coordinates, so more bits per vector, as faiss's "HR," prefix)
-ROTATION_CODECS = {"haar": ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar"), "hadamard": ("tq-mse", "tq-mse-rn", "tq-prod")}
+# the rotation each codec may use: "haar" (dense, dim x dim), "hadamard" (random signs and Hadamard transforms,
+# zero-padded to the next power of two: more coordinates, so more bits per vector, as faiss's "HR," prefix) or
+# "hadamard-kron" (a Hadamard transform of order dim itself, dim = m 2^k with m in 1, 12, 20: 384 stays 384, and
+# about 9x fewer multiply-adds than the dense rotation per round)
+ROTATION_CODECS = {"haar": ("tq-mse", "tq-mse-rn", "tq-prod", "qjl", "polar"),
+                   "hadamard": ("tq-mse", "tq-mse-rn", "tq-prod"), "hadamard-kron": ("tq-mse", "tq-mse-rn", "tq-prod")}
 FAST_CODECS = ("tq-mse", "tq-mse-rn", "qjl")  # one factor per vector, a sum over coordinates: fast-scannable
 ENCODE_ROWS = 1024  # rows shifted, rotated and encoded together: their rotated copy stays in cache
+
+
+def default_rotation(codec: str, dim: int) -> str:
+    """The rotation ``rotation="auto"`` picks: "hadamard-kron" where ``codec`` takes it and ``dim = m 2^k`` (m in 1,
+    12, 20; dim >= 32), else "haar".  On MiniLM passages (384 = 12 x 32) its recall@10 matched the dense rotation's
+    within the seed spread at 1-4 bits and ``add`` ran 1.4-1.6x faster at 1 bit (README)."""
+    from ..core.hadamard import kron_orders
+
+    if codec in ROTATION_CODECS["hadamard-kron"] and dim >= 32 and kron_orders(dim) is not None:
+        return "hadamard-kron"
+    return "haar"
 
 
 def check_rotation(codec: str, rotation: str) -> None:
