@@ -39,7 +39,8 @@ class TurboQuantMSE(Codec):
     Args:
         dim: vector dimension d.
         bits: bits per rotated coordinate, 1..8.
-        rotation: "haar" (dense, exact) or "hadamard" (O(d log d), padded to a power of two).
+        rotation: "haar" (dense, exact), "hadamard" (O(d log d), padded to a power of two) or "hadamard-kron"
+            (a Hadamard transform of order d itself, d = m 2^k with m in 1, 12, 20: :class:`qjl.Rotation`).
         seed: rotation seed.
         norm_dtype: "fp16" (default), "bf16", "fp32" or "fp8" (float8 e4m3: 8 bits, relative error <= 2^-4).
         correct_norm: store ``||x|| / <u, u_hat>`` instead of ``||x||`` (u = x/||x||, u_hat its
