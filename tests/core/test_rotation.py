@@ -69,6 +69,10 @@ def test_kron_hadamard_is_a_hadamard_matrix(d):
     assert torch.allclose(m.abs(), torch.full_like(m, d ** -0.5), atol=1e-6)
     assert torch.allclose(m @ m.T, torch.eye(d, dtype=torch.float64), atol=1e-5)
     assert torch.allclose(kron_hadamard_t(eye).double(), m.T, atol=1e-6)
+    with pytest.raises(ValueError, match="kron_hadamard_t: the last dimension"):
+        kron_hadamard_t(torch.zeros(2, 100))
+    with pytest.raises(ValueError, match="m must be one of"):
+        paley_hadamard(28)
     for k in (12, 20):
         h = paley_hadamard(k).double()
         assert torch.allclose(h.abs() * k ** 0.5, torch.ones(k, k, dtype=torch.float64), atol=1e-6)

@@ -121,15 +121,19 @@ def _pow2_part(y: torch.Tensor, p: int) -> torch.Tensor:
     return torch.matmul(y, _sylvester(p).to(y.device)) if p <= _DENSE_P else fwht(y)
 
 
+def _kron_shape(x: torch.Tensor, name: str) -> tuple:
+    """``(m, p)`` of x's last dimension (:func:`kron_orders`), or a ValueError naming ``name``."""
+    mp = kron_orders(x.shape[-1])
+    if mp is None:
+        raise ValueError(f"{name}: the last dimension must be m * 2^k with m in {KRON_ORDERS}, got {x.shape[-1]}")
+    return mp
+
+
 def kron_hadamard(x: torch.Tensor) -> torch.Tensor:
     """``x -> (H_m (x) H_p) x / sqrt(d)`` over the last axis, ``d = m p`` (:func:`kron_orders`); x: [..., d] float
     -> [..., d].  The coordinate ``i p + j`` is the pair ``(i, j)``."""
-    d = x.shape[-1]
-    mp = kron_orders(d)
-    if mp is None:
-        raise ValueError(f"kron_hadamard: the last dimension must be m * 2^k with m in {KRON_ORDERS}, got {d}")
-    m, p = mp
-    lead = x.shape[:-1]
+    m, p = _kron_shape(x, "kron_hadamard")
+    d, lead = x.shape[-1], x.shape[:-1]
     y = _pow2_part(x.reshape(-1, p), p).view(-1, m, p)
     if m > 1:
         y = torch.matmul(paley_hadamard(m).to(y.device), y)  # [m, m] @ [N, m, p]
@@ -138,12 +142,8 @@ def kron_hadamard(x: torch.Tensor) -> torch.Tensor:
 
 def kron_hadamard_t(y: torch.Tensor) -> torch.Tensor:
     """The transpose (= inverse) of :func:`kron_hadamard`: y [..., d] -> [..., d]."""
-    d = y.shape[-1]
-    mp = kron_orders(d)
-    if mp is None:
-        raise ValueError(f"kron_hadamard_t: the last dimension must be m * 2^k with m in {KRON_ORDERS}, got {d}")
-    m, p = mp
-    lead = y.shape[:-1]
+    m, p = _kron_shape(y, "kron_hadamard_t")
+    d, lead = y.shape[-1], y.shape[:-1]
     z = y.reshape(-1, m, p)
     if m > 1:
         z = torch.matmul(paley_hadamard(m).T.to(z.device), z)
