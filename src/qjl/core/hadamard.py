@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from qjl.core.devices import on_device
+
 __all__ = ["next_pow2", "fwht", "random_signs", "hadamard_rotate", "hadamard_rotate_t", "kron_orders",
            "paley_hadamard", "kron_hadamard", "kron_hadamard_t"]
 
@@ -103,6 +105,12 @@ def paley_hadamard(m: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+def _paley_t(m: int) -> torch.Tensor:
+    """The transpose (= inverse) of :func:`paley_hadamard`, contiguous, built once."""
+    return paley_hadamard(m).T.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
 def _sylvester(p: int) -> torch.Tensor:
     """``H_p / sqrt(p)`` float32 [p, p] (symmetric), for the dense small-``p`` path of :func:`kron_hadamard`."""
     h = torch.ones(1, 1, dtype=torch.float64)
@@ -118,7 +126,7 @@ def _pow2_part(y: torch.Tensor, p: int) -> torch.Tensor:
     """y [N, p] -> y H_p / sqrt(p) (H_p symmetric)."""
     if p == 1:
         return y
-    return torch.matmul(y, _sylvester(p).to(y.device)) if p <= _DENSE_P else fwht(y)
+    return torch.matmul(y, on_device(_sylvester(p), y.device)) if p <= _DENSE_P else fwht(y)
 
 
 def _kron_shape(x: torch.Tensor, name: str) -> tuple:
@@ -136,7 +144,7 @@ def kron_hadamard(x: torch.Tensor) -> torch.Tensor:
     d, lead = x.shape[-1], x.shape[:-1]
     y = _pow2_part(x.reshape(-1, p), p).view(-1, m, p)
     if m > 1:
-        y = torch.matmul(paley_hadamard(m).to(y.device), y)  # [m, m] @ [N, m, p]
+        y = torch.matmul(on_device(paley_hadamard(m), y.device), y)  # [m, m] @ [N, m, p]
     return y.reshape(*lead, d)
 
 
@@ -146,5 +154,5 @@ def kron_hadamard_t(y: torch.Tensor) -> torch.Tensor:
     d, lead = y.shape[-1], y.shape[:-1]
     z = y.reshape(-1, m, p)
     if m > 1:
-        z = torch.matmul(paley_hadamard(m).T.to(z.device), z)
+        z = torch.matmul(on_device(_paley_t(m), z.device), z)
     return _pow2_part(z.reshape(-1, p), p).reshape(*lead, d)
