@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["Segment", "Layout", "build_luts", "scan", "scan_torch", "c_available", "check_scan_args", "extension",
-           "range_terms"]
+           "top_rows", "range_terms"]
 
 _SRC = Path(__file__).with_name("scan.c")
 # one extension, one translation unit in this order: the LUT scan (heap_sift, shared), the encoder, the fast scan
@@ -120,6 +120,19 @@ def check_scan_args(codes, layout, factors, add, luts, ranges, k, bias=None) -> 
         raise ValueError(f"k must be a positive int, got {k!r}")
 
 
+def top_rows(total: torch.Tensor, k: int):
+    """total [nq, n] (-inf: not a candidate) -> (scores [nq, k] descending, indices [nq, k] int64; -inf / -1 past
+    the candidates), ties by the lower index (as the kernels): a stable sort on -score."""
+    kk = min(k, total.shape[1])
+    order = torch.sort(-total, dim=1, stable=True).indices[:, :kk]
+    scores = total.gather(1, order)
+    idx = torch.where(torch.isfinite(scores), order, torch.full_like(order, -1))
+    if kk < k:
+        scores = torch.nn.functional.pad(scores, (0, k - kk), value=-float("inf"))
+        idx = torch.nn.functional.pad(idx, (0, k - kk), value=-1)
+    return scores, idx
+
+
 def range_terms(ranges: torch.Tensor, bias, n: int):
     """ranges [nq, nr, 2], bias [nq, nr] or None -> (inside [nq, n] bool, per-row bias [nq, n] float32)."""
     nq = ranges.shape[0]
@@ -156,15 +169,7 @@ def scan_torch(codes, layout: Layout, factors, add, luts, ranges, k: int, bias=N
         total += table[:, idx].sum(-1) * f  # [nq, n]
     inside, per = range_terms(ranges, bias, n)
     total = torch.where(inside, total + per, torch.tensor(-float("inf")))
-    kk = min(k, n)
-    # descending score, ties by the lower index (as the kernel): stable sort on -score
-    order = torch.sort(-total, dim=1, stable=True).indices[:, :kk]
-    scores = total.gather(1, order)
-    idx = torch.where(torch.isfinite(scores), order, torch.full_like(order, -1))
-    if kk < k:
-        scores = torch.nn.functional.pad(scores, (0, k - kk), value=-float("inf"))
-        idx = torch.nn.functional.pad(idx, (0, k - kk), value=-1)
-    return scores, idx
+    return top_rows(total, k)
 
 
 def _cdef() -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...search.scan import Layout, check_scan_args, range_terms
+from ...search.scan import Layout, check_scan_args, top_rows
 
 __all__ = ["scan_triton", "triton_available"]
 
@@ -73,11 +73,4 @@ def scan_triton(codes, layout: Layout, factors, add, luts, ranges, k: int, block
     if bias is not None:
         total = total + (member.float() * bias.float().unsqueeze(-1)).sum(1)  # ranges are disjoint
     total = torch.where(member.any(1), total, torch.tensor(-float("inf"), device=codes.device))
-    kk = min(k, n)
-    order = torch.sort(-total, dim=1, stable=True).indices[:, :kk]
-    scores = total.gather(1, order)
-    idx = torch.where(torch.isfinite(scores), order, torch.full_like(order, -1))
-    if kk < k:
-        scores = torch.nn.functional.pad(scores, (0, k - kk), value=-float("inf"))
-        idx = torch.nn.functional.pad(idx, (0, k - kk), value=-1)
-    return scores, idx
+    return top_rows(total, k)
