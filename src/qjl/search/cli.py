@@ -60,7 +60,8 @@ def add_search_commands(subparsers) -> None:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--bits", type=int, nargs="+", default=[1, 2, 3, 4])
     b.add_argument("--ours", nargs="+", default=["tq-mse", "tq-mse-rn", "tq-mse-rn+c", "tq-mse-rn+ck", "tq-prod", "qjl"],
-                   help="our codecs; '+c' centers on the first batch's mean, '+h' uses the padded Hadamard rotation, '+k' the unpadded one of order dim")
+                   help="our codecs; '+c' centers on the first batch's mean, '+h' uses the padded Hadamard rotation, "
+                        "'+k' the unpadded one of order dim")
     b.add_argument("--regimes", nargs="+", default=["flat", "ivf"], choices=["flat", "ivf"])
     b.add_argument("--nlist", type=int, default=1024)
     b.add_argument("--nprobe", type=int, default=32)
