@@ -129,3 +129,14 @@ def test_auto_config():
         QJLConfig.auto(bits_per_value=0)
     with pytest.raises(TypeError, match="key_candidates"):
         QJLConfig.auto(bits_per_value=3.0, key_candidates=("turboquant_mse",))
+
+
+def test_named_takes_presets_and_auto_budgets():
+    from qjl import QJLConfig
+
+    assert QJLConfig.named("tq-k3v2", kernel="torch") == QJLConfig.preset("tq-k3v2", kernel="torch")
+    auto = QJLConfig.named("auto-2.5", residual_length=64)
+    assert auto.allocation.bits_per_value == 2.5 and auto.residual_length == 64
+    for bad, match in (("auto-x", "auto-<bits"), ("auto-0.5", r"\[1, 16\]"), ("tq-k9", "preset")):
+        with pytest.raises(ValueError, match=match):
+            QJLConfig.named(bad)

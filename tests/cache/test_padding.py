@@ -61,3 +61,20 @@ def test_sink_order_with_heavy_tokens():
     ks, vs = (x.gather(2, full[:, None, :, None].expand(-1, 1, -1, 8)) for x in (k, v))
     got = torch.nn.functional.scaled_dot_product_attention(q, ks, vs, attn_mask=remap_mask(mask, order.to(torch.int16)))
     assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_store_order_width_follows_replaced_pads_and_heavy_positions():
+    """``LayerStore.order_width`` is read on every decode step and memoized per (pads, heavy_pos): replacing either
+    (rows selected, sinks formed again after a reset) gives the new width, never the memo's."""
+    from qjl import QJLConfig
+    from qjl.cache import padding
+    from qjl.cache.storage import LayerStore
+
+    store = LayerStore(0, QJLConfig(sink_tokens=4))
+    assert store.order_width() == 0
+    store.pads, store.heavy_pos = torch.tensor([0, 3]), None
+    assert store.order_width() == 7
+    store.pads = torch.tensor([0, 1])  # a row selection keeps the rows' own padding
+    assert store.order_width() == 5
+    store.heavy_pos = torch.tensor([[9], [12]], dtype=torch.int32)
+    assert store.order_width() == padding.order_width(store.pads, 4, store.heavy_pos) == 13

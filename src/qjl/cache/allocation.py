@@ -314,9 +314,8 @@ class Allocator:
         if store.rank_sum is not None:  # tensor parallelism: every rank's heads, so every rank chooses alike
             flat = store.rank_sum(torch.tensor([s_k, s_v, *(x for pair in kd + vd for x in pair)], dtype=torch.float64,
                                                device=query.device)).tolist()
-            s_k, s_v, rest = flat[0], flat[1], flat[2:]
-            kd, vd = list(zip(rest[0:2 * len(kd):2], rest[1:2 * len(kd):2])), list(zip(rest[2 * len(kd)::2],
-                                                                                     rest[2 * len(kd) + 1::2]))
+            s_k, s_v, pairs = flat[0], flat[1], list(zip(flat[2::2], flat[3::2]))
+            kd, vd = pairs[:len(kd)], pairs[len(kd):]
         store.auto_stats = {"s_k": s_k, "s_v": s_v, "tokens": n,
                             "keys": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(kc, kd)],
                             "values": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(vc, vd)]}

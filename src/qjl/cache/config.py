@@ -305,6 +305,20 @@ class QJLConfig:
         return replace(PRESETS[name], **overrides)
 
     @staticmethod
+    def named(name: str, **overrides) -> "QJLConfig":
+        """A preset by name (:meth:`preset`) or ``"auto-<bits>"`` (e.g. ``"auto-3.0"``: :meth:`auto` with that
+        budget, bits in [1, 16]), with fields replaced; the names ``qjl eval --methods`` and lm-eval's model take."""
+        if isinstance(name, str) and name.startswith("auto-"):
+            try:
+                bits = float(name[5:])
+            except ValueError:
+                raise ValueError(f"{name!r}: write auto-<bits per value>, e.g. auto-3.0") from None
+            if not 1.0 <= bits <= 16.0:
+                raise ValueError(f"{name!r}: bits per value must be in [1, 16]")
+            return QJLConfig.auto(bits_per_value=bits, **overrides)
+        return QJLConfig.preset(name, **overrides)
+
+    @staticmethod
     def auto(bits_per_value: float, **fields) -> "QJLConfig":
         """Widths chosen per layer at the end of prefill from the prompt's own keys, values and queries,
         within ``bits_per_value`` (compressed part, keys and values averaged); see

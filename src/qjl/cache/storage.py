@@ -249,8 +249,16 @@ class LayerStore:
         return padding.sink_order(self.pads, self.config.sink_tokens, self.heavy_pos)
 
     def order_width(self) -> int:
-        """The first slots held out of position order (sinks of padded rows, heavy tokens), 0 if none."""
-        return 0 if self.pads is None else padding.order_width(self.pads, self.config.sink_tokens, self.heavy_pos)
+        """The first slots held out of position order (sinks of padded rows, heavy tokens), 0 if none.  Read on
+        every decode step (``slot_mask``): computed once per (pads, heavy_pos) pair -- the memo holds the tensors it
+        was computed from and is recomputed when either is replaced (sinks formed, rows selected, reset)."""
+        if self.pads is None:
+            return 0
+        memo = self.__dict__.get("_order_memo")
+        if memo is None or memo[0] is not self.pads or memo[1] is not self.heavy_pos:
+            memo = (self.pads, self.heavy_pos, padding.order_width(self.pads, self.config.sink_tokens, self.heavy_pos))
+            self._order_memo = memo
+        return memo[2]
 
     def slot_mask(self, attention_mask):
         """The mask in slot order (sinks of padded rows and heavy tokens first): [B, 1|H, t, L].  When every

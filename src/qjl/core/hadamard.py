@@ -54,28 +54,30 @@ def random_signs(generator: torch.Generator, *shape: int) -> torch.Tensor:
     return (bits * 2 - 1).to(torch.float32)
 
 
-def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, transform=fwht) -> torch.Tensor:
     """Apply ``T = H D_R ... H D_1`` to zero-padded vectors.
 
     x: [..., d] float; signs: [*S, R, n] with n = next_pow2(d) >= d, broadcasting
     against x's leading axes (x: [..., 1, d] with signs [B, R, n] applies B independent
-    rotations at once) -> [..., n].
+    rotations at once) -> [..., n].  ``transform``: the orthonormal H (:func:`fwht`, or
+    :func:`kron_hadamard` with n = d).
     """
     n = signs.shape[-1]
     d = x.shape[-1]
     y = torch.nn.functional.pad(x, (0, n - d)) if n != d else x
     for r in range(signs.shape[-2]):
-        y = fwht(y * signs[..., r, :])
+        y = transform(y * signs[..., r, :])
     return y
 
 
-def hadamard_rotate_t(y: torch.Tensor, signs: torch.Tensor, d: int) -> torch.Tensor:
-    """Apply ``T^T = D_1 H ... D_R H`` and drop the padding.
+def hadamard_rotate_t(y: torch.Tensor, signs: torch.Tensor, d: int, transform_t=fwht) -> torch.Tensor:
+    """Apply ``T^T = D_1 H^T ... D_R H^T`` and drop the padding.
 
-    y: [..., n]; signs: [*S, R, n] broadcasting against y's leading axes -> [..., d].
+    y: [..., n]; signs: [*S, R, n] broadcasting against y's leading axes -> [..., d].  ``transform_t``: H^T
+    (:func:`fwht` is its own; :func:`kron_hadamard_t`).
     """
     for r in reversed(range(signs.shape[-2])):
-        y = fwht(y) * signs[..., r, :]
+        y = transform_t(y) * signs[..., r, :]
     return y[..., :d]
 
 

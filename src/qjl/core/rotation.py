@@ -92,10 +92,7 @@ class Rotation:
         if self.kind == "hadamard":
             return hadamard_rotate(x, on_device(self._signs, x.device))
         if self.kind == "hadamard-kron":
-            signs = on_device(self._signs, x.device)
-            for r in range(signs.shape[0]):
-                x = kron_hadamard(x * signs[r])
-            return x
+            return hadamard_rotate(x, on_device(self._signs, x.device), kron_hadamard)
         pad = self.out_dim - self.dim
         x = torch.nn.functional.pad(x, (0, pad)) if pad else x
         return torch.matmul(x, on_device(self._matrix, x.device).T)
@@ -105,10 +102,7 @@ class Rotation:
         if self.kind == "hadamard":
             return hadamard_rotate_t(y, on_device(self._signs, y.device), self.dim)
         if self.kind == "hadamard-kron":
-            signs = on_device(self._signs, y.device)
-            for r in reversed(range(signs.shape[0])):
-                y = kron_hadamard_t(y) * signs[r]
-            return y
+            return hadamard_rotate_t(y, on_device(self._signs, y.device), self.dim, kron_hadamard_t)
         return torch.matmul(y, on_device(self._matrix, y.device))[..., : self.dim]
 
     def matrix(self) -> torch.Tensor:

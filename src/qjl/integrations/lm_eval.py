@@ -68,14 +68,11 @@ class QJLLM(HFLM):
         preset = preset or DEFAULT_PRESET
         if isinstance(preset, QJLConfig):
             self.qjl_config = preset if kernel == "auto" else replace(preset, kernel=kernel)
-        elif isinstance(preset, str) and preset.startswith("auto-"):
-            try:
-                bits = float(preset[5:])
-            except ValueError:
-                raise ValueError(f"preset: {preset!r}: write auto-<bits per value>, e.g. auto-3.0") from None
-            self.qjl_config = QJLConfig.auto(bits_per_value=bits, kernel=kernel)
         elif isinstance(preset, str):
-            self.qjl_config = None if preset == "none" else QJLConfig.preset(preset, kernel=kernel)
+            try:
+                self.qjl_config = None if preset == "none" else QJLConfig.named(preset, kernel=kernel)
+            except ValueError as e:
+                raise ValueError(f"preset: {e}") from None
         else:
             raise TypeError(f"preset must be a preset name or a qjl.QJLConfig, got {type(preset).__name__}")
         self.preset, self.chunk = preset, chunk

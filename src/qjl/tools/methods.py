@@ -83,12 +83,12 @@ def _check(name: str) -> None:
             raise ValueError(f"methods: {name!r} needs optimum-quanto (pip install optimum-quanto)")
         return
     if name.startswith("auto-") and _has_auto():
+        from qjl.cache.config import QJLConfig
+
         try:
-            bits = float(name[5:])
-        except ValueError:
-            raise ValueError(f"methods: {name!r}: write auto-<bits per value>, e.g. auto-3.0") from None
-        if not 1.0 <= bits <= 16.0:
-            raise ValueError(f"methods: {name!r}: bits per value must be in [1, 16]")
+            QJLConfig.named(name)
+        except ValueError as e:
+            raise ValueError(f"methods: {e}") from None
         return
     raise ValueError(f"methods: unknown {name!r}; choose from {', '.join(method_names())}")
 
@@ -122,9 +122,7 @@ def make_method(name: str):
     _check(name)
     if name in _PEERS:
         return _PEERS[name]
-    if name.startswith("auto-"):
-        return QJLConfig.auto(bits_per_value=float(name[5:]))
-    return QJLConfig.preset(name)
+    return QJLConfig.named(name)
 
 
 def make_cache(model, cfg):
