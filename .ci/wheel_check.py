@@ -2,6 +2,7 @@
 the package imports from that environment, its C source shipped, and a decode picks the C kernel
 and agrees with the reference path."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from qjl.kernels.cpu import build, launch
 
 here = Path(qjl.__file__).resolve()
 assert "site-packages" in str(here) and "/src/qjl" not in str(here), f"qjl imported from {here}, not the wheel"
-assert build.DECODE_SOURCE.exists(), f"the wheel lacks {build.DECODE_SOURCE.name}"
+missing = [s.name for s in build.SOURCES if not s.exists()]
+assert not missing, f"the wheel lacks {missing}"
 assert launch.implementation() == "c", "the C kernel did not build from the wheel"
 
 torch.manual_seed(0)
@@ -24,9 +26,14 @@ for kernel in ("auto", "torch"):
     store = LayerStore(0, qjl.QJLConfig.preset("tq-k45v3", kernel=kernel), num_layers=2)
     store.append(k, v)
     store.flush()
-    outs[kernel] = attend(store, q, None, 64 ** -0.5)
-    print(kernel, "->", store.backend)
-assert torch.allclose(outs["auto"], outs["torch"], atol=1e-4), (outs["auto"] - outs["torch"]).abs().max()
+    for impl in ("c", launch.default_impl()):  # the CPU kernel's fp32 path and its default (c-int where it can)
+        os.environ["QJL_CPU_IMPL"] = impl
+        outs[kernel, impl] = attend(store, q, None, 64 ** -0.5)
+    print(kernel, "->", store.backend, "| default CPU path:", launch.default_impl())
+# fp32 sums: 1e-4; the integer path: its int8 / int16 rounding (decode_vnni.c), 2e-3 of the values' scale
+for impl, tol in (("c", 1e-4), (launch.default_impl(), 1e-4 if launch.default_impl() == "c" else 2e-3 * v.abs().max().item())):
+    err = (outs["auto", impl] - outs["torch", impl]).abs().max().item()
+    assert err <= tol, (impl, err)
 # the vector-search extension (scan + encoder) builds from the wheel's sources and matches its torch reference
 from qjl.core.lloyd_max import sphere_codebook  # noqa: E402
 from qjl.search.encode import encode_lloyd_max, encode_lloyd_max_torch  # noqa: E402

@@ -92,7 +92,7 @@ def _measure(args, d: int, r: int) -> list:
                     for _ in range(2):
                         call()
                     times = []
-                    for _ in range(args.repeats if impl == "c" else 3):
+                    for _ in range(args.repeats if impl != "c-portable" else 3):
                         t0 = time.perf_counter()
                         call()
                         times.append(time.perf_counter() - t0)

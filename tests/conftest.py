@@ -4,6 +4,10 @@ from pathlib import Path
 
 # Triton kernels are tested on the CPU through Triton's interpreter; it must be chosen before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The CPU kernel's fp32 path ("c"): tests compare the kernels with the reference at float32 tolerance.  The integer
+# path ("c-int", the default where the CPU has AVX-512 VBMI + VNNI) is tested with its own bound where named
+# (tests/kernels/test_cpu_int.py, and the cache's decode step in tests/cache/test_attention.py).
+os.environ.setdefault("QJL_CPU_IMPL", "c")
 # shared test helpers (tiny models, kernel cases) import as top-level modules
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 

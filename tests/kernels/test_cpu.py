@@ -1,4 +1,5 @@
-"""The C decode kernel (both paths: AVX2 where the CPU has it, and portable) against the torch reference."""
+"""The C decode kernel's fp32 paths (AVX2 where the CPU has it, and portable) against the torch reference (the
+integer path, ``impl="c-int"``: test_cpu_int.py)."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ if not launch.available():  # pragma: no cover - no C compiler / cffi here
     pytest.skip("the C kernel does not build here", allow_module_level=True)
 
 TOL = 1e-4  # output scale: fp32 sums over D and over the tokens in another order
-IMPLS = launch.IMPLS
+IMPLS = ("c", "c-portable")  # fp32 sums: within TOL of the reference
 
 
 def _run(c, impl, **kw):
@@ -184,4 +185,5 @@ def test_pick_backend(monkeypatch):
 
 
 def test_implementation_names():
-    assert launch.implementation() == "c" and launch.simd_path() in ("avx2", "portable")
+    assert launch.implementation() == "c" and launch.simd_path() in ("int", "avx2", "portable")
+    assert set(launch.IMPLS) == {"c", "c-int", "c-portable"} and launch.default_impl() in ("c", "c-int")

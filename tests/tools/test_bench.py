@@ -17,7 +17,7 @@ def test_attention_and_quantize_rows(tmp_path):
     assert {"sdpa-fp32 (enable_gqa)", "sdpa-fp32 (rows)", "sdpa-bf16 (rows)", "kivi-k2v2 dequant+sdpa"} <= methods
     ours = [r for r in rows if r["method"].startswith("tq-k3v2")]
     # one row per codec pair of the preset's layers (3-bit keys in layers 0-27, 4-bit in the last two)
-    assert [r["method"] for r in ours] == ["tq-k3v2 L0-27 [cpu]", "tq-k3v2 L28-29 [cpu]"]  # the CPU kernel
+    assert [r["method"] for r in ours] == ["tq-k3v2 L0-27 [cpu c]", "tq-k3v2 L28-29 [cpu c]"]  # the CPU kernel
     assert ours[0]["bytes"] < ours[1]["bytes"]  # wider keys hold more
     assert bench.layer_groups("tq-k45v3") == [(0, 14), (15, 29)] and bench.layer_groups("qjl-paper") == [(0, 29)]
     fp32 = next(r for r in rows if r["method"] == "sdpa-fp32 (rows)")
@@ -31,6 +31,19 @@ def test_attention_and_quantize_rows(tmp_path):
     bench.plot_bench(rows, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").stat().st_size > 0
     json.dumps(rows)
+
+
+def test_cpu_rows_name_the_kernel_path(monkeypatch):
+    """Where the integer path is the default, the fp32 path is timed beside it (the tests run "c": conftest)."""
+    from qjl.kernels.cpu import launch
+
+    assert bench._impls("triton") == [("triton", None)]
+    monkeypatch.setenv("QJL_CPU_IMPL", "c-int" if launch.has_int_path() else "c")
+    want = [("cpu c-int", "c-int"), ("cpu c", "c")] if launch.has_int_path() else [("cpu c", "c")]
+    assert bench._impls("cpu") == want
+    seen = []
+    assert bench._with_impl("c-portable", lambda: seen.append(launch.default_impl()) or 7) == 7
+    assert seen == ["c-portable"] and launch.default_impl() == want[0][1]  # restored
 
 
 def test_bad_arguments_are_named():

@@ -30,6 +30,7 @@ Output: a table, ``bench.json`` and ``bench.png`` (time against context, one lin
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -116,6 +117,32 @@ def _kivi(k: torch.Tensor, v: torch.Tensor):
     return kc, kc.quantize(k[..., :n, :]), vc, vc.quantize(v[..., :n, :])
 
 
+def _impls(backend: str) -> list:
+    """[(row label, CPU kernel impl or None)]: on CPU the default path ("c-int" where the CPU has it) and, beside
+    it, the fp32 path "c"."""
+    if backend != "cpu":
+        return [(backend, None)]
+    from qjl.kernels.cpu import launch
+
+    first = launch.default_impl()
+    return [(f"cpu {first}", first)] + ([("cpu c", "c")] if first != "c" else [])
+
+
+def _with_impl(impl, fn, *args):
+    """fn(*args) with the CPU kernel's impl set through ``QJL_CPU_IMPL`` (restored after)."""
+    if impl is None:
+        return fn(*args)
+    old = os.environ.get("QJL_CPU_IMPL")
+    os.environ["QJL_CPU_IMPL"] = impl
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
+            del os.environ["QJL_CPU_IMPL"]
+        else:
+            os.environ["QJL_CPU_IMPL"] = old
+
+
 def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smollm2-135m"), presets=PRESETS,
                   repeats: int = 7, warmup: int = 2, kernel: str = "auto", progress=None,
                   bandwidth_gbps: float | None = None) -> list:
@@ -162,8 +189,9 @@ def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smo
                     store = _layer(preset, k, v, kernel, first)
                     held = sum(store.nbytes().values())
                     part = f" L{first}-{last}" if len(groups) > 1 else ""
-                    timed[f"{preset}{part} [{store.backend}]"] = (lambda store=store: attend(store, q, None, scale),
-                                                                   held)
+                    for label, impl in _impls(store.backend):  # the CPU kernel: its integer and fp32 paths
+                        timed[f"{preset}{part} [{label}]"] = (
+                            lambda store=store, impl=impl: _with_impl(impl, attend, store, q, None, scale), held)
             results = {}
             for method, (fn, nbytes) in timed.items():
                 ms = _median_ms(fn, repeats, warmup)

@@ -57,7 +57,9 @@ static void load_rows(const qjl_decode_args *a, int k, int64_t b, int64_t j, int
 }
 
 /* one work item: the partial softmax (m, l, o [RW][n_v]) of its coded tokens */
-static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, float *m, float *l, float *o) {
+/* mode: 0 portable, 1 AVX2 (fp32), 2 integer (decode_vnni.c) for the codes of <= VNNI_MAX_BITS bits, AVX2 for
+ * the rest */
+static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, float *m, float *l, float *o) {
     const qjl_value_view *v = &a->value;
     const int64_t nv = v->n, G = v->groups;
     const int nr = a->rows - it->rc * RW < RW ? (int)(a->rows - it->rc * RW) : RW; /* live rows of this chunk */
@@ -70,6 +72,25 @@ static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, flo
     int64_t nmax = nv;
     for (int k = 0; k < a->n_terms; k++) nmax = a->key[k].n > nmax ? a->key[k].n : nmax;
     float *buf = malloc(sizeof(float) * (size_t)nmax);
+#if QJL_HAVE_VNNI
+    /* the integer path: per key term its int8 query rows, scales and table; for values the int16 weights */
+    int ik[2] = {0, 0};
+    int8_t *q8[2] = {NULL, NULL};
+    float sq[2][RW], kmul[2][RW], ksc[2] = {1.0f, 1.0f};
+    int32_t qsum[2][RW], koff[2][RW];
+    uint8_t ktab[2][32], vtab[32];
+    for (int k = 0; k < a->n_terms; k++) {
+        ik[k] = mode == 2 && a->key[k].bits <= VNNI_MAX_BITS;
+        if (ik[k]) {
+            q8[k] = malloc((size_t)RW * (size_t)((a->key[k].n + 31) / 32 * 32));
+            ksc[k] = int8_table(a->key[k].cent, a->key[k].bits, 128, ktab[k]);
+        }
+    }
+    const int iv = mode == 2 && v->bits <= VNNI_MAX_BITS && (G == 1 || v->group_size % 32 == 0);
+    int16_t *w16 = iv ? malloc(sizeof(int16_t) * (size_t)(G * RW * (SUB + 2))) : NULL;
+    float *vmul = iv ? malloc(sizeof(float) * (size_t)(G * RW)) : NULL;
+    const float vsc = iv ? int8_table(v->cent, v->bits, 0, vtab) : 1.0f;
+#endif
     for (int r = 0; r < RW; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     memset(o, 0, sizeof(float) * RW * (size_t)nv);
     int64_t loaded = -1; /* block-table column whose query rows are loaded */
@@ -80,15 +101,28 @@ static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, flo
         len = len < it->t1 - t ? len : it->t1 - t;
         len = len < SUB ? len : SUB;
         for (int k = 0; k < a->n_terms; k++)
-            if (loaded < 0 || (a->key[k].q_per_block && loaded != j)) load_rows(a, k, it->b, j, it->h, it->rc, q[k]);
+            if (loaded < 0 || (a->key[k].q_per_block && loaded != j)) {
+                load_rows(a, k, it->b, j, it->h, it->rc, q[k]);
+#if QJL_HAVE_VNNI
+                if (ik[k]) { /* rows that are not finite: this term goes through the float path */
+                    const int64_t n = a->key[k].n;
+                    if (int8_rows(q[k], n, (n + 31) / 32 * 32, q8[k], sq[k], qsum[k])) ik[k] = 0;
+                    for (int r = 0; r < RW; r++) kmul[k][r] = sq[k][r] * ksc[k], koff[k][r] = 128 * qsum[k][r];
+                }
+#endif
+            }
         loaded = j;
         for (int r = 0; r < RW; r++) memset(logits + r * SUB, 0, sizeof(float) * (size_t)len);
         for (int k = 0; k < a->n_terms; k++) {
             const qjl_key_term *kt = &a->key[k];
             const uint8_t *codes = at(&kt->codes, blk, it->h, slot);
             read_scalars(&kt->norm, at(&kt->norm, blk, it->h, slot), 1, len, knorm);
+#if QJL_HAVE_VNNI
+            if (ik[k]) score_vnni(kt, nr, codes, knorm, len, q8[k], ktab[k], kmul[k], koff[k], logits);
+            else
+#endif
 #if QJL_HAVE_AVX2
-            if (avx2) score_avx2(kt, nr, codes, knorm, len, q[k], logits);
+            if (mode) score_avx2(kt, nr, codes, knorm, len, q[k], logits);
             else
 #endif
                 score_portable(kt, codes, knorm, len, q[k], logits, buf);
@@ -113,8 +147,15 @@ static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, flo
         const uint8_t *vcodes = at(&v->codes, blk, it->h, slot);
         read_scalars(&v->scale, at(&v->scale, blk, it->h, slot), G, len, vscale);
         if (v->has_zero) read_scalars(&v->zero, at(&v->zero, blk, it->h, slot), G, len, vzero);
+#if QJL_HAVE_VNNI
+        if (iv) {
+            value_weights(v, vscale, vzero, len, logits, pw, zsum);
+            int16_weights(G, len, pw, vsc, w16, vmul);
+            mix_vnni(v, nr, vcodes, len, w16, vtab, vmul, o);
+        } else
+#endif
 #if QJL_HAVE_AVX2
-        if (avx2) {
+        if (mode) {
             value_weights(v, vscale, vzero, len, logits, pw, zsum);
             mix_avx2(v, nr, vcodes, len, pw, o);
         } else
@@ -126,6 +167,10 @@ static void run_item(const qjl_decode_args *a, int avx2, const qjl_item *it, flo
         for (int r = 0; r < RW; r++)
             for (int64_t c = 0; c < nv; c++) o[r * nv + c] += zsum[r * G + c / v->group_size];
     for (int k = 0; k < a->n_terms; k++) free(q[k]);
+#if QJL_HAVE_VNNI
+    for (int k = 0; k < a->n_terms; k++) free(q8[k]);
+    free(w16), free(vmul);
+#endif
     free(logits), free(pw), free(zsum), free(buf), free(knorm), free(vscale), free(vzero);
 }
 
@@ -197,7 +242,7 @@ static int check_args(const qjl_decode_args *a) {
 
 typedef struct {
     const qjl_decode_args *a;
-    int avx2;
+    int mode; /* run_item's */
     const qjl_item *list;
     const int64_t *first, *unit_of; /* items of unit u: [first[u], first[u + 1]); the unit of item i */
     int64_t *left;                  /* items of each unit not finished yet */
@@ -267,7 +312,7 @@ static void finish_unit(const qjl_job *j, int64_t u) {
 static void do_item(void *ctx, int64_t i) {
     const qjl_job *j = ctx;
     const int64_t nv = j->a->value.n;
-    run_item(j->a, j->avx2, &j->list[i], j->pm + i * RW, j->pl + i * RW, j->po + i * RW * nv);
+    run_item(j->a, j->mode, &j->list[i], j->pm + i * RW, j->pl + i * RW, j->po + i * RW * nv);
     const int64_t u = j->unit_of[i];
     if (__atomic_sub_fetch(&j->left[u], 1, __ATOMIC_ACQ_REL) == 0) finish_unit(j, u);
 }
@@ -295,6 +340,7 @@ QJL_EXPORT int qjl_paged_decode(const qjl_decode_args *a) {
     const int bad = check_ranges(a);
     if (bad) return bad;
     const int avx2 = a->simd && QJL_HAVE_AVX2 && cpu_has_avx2();
+    const int mode = a->simd == 2 && avx2 && QJL_HAVE_VNNI && cpu_has_vnni() ? 2 : avx2;
     const int64_t B = a->batch, H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.n;
     const int64_t units = B * H * rchunks;
     const int threads = a->threads > 0 ? a->threads : 1;
@@ -334,7 +380,7 @@ QJL_EXPORT int qjl_paged_decode(const qjl_decode_args *a) {
             }
     }
     first[units] = at_item;
-    qjl_job job = {a, avx2, list, first, unit_of, left, malloc(sizeof(float) * RW * (size_t)items),
+    qjl_job job = {a, mode, list, first, unit_of, left, malloc(sizeof(float) * RW * (size_t)items),
                    malloc(sizeof(float) * RW * (size_t)items), malloc(sizeof(float) * RW * (size_t)(items * nv))};
     parallel_for(items, threads, do_item, &job);
     free(list), free(first), free(left), free(unit_of), free(job.pm), free(job.pl), free(job.po);

@@ -74,7 +74,8 @@ typedef struct {
     float *out_o;                         /* [B, H, R, value.n] codes' values (the value codec's basis), or NULL */
     float *out_ox;                        /* [B, H, R, dx] exact values, at the same max (if ne > 0), or NULL */
     int64_t split_tokens;                 /* coded tokens per work item (0: automatic) */
-    int32_t threads, simd;                /* simd 0: portable path; 1: the AVX2 path where the CPU has it */
+    int32_t threads, simd;                /* simd 0: portable path; 1: the AVX2 path where the CPU has it; 2: the
+                                             integer path (decode_vnni.c) where it has AVX-512 VBMI + VNNI, else 1 */
 } qjl_decode_args;
 /* cdef end */
 
@@ -127,7 +128,15 @@ static void read_run(const uint8_t *p, int64_t stride, int dtype, int64_t count,
         }
         break;
     default:
-        for (i = 0; i < count; i++) out[i] = e4m3_to_float(p[i * stride]);
+        {
+            static float table[256]; /* every e4m3 byte's value, built once (a lookup per scalar, no branches) */
+            static int ready = 0;
+            if (!__atomic_load_n(&ready, __ATOMIC_ACQUIRE)) {
+                for (int b = 0; b < 256; b++) table[b] = e4m3_to_float((uint8_t)b); /* idempotent: races are benign */
+                __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
+            }
+            for (i = 0; i < count; i++) out[i] = table[p[i * stride]];
+        }
     }
 }
 

@@ -5,20 +5,24 @@ views and the paged fields and makes one C call for the whole layer (all sequenc
 rows; OpenMP threads over them, libgomp's pool shared with torch), which returns the attention output:
 the key terms' query maps and the value codec's ``unmix`` (TurboQuant's rotation and its inverse) are
 applied inside the call as matrices built once per codec (:func:`qjl.kernels.paged.query_maps`).
-``impl``: "c" (the AVX2 path where the CPU has it) or "c-portable" (the C build without it; the tests
-run both).
+``impl``: "auto" (default; ``$QJL_CPU_IMPL`` when set): "c-int" where the CPU has AVX-512 VBMI + VNNI, else "c";
+"c" (fp32 sums: the AVX2 path where the CPU has it); "c-int" (integer products: int8 queries and centroids for
+keys, int16 softmax weights for values, at the error bound stated in ``decode_vnni.c``, for codes of <= 5 bits;
+the rest as "c"); "c-portable" (the C build without SIMD).  The tests run every one the CPU has.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
-__all__ = ["available", "implementation", "simd_path", "paged_decode", "bucket_norms", "store_rows",
+__all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "bucket_norms", "store_rows",
            "cell_moments", "store_bounds", "IMPLS"]
 
-IMPLS = ("c", "c-portable")
+IMPLS = ("c", "c-int", "c-portable")
+_SIMD = {"c": 1, "c-int": 2, "c-portable": 0}
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 
 
@@ -47,18 +51,43 @@ def implementation() -> str:
 
 
 def simd_path() -> str:
-    """The path ``impl="c"`` runs on this CPU: "avx2" (AVX2 + FMA) or "portable"."""
-    return "avx2" if _has_avx2() else "portable"
+    """The path ``impl="auto"`` runs on this CPU: "int" (AVX-512 VBMI + VNNI integer products), "avx2" (AVX2 +
+    FMA) or "portable"."""
+    return "int" if has_int_path() else "avx2" if _has_avx2() else "portable"
 
 
-def _has_avx2() -> bool:
+def has_int_path() -> bool:
+    """The CPU has what ``impl="c-int"`` needs (AVX2, FMA, AVX-512 F/BW/VL/VBMI/VNNI)."""
+    return _has_avx2() and all(f in _cpu_flags() for f in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi",
+                                                             "avx512_vnni"))
+
+
+def default_impl() -> str:
+    """``$QJL_CPU_IMPL`` if set, else "c-int" where the CPU has it (same quality on the embedded model's texts,
+    1.7-1.9x faster per token: docs/kernels.md), else "c"."""
+    import os
+
+    env = os.environ.get("QJL_CPU_IMPL", "").strip()
+    if env and env != "auto":
+        if env not in IMPLS:
+            raise ValueError(f"QJL_CPU_IMPL must be one of {('auto',) + IMPLS}, got {env!r}")
+        return env
+    return "c-int" if has_int_path() else "c"
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset:
     try:
         from pathlib import Path
 
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
-        return " avx2" in flags and " fma" in flags
-    except (OSError, StopIteration):
-        return False
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+        return frozenset(line.split(":", 1)[1].split())
+    except (OSError, StopIteration, IndexError):
+        return frozenset()
+
+
+def _has_avx2() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
 
 
 class _Args:
@@ -169,17 +198,21 @@ def _exact_segments(ks: tuple, vs: tuple) -> tuple:
 
 
 def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end,
-                 *, exact=None, code_bias=None, impl: str = "c", threads: int | None = None,
+                 *, exact=None, code_bias=None, impl: str = "auto", threads: int | None = None,
                  split_tokens: int = 0) -> torch.Tensor:
     """The CPU backend of :func:`qjl.kernels.paged.paged_decode` (same arguments and result).
 
-    impl: "c" or "c-portable"; threads: OpenMP threads (default ``torch.get_num_threads()``);
+    impl: "auto", "c", "c-int" or "c-portable" (module docstring); threads: OpenMP threads (default ``torch.get_num_threads()``);
     split_tokens: coded tokens per work item (0: enough items for every thread).
     """
     from qjl.kernels.paged import check_exact, check_paged, check_static, kernel_readable, term_queries
 
+    if impl == "auto":
+        impl = default_impl()
     if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        raise ValueError(f"impl must be one of {('auto',) + IMPLS}, got {impl!r}")
+    if impl == "c-int" and not has_int_path():
+        raise ValueError("impl='c-int' needs AVX-512 F/BW/VL/VBMI/VNNI, which this CPU lacks; use 'c' or 'auto'")
     mod = _require()
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
@@ -236,7 +269,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     a.keep.append(tpl)  # its tensors (centroids, maps) stay alive through the call
     c.split_tokens = int(split_tokens)
     c.threads = int(threads or torch.get_num_threads())
-    c.simd = int(impl == "c")
+    c.simd = _SIMD[impl]
     rc = mod.lib.qjl_paged_decode(c)
     if rc < -1:  # a range or a block out of bounds (nothing was read): the full check names it
         check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,

@@ -1,0 +1,278 @@
+/* Integer path of the CPU decode (simd = 2, impl "c-int"): AVX-512 VBMI + VNNI at 256-bit width (AMD Zen 4,
+ * Intel Ice Lake and later), chosen at run time, for codes of b <= 5 bits.  Byte-granular unpacking: the 4b
+ * bytes holding 32 codes are spread so that qword i holds codes 8i..8i+7 (vpermb), vpmultishiftqb moves code
+ * j of each qword to the low bits of byte j, and vpermb looks the codes up in a 32-byte table of int8
+ * centroids (the table repeats every 2^b entries, so the neighbouring codes' bits left above need no mask).
+ * Three instructions per 32 codes, where the AVX2 path needs twelve.
+ *
+ *   Keys: the query rows are rounded to int8 per row (scale max|q| / 127), the centroids to int8 (scale
+ *   max|c| / 127, stored + 128 as unsigned bytes), and vpdpbusd sums 4 products per lane in int32:
+ *       s[t] = norm[t] * sq * sc * (sum_c q8[c] * (c8[code] + 128) - 128 * sum_c q8[c]).
+ *   Error against the fp32 sum: |q - sq q8| <= sq / 2 and |c - sc c8| <= sc / 2 per coordinate, so
+ *       |ds[t]| <= norm[t] * (||c[code[t]]||_1 * sq + ||q||_1 * sc) / 2        (exact int32 arithmetic).
+ *   Values: the pass's weights w = p * scale are rounded to int16 per (group, row) (scale W = max w / 32767)
+ *   and the centroids to int8 (sc as above); vpdpwssd sums two tokens' products per lane in int32
+ *   (|sum| <= 32767 * 256 * 127 < 2^31 over a pass of 256 tokens), and the pass ends with one float
+ *   multiply-add per coordinate: o[c] += W * sc * acc[c].  Error: |dw| <= W / 2 per token,
+ *       |do[c]| <= (sum_t |dw_t|) * max|c| + (sum_t w_t) * sc / 2 .
+ *   Relative to the output (o / l) both terms are about 2e-3 of the value scale at most, far below the
+ *   codecs' own error at these widths (the tests hold outputs within 1e-2 of the value scale).
+ * Zero points (KIVI) stay in float as in the other paths.  Coordinates of a chunk come out of vpdpwssd as
+ * [0-7, 16-23] and [8-15, 24-31]; they are put back in order once per pass. */
+#if defined(__GNUC__) && defined(__x86_64__) && (__GNUC__ >= 9 || defined(__clang__))
+#define QJL_HAVE_VNNI 1
+#define QJL_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni")))
+
+static int cpu_has_vnni(void) {
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                 __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
+                 __builtin_cpu_supports("avx512vnni");
+    }
+    return cached;
+}
+
+#define VNNI_MAX_BITS 5
+
+/* int8 lookup table of b-bit centroids (repeated to 32 entries) and its scale max|c| / 127; `bias` 128 for the
+ * unsigned key table */
+static float int8_table(const float *cent, int bits, int bias, uint8_t *table) {
+    float cmax = 0.0f;
+    for (int j = 0; j < (1 << bits); j++) cmax = fabsf(cent[j]) > cmax ? fabsf(cent[j]) : cmax;
+    const float sc = cmax > 0.0f ? cmax / 127.0f : 1.0f;
+    for (int j = 0; j < 32; j++) table[j] = (uint8_t)(int)(lrintf(cent[j & ((1 << bits) - 1)] / sc) + bias);
+    return sc;
+}
+
+/* q [RW][n] float -> q8 [RW][n32] (zero past n), per-row scales and sums; 0, or -1 where a row is not finite */
+static int int8_rows(const float *q, int64_t n, int64_t n32, int8_t *q8, float *sq, int32_t *qsum) {
+    for (int r = 0; r < RW; r++) {
+        const float *x = q + r * n;
+        float mx = 0.0f;
+        for (int64_t c = 0; c < n; c++) {
+            const float ax = fabsf(x[c]);
+            if (!(ax <= 3.4e38f)) return -1; /* NaN or inf: the float path propagates it */
+            mx = ax > mx ? ax : mx;
+        }
+        const float s = mx > 0.0f ? mx / 127.0f : 1.0f, inv = 1.0f / s;
+        int32_t tot = 0;
+        for (int64_t c = 0; c < n32; c++) {
+            int v = c < n ? (int)lrintf(x[c] * inv) : 0;
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            q8[r * n32 + c] = (int8_t)v;
+            tot += v;
+        }
+        sq[r] = s;
+        qsum[r] = tot;
+    }
+    return 0;
+}
+
+typedef struct {
+    __m256i spread, shifts, table;
+} unpack32_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack32_t unpack32_setup(const int bits, const uint8_t *table) {
+    uint8_t sp[32], sh[32];
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < 8; k++) {
+            sp[8 * i + k] = (uint8_t)(bits * i + (k < bits ? k : 0));
+            sh[8 * i + k] = (uint8_t)(k * bits);
+        }
+    unpack32_t u;
+    u.spread = _mm256_loadu_si256((const __m256i *)sp);
+    u.shifts = _mm256_loadu_si256((const __m256i *)sh);
+    u.table = _mm256_loadu_si256((const __m256i *)table);
+    return u;
+}
+
+/* the int8 table entries of the 32 codes at p (4b bytes; `mask` the bytes to read, fewer in a row's last chunk) */
+QJL_VNNI static inline __attribute__((always_inline)) __m256i unpack32(const uint8_t *p, __mmask32 mask,
+                                                                    const unpack32_t *u) {
+    const __m256i raw = _mm256_maskz_loadu_epi8(mask, p);
+    const __m256i spread = _mm256_permutexvar_epi8(u->spread, raw);
+    const __m256i codes = _mm256_multishift_epi64_epi8(u->shifts, spread);
+    return _mm256_permutexvar_epi8(codes, u->table);
+}
+
+/* lane i of the result = the sum of the 8 lanes of a[i] */
+QJL_VNNI static inline __attribute__((always_inline)) __m256i hsum8x8_i32(const __m256i *a) {
+    const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+    const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+static inline __mmask32 chunk_mask(int64_t n, int64_t c, int bits) { /* bytes of chunk c (32 codes from 32c) */
+    const int64_t left = n - 32 * c, codes = left < 32 ? left : 32;
+    const int64_t bytes = codes * bits / 8;
+    return bytes >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << bytes) - 1u);
+}
+
+/* logits[r * SUB + i] += norm[i] * mul[r] * (sum_c q8[r][c] (c8[code[i][c]] + 128) - off[r]), i < count;
+ * q8 [RW][n32], mul[r] = sq[r] * sc, off[r] = 128 * qsum[r].  Two tokens x 4 rows accumulate in 8 registers (named,
+ * so that they stay in registers), reduced by one horizontal-add tree into lanes [row + 4 * token] of `dots`
+ * [SUB][4]; then a 4 x 8 transpose per 8 tokens adds them to the logits [RW][SUB]. */
+QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int bits, const int nr, const qjl_key_term *k,
+                                                                    const uint8_t *codes, const float *norm,
+                                                                    int64_t count, const int8_t *q8,
+                                                                    const uint8_t *table, const float *mul,
+                                                                    const int32_t *off, float *logits) {
+    const unpack32_t u = unpack32_setup(bits, table);
+    const int64_t n = k->n, n32 = (n + 31) / 32 * 32, chunks = n32 / 32, cs = k->codes.stride_token;
+    const __mmask32 last = chunk_mask(n, chunks - 1, bits);
+    float dots[(SUB + 8) * 4] __attribute__((aligned(32)));
+    const __m256 vmul = _mm256_setr_ps(mul[0], mul[1], mul[2], mul[3], mul[0], mul[1], mul[2], mul[3]);
+    const __m256i voff = _mm256_setr_epi32(off[0], off[1], off[2], off[3], off[0], off[1], off[2], off[3]);
+    const int8_t *q0 = q8, *q1 = q8 + n32, *q2 = q8 + 2 * n32, *q3 = q8 + 3 * n32;
+    for (int64_t i = 0; i < count; i += 2) {
+        const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t c = 0; c < chunks; c++) {
+            const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
+            const __m256i v0 = unpack32(r0 + c * 4 * bits, m, &u), v1 = unpack32(r1 + c * 4 * bits, m, &u);
+#define QJL_ROW(R)                                                                                                     \
+    if (nr > R) {                                                                                                      \
+        const __m256i qr = _mm256_loadu_si256((const __m256i *)(q##R + 32 * c));                                       \
+        a##R = _mm256_dpbusd_epi32(a##R, v0, qr);                                                                      \
+        b##R = _mm256_dpbusd_epi32(b##R, v1, qr);                                                                      \
+    }
+            QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
+#undef QJL_ROW
+        }
+        const __m256i t0 = _mm256_hadd_epi32(a0, a1), t1 = _mm256_hadd_epi32(a2, a3);
+        const __m256i t2 = _mm256_hadd_epi32(b0, b1), t3 = _mm256_hadd_epi32(b2, b3);
+        const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+        const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                             _mm256_permute2x128_si256(u0, u1, 0x31));
+        const __m256 nv = _mm256_setr_ps(norm[i], norm[i], norm[i], norm[i], norm[i + 1 < count ? i + 1 : i],
+                                         norm[i + 1 < count ? i + 1 : i], norm[i + 1 < count ? i + 1 : i],
+                                         norm[i + 1 < count ? i + 1 : i]);
+        _mm256_store_ps(dots + 4 * i, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, voff)), vmul), nv));
+    }
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) { /* [8 tokens][4 rows] -> [4 rows][8 tokens] */
+        const __m256 x0 = _mm256_load_ps(dots + 4 * i), x1 = _mm256_load_ps(dots + 4 * i + 8);
+        const __m256 x2 = _mm256_load_ps(dots + 4 * i + 16), x3 = _mm256_load_ps(dots + 4 * i + 24);
+        /* x0 = t0r0..3 t1r0..3, x1 = t2.. t3.., x2 = t4 t5, x3 = t6 t7 */
+        const __m256 y0 = _mm256_permute2f128_ps(x0, x2, 0x20), y1 = _mm256_permute2f128_ps(x0, x2, 0x31);
+        const __m256 y2 = _mm256_permute2f128_ps(x1, x3, 0x20), y3 = _mm256_permute2f128_ps(x1, x3, 0x31);
+        /* y0 = t0 | t4, y1 = t1 | t5, y2 = t2 | t6, y3 = t3 | t7 (4 rows each) */
+        const __m256 z0 = _mm256_unpacklo_ps(y0, y1), z1 = _mm256_unpackhi_ps(y0, y1);
+        const __m256 z2 = _mm256_unpacklo_ps(y2, y3), z3 = _mm256_unpackhi_ps(y2, y3);
+        /* z0 = r0t0 r0t1 r1t0 r1t1 | (t4 t5), z1 = r2.. r3.., z2 = r0t2 r0t3 r1t2 r1t3, z3 = r2 r3 */
+        const __m256 w0 = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2)));
+        const __m256 w1 = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2)));
+        const __m256 w2 = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3)));
+        const __m256 w3 = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3)));
+        /* w0 = r0 t0 t1 t2 t3 | t4 t5 t6 t7, w1 = r1, w2 = r2, w3 = r3 */
+        _mm256_storeu_ps(logits + i, _mm256_add_ps(_mm256_loadu_ps(logits + i), w0));
+        if (nr > 1) _mm256_storeu_ps(logits + SUB + i, _mm256_add_ps(_mm256_loadu_ps(logits + SUB + i), w1));
+        if (nr > 2) _mm256_storeu_ps(logits + 2 * SUB + i, _mm256_add_ps(_mm256_loadu_ps(logits + 2 * SUB + i), w2));
+        if (nr > 3) _mm256_storeu_ps(logits + 3 * SUB + i, _mm256_add_ps(_mm256_loadu_ps(logits + 3 * SUB + i), w3));
+    }
+    for (; i < count; i++)
+        for (int r = 0; r < nr; r++) logits[r * SUB + i] += dots[4 * i + r];
+}
+
+#define QJL_BY_BITS5(F, NR, ...)                                                                                        \
+    switch (bits) {                                                                                                    \
+    case 1: F(1, NR, __VA_ARGS__); break;                                                                              \
+    case 2: F(2, NR, __VA_ARGS__); break;                                                                              \
+    case 3: F(3, NR, __VA_ARGS__); break;                                                                              \
+    case 4: F(4, NR, __VA_ARGS__); break;                                                                              \
+    default: F(5, NR, __VA_ARGS__); break;                                                                             \
+    }
+#define QJL_BY_ROWS5(F, ...)                                                                                            \
+    switch (nr) {                                                                                                      \
+    case 1: QJL_BY_BITS5(F, 1, __VA_ARGS__) break;                                                                     \
+    case 2: QJL_BY_BITS5(F, 2, __VA_ARGS__) break;                                                                     \
+    case 3: QJL_BY_BITS5(F, 3, __VA_ARGS__) break;                                                                     \
+    default: QJL_BY_BITS5(F, 4, __VA_ARGS__) break;                                                                    \
+    }
+
+QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
+                                const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
+                                float *logits) {
+    const int bits = k->bits;
+    QJL_BY_ROWS5(score_vnni_, k, codes, norm, count, q8, table, mul, off, logits)
+}
+
+/* the pass's weights pw [G][RW][SUB] (floats) -> w16 [G][RW][SUB + 2] int16 (zero past count) and mul[g][r] =
+ * W / 32767 * sc, W = max_i pw[g][r][i] */
+QJL_VNNI static void int16_weights(int64_t G, int64_t count, const float *pw, float sc, int16_t *w16, float *mul) {
+    for (int64_t g = 0; g < G; g++)
+        for (int r = 0; r < RW; r++) {
+            const float *x = pw + (g * RW + r) * SUB;
+            int16_t *dst = w16 + (g * RW + r) * (SUB + 2);
+            const float mx = max_run(x, count, 0.0f);
+            const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+            const __m256 vi = _mm256_set1_ps(inv);
+            int64_t i = 0;
+            for (; i + 8 <= count; i += 8) /* round to nearest even, then narrow (values in [0, 32767]) */
+                _mm_storeu_si128((__m128i *)(dst + i),
+                                 _mm256_cvtepi32_epi16(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi))));
+            for (; i < count; i++) dst[i] = (int16_t)lrintf(x[i] * inv);
+            dst[count] = dst[count + 1] = 0;
+            mul[g * RW + r] = mx / 32767.0f * sc;
+        }
+}
+
+/* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens;
+ * accumulators named so that they stay in registers) */
+QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int bits, const int nr, const qjl_value_view *v,
+                                                                  const uint8_t *codes, int64_t count,
+                                                                  const int16_t *w16, const uint8_t *table,
+                                                                  const float *mul, float *acc) {
+    const unpack32_t u = unpack32_setup(bits, table);
+    const int64_t n = v->n, n32 = (n + 31) / 32 * 32, chunks = n32 / 32, cs = v->codes.stride_token,
+                  gs = v->group_size;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t g = v->groups == 1 ? 0 : (32 * c) / gs;
+        const __mmask32 m = chunk_mask(n, c, bits);
+        const int16_t *w0 = w16 + g * RW * (SUB + 2), *w1 = w0 + (SUB + 2), *w2 = w1 + (SUB + 2), *w3 = w2 + (SUB + 2);
+        __m512i lo0 = _mm512_setzero_si512(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0,
+                hi3 = lo0;
+        const uint8_t *src = codes + c * 4 * bits;
+        for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
+            const __m256i x0 = unpack32(src, m, &u), x1 = unpack32(i + 1 < count ? src + cs : src, m, &u);
+            const __m512i plo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(x0, x1)); /* coords 0-7, 16-23 */
+            const __m512i phi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(x0, x1)); /* coords 8-15, 24-31 */
+#define QJL_ROW(R)                                                                                                     \
+    if (nr > R) {                                                                                                      \
+        int32_t pair;                                                                                                  \
+        memcpy(&pair, w##R + i, 4);                                                                                    \
+        const __m512i w = _mm512_set1_epi32(pair);                                                                     \
+        lo##R = _mm512_dpwssd_epi32(lo##R, plo, w);                                                                    \
+        hi##R = _mm512_dpwssd_epi32(hi##R, phi, w);                                                                    \
+    }
+            QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
+#undef QJL_ROW
+        }
+        const int64_t live = n - 32 * c < 32 ? n - 32 * c : 32;
+        const __m512i L[4] = {lo0, lo1, lo2, lo3}, H[4] = {hi0, hi1, hi2, hi3};
+        for (int r = 0; r < nr; r++) {
+            int32_t t[32], s[32];
+            _mm512_storeu_si512(t, L[r]);
+            _mm512_storeu_si512(t + 16, H[r]);
+            memcpy(s, t, 32), memcpy(s + 16, t + 8, 32), memcpy(s + 8, t + 16, 32), memcpy(s + 24, t + 24, 32);
+            const float f = mul[g * RW + r];
+            float *o = acc + r * n + 32 * c;
+            for (int64_t j = 0; j < live; j++) o[j] += f * (float)s[j];
+        }
+    }
+}
+
+QJL_VNNI static void mix_vnni(const qjl_value_view *v, int nr, const uint8_t *codes, int64_t count, const int16_t *w16,
+                              const uint8_t *table, const float *mul, float *acc) {
+    const int bits = v->bits;
+    QJL_BY_ROWS5(mix_vnni_, v, codes, count, w16, table, mul, acc)
+}
+#else
+#define QJL_HAVE_VNNI 0
+#define VNNI_MAX_BITS 0
+static int cpu_has_vnni(void) { return 0; }
+#endif
