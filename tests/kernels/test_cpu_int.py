@@ -97,6 +97,25 @@ def test_int_path_is_its_torch_model(name, d, rows):
     _within(_run(c, split_tokens=128, threads=2), _model(c), 1e-3, c.v.abs().max().item())
 
 
+@pytest.mark.parametrize("block_size", [7, 16, 61])
+@pytest.mark.parametrize("name", ["tq3-tq2", "tq4-uni3", "qjl-outliers-uni2"])
+def test_int_path_on_paged_pools(name, block_size):
+    """Shuffled block pools (vLLM's layout) whose blocks cut passes into spans of odd lengths: the same model."""
+    from paged_pool import paged_pool
+
+    c = Case(name, b=2, h=3, rows=4, n=301, n_exact=5, ragged=True, seed=block_size)
+    want = _model(c)
+    shared = {}
+    if c.kcodes.shared:  # one entry per block: the sequence's channels repeated
+        nb = -(-c.k.shape[2] // block_size)
+        shared = {n: t.unsqueeze(2).expand(*t.shape[:2], nb, *t.shape[2:]) for n, t in c.kcodes.shared.items()}
+    kf, table = paged_pool(dict(c.kcodes.fields), shared, None, block_size, block_size)
+    vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, block_size, block_size)
+    got = launch.paged_decode(c.q, c.kc, kf, c.vc, vf, table, block_size, c.start, c.end, exact=c.exact,
+                              code_bias=c.bias, impl="c-int", split_tokens=128, threads=2)
+    _within(got, want, 1e-3, c.v.abs().max().item())
+
+
 def test_int_path_long_items_and_masks():
     """Items longer than a pass with the running max growing late, and fully masked items and rows."""
     c = Case("tq4-uni3", b=1, h=2, rows=4, n=3000, masked=False)

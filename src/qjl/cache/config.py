@@ -151,7 +151,10 @@ class QJLConfig:
         seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
         kernel: attention/quantization kernels (:mod:`qjl.kernels`): "auto" (default: Triton on
             CUDA, the C kernel on CPU, for the codecs they cover), "cpu", "triton" or "torch"
-            (the reference path).  Every kernel computes the same attention up to float error.
+            (the reference path).  Every kernel computes the same attention up to float error, except the
+            C kernel's integer path (the default on CPUs with AVX-512 VBMI + VNNI; ``QJL_CPU_IMPL=c`` for fp32
+            sums), which rounds queries and centroids to int8 and weights to int16 at a stated bound
+            (``kernels/cpu/decode_vnni.c``; the embedded model's KL and perplexity do not move).
     """
 
     key: CodecSpec = field(default_factory=lambda: _tq(4))

@@ -341,7 +341,10 @@ def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, valu
         [B, H_kv, R, D] float32: ``softmax(q . k) v`` over the sequence's coded and exact tokens, keys scored
         with the key codec's estimator and values mixed from the value codec's reconstruction.  Error against
         the float64-accurate result: float32 rounding of sums over ``D`` and over the tokens (the CPU and
-        Triton kernels sum in another order than the reference: outputs agree within 1e-4 of their scale).
+        Triton kernels sum in another order than the reference: outputs agree within 1e-4 of their scale).  The
+        CPU kernel's integer path (the default where the CPU has AVX-512 VBMI + VNNI; ``QJL_CPU_IMPL=c`` for fp32)
+        rounds queries and centroids to int8 and softmax weights to int16, within the bound stated in
+        ``kernels/cpu/decode_vnni.c`` (0.3-0.75% of the values' scale at logits of std 2).
         A row that sees no token at all gets NaN (0 / 0), like a fully masked softmax.
     """
     from qjl import kernels

@@ -1,8 +1,9 @@
 /* Entry of the CPU decode: one call per layer and step (qjl_paged_decode, arguments in qjl_decode_args).
  *
  * Work items are (sequence, KV head, chunk of RW query rows, token split), run by parallel_for (decode.h).
- * An item walks its coded tokens run by run (a run = consecutive slots of one block, so the fields sit at
- * fixed strides), SUB tokens per pass: the key terms are scored into logits [RW][SUB], the online softmax
+ * An item walks its coded tokens SUB per pass, each pass a list of spans (consecutive slots of one block, so
+ * the fields sit at fixed strides; small blocks do not shorten the pass): the key terms are scored span by
+ * span into logits [RW][SUB], the online softmax
  * is updated (running max, rescaling what was accumulated when it grows), and the values are mixed with
  * the weights p * scale into accumulators [RW][n] (zero points summed per group apart).  The thread that
  * finishes the last item of a (sequence, KV head, row chunk) merges that unit's splits exactly and merges
@@ -11,7 +12,8 @@
  * row (TurboQuant's inverse rotation as a matrix), the exact tokens' values ox in the model's.  The key
  * terms' query maps (TurboQuant's rotation, QJL's c S) are applied here too, as matrices, once per item.
  * The AVX2 path (decode_avx2.c) and the portable path (decode_portable.c) compute the same sums in
- * another order: results agree to float32 rounding. */
+ * another order: results agree to float32 rounding; the integer path (decode_vnni.c) rounds queries, centroids
+ * and weights at the bound stated there. */
 
 typedef struct {
     int64_t b, h, rc, t0, t1;
@@ -57,6 +59,34 @@ static void load_rows(const qjl_decode_args *a, int k, int64_t b, int64_t j, int
 }
 
 /* one work item: the partial softmax (m, l, o [RW][n_v]) of its coded tokens */
+/* A pass: up to SUB consecutive coded tokens from `t0` on, as spans of consecutive slots of one block each (a
+ * block of 16 slots does not cut a pass to 16 tokens: the softmax, the weights and the value accumulators are per
+ * pass). */
+typedef struct {
+    int n;
+    int64_t len;
+    int64_t j[SUB], blk[SUB], slot[SUB], off[SUB], cnt[SUB];
+    const uint8_t *v[SUB];
+} qjl_spans;
+
+static int64_t pass_spans(const qjl_decode_args *a, const qjl_item *it, const qjl_value_view *v, int64_t t0,
+                          qjl_spans *s) {
+    int ns = 0;
+    int64_t len = 0;
+    while (len < SUB && t0 + len < it->t1) {
+        const int64_t tt = t0 + len, j = tt / a->block_size;
+        int64_t cnt = (j + 1) * a->block_size - tt;
+        cnt = cnt < it->t1 - tt ? cnt : it->t1 - tt;
+        cnt = cnt < SUB - len ? cnt : SUB - len;
+        s->j[ns] = j, s->blk[ns] = a->block_table[it->b * a->max_blocks + j], s->slot[ns] = tt % a->block_size;
+        s->off[ns] = len, s->cnt[ns] = cnt;
+        s->v[ns] = at(&v->codes, s->blk[ns], it->h, s->slot[ns]);
+        ns++, len += cnt;
+    }
+    s->n = ns, s->len = len;
+    return len;
+}
+
 /* mode: 0 portable, 1 AVX2 (fp32), 2 integer (decode_vnni.c) for the codes of <= VNNI_MAX_BITS bits, AVX2 for
  * the rest */
 static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, float *m, float *l, float *o) {
@@ -93,39 +123,41 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
 #endif
     for (int r = 0; r < RW; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     memset(o, 0, sizeof(float) * RW * (size_t)nv);
-    int64_t loaded = -1; /* block-table column whose query rows are loaded */
-    for (int64_t t = it->t0; t < it->t1;) {
-        const int64_t j = t / a->block_size, slot = t % a->block_size;
-        const int64_t blk = a->block_table[it->b * a->max_blocks + j];
-        int64_t len = (j + 1) * a->block_size - t;
-        len = len < it->t1 - t ? len : it->t1 - t;
-        len = len < SUB ? len : SUB;
-        for (int k = 0; k < a->n_terms; k++)
-            if (loaded < 0 || (a->key[k].q_per_block && loaded != j)) {
-                load_rows(a, k, it->b, j, it->h, it->rc, q[k]);
-#if QJL_HAVE_VNNI
-                if (ik[k]) { /* rows that are not finite: this term goes through the float path */
-                    const int64_t n = a->key[k].n;
-                    if (int8_rows(q[k], n, (n + 31) / 32 * 32, q8[k], sq[k], qsum[k])) ik[k] = 0;
-                    for (int r = 0; r < RW; r++) kmul[k][r] = sq[k][r] * ksc[k], koff[k][r] = 128 * qsum[k][r];
-                }
-#endif
-            }
-        loaded = j;
+    int64_t loaded[2] = {-1, -1}; /* block-table column whose query rows each key term holds */
+    qjl_spans *cur = malloc(sizeof(qjl_spans));
+    for (int64_t t = it->t0, len; t < it->t1; t += len) {
+        len = pass_spans(a, it, v, t, cur);
+        const int ns = cur->n;
+        const int64_t *sp_j = cur->j, *sp_blk = cur->blk, *sp_slot = cur->slot, *sp_off = cur->off, *sp_cnt = cur->cnt;
+        const uint8_t *const *sp_v = cur->v;
         for (int r = 0; r < RW; r++) memset(logits + r * SUB, 0, sizeof(float) * (size_t)len);
         for (int k = 0; k < a->n_terms; k++) {
             const qjl_key_term *kt = &a->key[k];
-            const uint8_t *codes = at(&kt->codes, blk, it->h, slot);
-            read_scalars(&kt->norm, at(&kt->norm, blk, it->h, slot), 1, len, knorm);
+            for (int si = 0; si < ns; si++) {
+                const int64_t j = sp_j[si], blk = sp_blk[si], slot = sp_slot[si], off = sp_off[si], cnt = sp_cnt[si];
+                if (loaded[k] < 0 || (kt->q_per_block && loaded[k] != j)) {
+                    load_rows(a, k, it->b, j, it->h, it->rc, q[k]);
 #if QJL_HAVE_VNNI
-            if (ik[k]) score_vnni(kt, nr, codes, knorm, len, q8[k], ktab[k], kmul[k], koff[k], logits);
-            else
+                    if (ik[k]) { /* rows that are not finite: this term goes through the float path */
+                        const int64_t n = kt->n;
+                        if (int8_rows(q[k], n, (n + 31) / 32 * 32, q8[k], sq[k], qsum[k])) ik[k] = 0;
+                        for (int r = 0; r < RW; r++) kmul[k][r] = sq[k][r] * ksc[k], koff[k][r] = 128 * qsum[k][r];
+                    }
+#endif
+                    loaded[k] = j;
+                }
+                const uint8_t *codes = at(&kt->codes, blk, it->h, slot);
+                read_scalars(&kt->norm, at(&kt->norm, blk, it->h, slot), 1, cnt, knorm + off);
+#if QJL_HAVE_VNNI
+                if (ik[k]) score_vnni(kt, nr, codes, knorm + off, cnt, q8[k], ktab[k], kmul[k], koff[k], logits + off);
+                else
 #endif
 #if QJL_HAVE_AVX2
-            if (mode) score_avx2(kt, nr, codes, knorm, len, q[k], logits);
-            else
+                if (mode) score_avx2(kt, nr, codes, knorm + off, cnt, q[k], logits + off);
+                else
 #endif
-                score_portable(kt, codes, knorm, len, q[k], logits, buf);
+                    score_portable(kt, codes, knorm + off, cnt, q[k], logits + off, buf);
+            }
         }
         if (a->bias) {
             const float *br = a->bias + it->b * a->bias_stride + t;
@@ -144,25 +176,29 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
             m[r] = mx;
             l[r] += exp_sum(x, len, mx == -INFINITY ? 0.0f : mx); /* masked logits give p = 0 */
         }
-        const uint8_t *vcodes = at(&v->codes, blk, it->h, slot);
-        read_scalars(&v->scale, at(&v->scale, blk, it->h, slot), G, len, vscale);
-        if (v->has_zero) read_scalars(&v->zero, at(&v->zero, blk, it->h, slot), G, len, vzero);
+        for (int si = 0; si < ns; si++) {
+            read_scalars(&v->scale, at(&v->scale, sp_blk[si], it->h, sp_slot[si]), G, sp_cnt[si], vscale + sp_off[si]);
+            if (v->has_zero)
+                read_scalars(&v->zero, at(&v->zero, sp_blk[si], it->h, sp_slot[si]), G, sp_cnt[si], vzero + sp_off[si]);
+        }
 #if QJL_HAVE_VNNI
         if (iv) {
             value_weights(v, vscale, vzero, len, logits, pw, zsum);
             int16_weights(G, len, pw, vsc, w16, vmul);
-            mix_vnni(v, nr, vcodes, len, w16, vtab, vmul, o);
+            mix_vnni(v, nr, ns, sp_v, sp_off, sp_cnt, w16, vtab, vmul, o);
         } else
 #endif
 #if QJL_HAVE_AVX2
         if (mode) {
             value_weights(v, vscale, vzero, len, logits, pw, zsum);
-            mix_avx2(v, nr, vcodes, len, pw, o);
+            for (int si = 0; si < ns; si++) mix_avx2(v, nr, sp_v[si], sp_cnt[si], pw + sp_off[si], o);
         } else
 #endif
-            mix_portable(v, vcodes, vscale, vzero, len, logits, o, zsum, buf);
-        t += len;
+            for (int si = 0; si < ns; si++)
+                mix_portable(v, sp_v[si], vscale + sp_off[si], vzero ? vzero + sp_off[si] : NULL, sp_cnt[si],
+                             logits + sp_off[si], o, zsum, buf);
     }
+    free(cur);
     if (v->has_zero)
         for (int r = 0; r < RW; r++)
             for (int64_t c = 0; c < nv; c++) o[r * nv + c] += zsum[r * G + c / v->group_size];

@@ -17,8 +17,9 @@
  *       |do[c]| <= (sum_t |dw_t|) * max|c| + (sum_t w_t) * sc / 2 .
  *   Relative to the output (o / l) both terms are about 2e-3 of the value scale at most, far below the
  *   codecs' own error at these widths (the tests hold outputs within 1e-2 of the value scale).
- * Zero points (KIVI) stay in float as in the other paths.  Coordinates of a chunk come out of vpdpwssd as
- * [0-7, 16-23] and [8-15, 24-31]; they are put back in order once per pass. */
+ * For values two tokens are unpacked together, 16 coordinates at a time: one vpermt2b spreads both tokens'
+ * bytes, vpmultishiftqb interleaves their codes (c0[j], c1[j]) and the table maps them, ready to widen to the
+ * int16 pairs vpdpwssd reads.  Zero points (KIVI) stay in float as in the other paths. */
 #if defined(__GNUC__) && defined(__x86_64__) && (__GNUC__ >= 9 || defined(__clang__))
 #define QJL_HAVE_VNNI 1
 #define QJL_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni")))
@@ -223,11 +224,41 @@ QJL_VNNI static void int16_weights(int64_t G, int64_t count, const float *pw, fl
 
 /* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens;
  * accumulators named so that they stay in registers) */
+/* Two tokens' codes of coordinates [16h, 16h + 16) of a chunk, interleaved: spread (one vpermt2b from both
+ * tokens' bytes) so that qword i holds the bytes of codes 16h + 4i .. + 3 of token 0 (bytes 0-2) and of token 1
+ * (bytes 3-5), vpmultishiftqb moving code 16h + 4i + m of token t to byte 2m + t, the int8 table: bytes
+ * (c0[j], c1[j]) for j in order, ready to widen into int16 pairs for vpdpwssd. */
+typedef struct {
+    __m256i spread[2], shifts[2], table;
+} unpack_pairs_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack_pairs_t unpack_pairs_setup(const int bits,
+                                                                                     const uint8_t *table) {
+    unpack_pairs_t u;
+    for (int h = 0; h < 2; h++) {
+        uint8_t sp[32], sh[32];
+        for (int i = 0; i < 4; i++) {
+            const int first = (16 * h + 4 * i) * bits, byte = first / 8, off = first % 8;
+            for (int k = 0; k < 8; k++) {
+                sp[8 * i + k] = (uint8_t)(k < 3 ? byte + k : k < 6 ? 32 + byte + k - 3 : 0);
+                sh[8 * i + k] = (uint8_t)((k & 1 ? 24 : 0) + off + bits * (k >> 1));
+            }
+        }
+        u.spread[h] = _mm256_loadu_si256((const __m256i *)sp);
+        u.shifts[h] = _mm256_loadu_si256((const __m256i *)sh);
+    }
+    u.table = _mm256_loadu_si256((const __m256i *)table);
+    return u;
+}
+
+/* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens;
+ * accumulators named so that they stay in registers) */
 QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int bits, const int nr, const qjl_value_view *v,
-                                                                  const uint8_t *codes, int64_t count,
+                                                                  int ns, const uint8_t *const *codes,
+                                                                  const int64_t *offs, const int64_t *cnts,
                                                                   const int16_t *w16, const uint8_t *table,
                                                                   const float *mul, float *acc) {
-    const unpack32_t u = unpack32_setup(bits, table);
+    const unpack_pairs_t u = unpack_pairs_setup(bits, table);
     const int64_t n = v->n, n32 = (n + 31) / 32 * 32, chunks = n32 / 32, cs = v->codes.stride_token,
                   gs = v->group_size;
     for (int64_t c = 0; c < chunks; c++) {
@@ -236,29 +267,35 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
         const int16_t *w0 = w16 + g * RW * (SUB + 2), *w1 = w0 + (SUB + 2), *w2 = w1 + (SUB + 2), *w3 = w2 + (SUB + 2);
         __m512i lo0 = _mm512_setzero_si512(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0,
                 hi3 = lo0;
-        const uint8_t *src = codes + c * 4 * bits;
-        for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
-            const __m256i x0 = unpack32(src, m, &u), x1 = unpack32(i + 1 < count ? src + cs : src, m, &u);
-            const __m512i plo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(x0, x1)); /* coords 0-7, 16-23 */
-            const __m512i phi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(x0, x1)); /* coords 8-15, 24-31 */
+        for (int si = 0; si < ns; si++) { /* the pass's spans, into the same accumulators */
+            const uint8_t *src = codes[si] + c * 4 * bits;
+            const int64_t count = cnts[si], off = offs[si];
+            for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
+                const __m256i r0 = _mm256_maskz_loadu_epi8(m, src);
+                const __m256i r1 = _mm256_maskz_loadu_epi8(m, i + 1 < count ? src + cs : src);
+                const int32_t keep = i + 1 < count ? -1 : 0xffff; /* an odd span's last token: no partner weight */
+                const __m256i c0 = _mm256_multishift_epi64_epi8(u.shifts[0], _mm256_permutex2var_epi8(r0, u.spread[0], r1));
+                const __m256i c1 = _mm256_multishift_epi64_epi8(u.shifts[1], _mm256_permutex2var_epi8(r0, u.spread[1], r1));
+                const __m512i plo = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c0, u.table)); /* coords 0-15 */
+                const __m512i phi = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c1, u.table)); /* coords 16-31 */
 #define QJL_ROW(R)                                                                                                     \
     if (nr > R) {                                                                                                      \
         int32_t pair;                                                                                                  \
-        memcpy(&pair, w##R + i, 4);                                                                                    \
-        const __m512i w = _mm512_set1_epi32(pair);                                                                     \
+        memcpy(&pair, w##R + off + i, 4);                                                                              \
+        const __m512i w = _mm512_set1_epi32(pair & keep);                                                              \
         lo##R = _mm512_dpwssd_epi32(lo##R, plo, w);                                                                    \
         hi##R = _mm512_dpwssd_epi32(hi##R, phi, w);                                                                    \
     }
-            QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
+                QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
 #undef QJL_ROW
+            }
         }
         const int64_t live = n - 32 * c < 32 ? n - 32 * c : 32;
         const __m512i L[4] = {lo0, lo1, lo2, lo3}, H[4] = {hi0, hi1, hi2, hi3};
         for (int r = 0; r < nr; r++) {
-            int32_t t[32], s[32];
-            _mm512_storeu_si512(t, L[r]);
-            _mm512_storeu_si512(t + 16, H[r]);
-            memcpy(s, t, 32), memcpy(s + 16, t + 8, 32), memcpy(s + 8, t + 16, 32), memcpy(s + 24, t + 24, 32);
+            int32_t s[32];
+            _mm512_storeu_si512(s, L[r]);
+            _mm512_storeu_si512(s + 16, H[r]);
             const float f = mul[g * RW + r];
             float *o = acc + r * n + 32 * c;
             for (int64_t j = 0; j < live; j++) o[j] += f * (float)s[j];
@@ -266,10 +303,13 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
     }
 }
 
-QJL_VNNI static void mix_vnni(const qjl_value_view *v, int nr, const uint8_t *codes, int64_t count, const int16_t *w16,
-                              const uint8_t *table, const float *mul, float *acc) {
+/* the pass's value codes, as ns spans (codes[s]: its first token's codes, offs[s]: its first token's index in
+ * the pass, cnts[s]: its tokens), mixed with the pass's int16 weights w16 [G][RW][SUB + 2] */
+QJL_VNNI static void mix_vnni(const qjl_value_view *v, int nr, int ns, const uint8_t *const *codes, const int64_t *offs,
+                              const int64_t *cnts, const int16_t *w16, const uint8_t *table, const float *mul,
+                              float *acc) {
     const int bits = v->bits;
-    QJL_BY_ROWS5(mix_vnni_, v, codes, count, w16, table, mul, acc)
+    QJL_BY_ROWS5(mix_vnni_, v, ns, codes, offs, cnts, w16, table, mul, acc)
 }
 #else
 #define QJL_HAVE_VNNI 0

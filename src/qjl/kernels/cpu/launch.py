@@ -18,8 +18,8 @@ import weakref
 
 import torch
 
-__all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "bucket_norms", "store_rows",
-           "cell_moments", "store_bounds", "IMPLS"]
+__all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "bucket_norms",
+           "store_rows", "cell_moments", "store_bounds", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-portable")
 _SIMD = {"c": 1, "c-int": 2, "c-portable": 0}
@@ -202,7 +202,8 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
                  split_tokens: int = 0) -> torch.Tensor:
     """The CPU backend of :func:`qjl.kernels.paged.paged_decode` (same arguments and result).
 
-    impl: "auto", "c", "c-int" or "c-portable" (module docstring); threads: OpenMP threads (default ``torch.get_num_threads()``);
+    impl: "auto", "c", "c-int" or "c-portable" (module docstring); threads: OpenMP threads (default
+    ``torch.get_num_threads()``);
     split_tokens: coded tokens per work item (0: enough items for every thread).
     """
     from qjl.kernels.paged import check_exact, check_paged, check_static, kernel_readable, term_queries
