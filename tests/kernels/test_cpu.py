@@ -187,3 +187,14 @@ def test_pick_backend(monkeypatch):
 def test_implementation_names():
     assert launch.implementation() == "c" and launch.simd_path() in ("int", "avx2", "portable")
     assert set(launch.IMPLS) == {"c", "c-int", "c-portable"} and launch.default_impl() in ("c", "c-int")
+
+
+def test_int_path_refused_where_the_cpu_lacks_it(monkeypatch):
+    """On a CPU without AVX-512 VBMI / VNNI: "auto" runs the fp32 path, "c-int" is refused by name."""
+    monkeypatch.delenv("QJL_CPU_IMPL", raising=False)
+    monkeypatch.setattr(launch, "has_int_path", lambda: False)
+    assert launch.default_impl() == "c"
+    c = Case("tq3-tq2", b=1, h=1, rows=2, n=20)
+    with pytest.raises(ValueError, match="AVX-512"):
+        launch.paged_decode(*c.args(), impl="c-int")
+    close(launch.paged_decode(*c.args(), impl="auto"), c.reference(), TOL)
