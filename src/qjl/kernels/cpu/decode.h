@@ -82,7 +82,7 @@ typedef struct {
 /* norms, scales and zero points in their storage dtype */
 static inline float e4m3_to_float(uint8_t b) {
     const uint32_t e = (b >> 3) & 0xf, m = b & 7;
-    float f;
+    float f = 0.0f; /* (set on both branches; GCC cannot see it through memcpy) */
     if (e == 0) f = (float)m * 0.001953125f; /* subnormal: m * 2^-9 */
     else {
         const uint32_t bits = ((e + 127 - 7) << 23) | (m << 20);

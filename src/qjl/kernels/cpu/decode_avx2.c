@@ -139,13 +139,14 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
     case 7: F(7, NR, __VA_ARGS__); break;                                                                              \
     default: F(8, NR, __VA_ARGS__); break;                                                                             \
     }
-#define QJL_BY_ROWS(F, ...)                                                                                             \
+#define QJL_ROWS_OF(BY_BITS, F, ...) /* BY_BITS: the width dispatch (QJL_BY_BITS; decode_vnni.c's 1-5) */             \
     switch (nr) {                                                                                                      \
-    case 1: QJL_BY_BITS(F, 1, __VA_ARGS__) break;                                                                      \
-    case 2: QJL_BY_BITS(F, 2, __VA_ARGS__) break;                                                                      \
-    case 3: QJL_BY_BITS(F, 3, __VA_ARGS__) break;                                                                      \
-    default: QJL_BY_BITS(F, 4, __VA_ARGS__) break;                                                                     \
+    case 1: BY_BITS(F, 1, __VA_ARGS__) break;                                                                          \
+    case 2: BY_BITS(F, 2, __VA_ARGS__) break;                                                                          \
+    case 3: BY_BITS(F, 3, __VA_ARGS__) break;                                                                          \
+    default: BY_BITS(F, 4, __VA_ARGS__) break;                                                                         \
     }
+#define QJL_BY_ROWS(F, ...) QJL_ROWS_OF(QJL_BY_BITS, F, __VA_ARGS__)
 
 QJL_AVX2 static void score_avx2(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
                                 const float *q, float *logits) {

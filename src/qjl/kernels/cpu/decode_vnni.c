@@ -187,13 +187,7 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
     case 4: F(4, NR, __VA_ARGS__); break;                                                                              \
     default: F(5, NR, __VA_ARGS__); break;                                                                             \
     }
-#define QJL_BY_ROWS5(F, ...)                                                                                            \
-    switch (nr) {                                                                                                      \
-    case 1: QJL_BY_BITS5(F, 1, __VA_ARGS__) break;                                                                     \
-    case 2: QJL_BY_BITS5(F, 2, __VA_ARGS__) break;                                                                     \
-    case 3: QJL_BY_BITS5(F, 3, __VA_ARGS__) break;                                                                     \
-    default: QJL_BY_BITS5(F, 4, __VA_ARGS__) break;                                                                    \
-    }
+#define QJL_BY_ROWS5(F, ...) QJL_ROWS_OF(QJL_BY_BITS5, F, __VA_ARGS__) /* decode_avx2.c's row dispatch */
 
 QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
                                 const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
