@@ -58,7 +58,6 @@ static void load_rows(const qjl_decode_args *a, int k, int64_t b, int64_t j, int
     }
 }
 
-/* one work item: the partial softmax (m, l, o [RW][n_v]) of its coded tokens */
 /* A pass: up to SUB consecutive coded tokens from `t0` on, as spans of consecutive slots of one block each (a
  * block of 16 slots does not cut a pass to 16 tokens: the softmax, the weights and the value accumulators are per
  * pass). */
@@ -87,8 +86,8 @@ static int64_t pass_spans(const qjl_decode_args *a, const qjl_item *it, const qj
     return len;
 }
 
-/* mode: 0 portable, 1 AVX2 (fp32), 2 integer (decode_vnni.c) for the codes of <= VNNI_MAX_BITS bits, AVX2 for
- * the rest */
+/* one work item: the partial softmax (m, l, o [RW][n_v]) of its coded tokens.  mode: 0 portable, 1 AVX2 (fp32),
+ * 2 integer (decode_vnni.c) for the codes of <= VNNI_MAX_BITS bits, AVX2 for the rest */
 static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, float *m, float *l, float *o) {
     const qjl_value_view *v = &a->value;
     const int64_t nv = v->n, G = v->groups;
