@@ -57,6 +57,7 @@ def simd_path() -> str:
     return "int" if has_int_path() else "avx2" if _has_avx2() else "portable"
 
 
+@functools.lru_cache(maxsize=None)
 def has_int_path() -> bool:
     """The CPU has what ``impl="c-int"`` needs (AVX2, FMA, AVX-512 F/BW/VL/VBMI/VNNI)."""
     return _has_avx2() and all(f in _cpu_flags() for f in ("avx512f", "avx512bw", "avx512vl", "avx512vbmi",
