@@ -87,6 +87,20 @@ def test_long_items_rescale_online(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_softmax_to_float_rounding(impl):
+    """The kernel's exp (a degree-6 polynomial, relative error < 2e-7) and softmax against float64: with every coded
+    token masked the output is the exact tokens' attention alone, within fp32 rounding (5.8e-7 of the output
+    scale measured; a wrong polynomial constant, 1/24 -> 1/25, gives 7.9e-6)."""
+    c = Case("tq3-tq2", b=1, h=2, rows=4, d=64, n=40, n_exact=200, masked=False, seed=5)
+    c.bias = torch.full((1, 40), float("-inf"))
+    xk, xv, xb = c.exact
+    s = torch.einsum("bhrd,bhnd->bhrn", c.q.double(), xk.double()) + xb.double()  # logits of std ~2.4
+    want = torch.einsum("bhrn,bhnd->bhrd", torch.softmax(s, -1), xv.double())
+    got = _run(c, impl).double()
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_fully_masked_items_and_rows(impl):
     """A sequence whose codes are all masked, items of masked tokens only, a row that sees no exact token."""
     c = Case("qjl-outliers-uni2", b=2, h=3, rows=4, n=200, masked=False, n_exact=4)

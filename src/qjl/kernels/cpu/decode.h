@@ -118,7 +118,11 @@ static void read_run(const uint8_t *p, int64_t stride, int dtype, int64_t count,
         for (i = 0; i < count; i++) memcpy(out + i, p + i * stride, 4);
         break;
     case 1:
+#if defined(__F16C__)
+        for (i = 0; i < count; i++) { memcpy(&h, p + i * stride, 2); out[i] = _cvtsh_ss(h); } /* vcvtph2ps */
+#else
         for (i = 0; i < count; i++) { memcpy(&h, p + i * stride, 2); out[i] = half_to_float(h); }
+#endif
         break;
     case 2:
         for (i = 0; i < count; i++) {
@@ -167,6 +171,31 @@ static inline v8f select8(v8i mask, v8f a, v8f b) { /* mask ? a : b, lane by lan
     return a;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* the same steps with fused multiply-adds (one rounding per step) and the lane selects as blends */
+static inline v8f exp8(v8f xv) {
+    __m256 x;
+    memcpy(&x, &xv, 32);
+    const __m256 lo = _mm256_set1_ps(-87.0f), live = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo); /* NaN -> -87 (the second operand), masked to 0 below like x < -87 */
+    __m256 kf = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    kf = _mm256_add_ps(kf, _mm256_blendv_ps(_mm256_set1_ps(0.5f), _mm256_set1_ps(-0.5f), kf));
+    const __m256i ki = _mm256_cvttps_epi32(kf); /* round half away from zero */
+    kf = _mm256_cvtepi32_ps(ki);
+    __m256 r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(1.0f / 720), _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ki, _mm256_set1_epi32(127)), 23));
+    const __m256 out = _mm256_and_ps(_mm256_mul_ps(p, scale), live);
+    memcpy(&xv, &out, 32);
+    return xv;
+}
+#else
 static inline v8f exp8(v8f x) {
     const v8f zero = {0, 0, 0, 0, 0, 0, 0, 0};
     const v8i live = x >= -87.0f;
@@ -194,6 +223,7 @@ static inline v8f exp8(v8f x) {
     memcpy(&res, &oi, 32);
     return res;
 }
+#endif
 
 /* a row of n contiguous floats in dtype 0 fp32, 1 fp16 (F16C where compiled for it) or 2 bf16, as float32 */
 static void read_row(const uint8_t *p, int dtype, int64_t n, float *out) {
@@ -207,13 +237,27 @@ static void read_row(const uint8_t *p, int dtype, int64_t n, float *out) {
 
 /* max(m, x[0], ..., x[len - 1]) (NaNs ignored, like `x > m ? x : m`) */
 static inline float max_run(const float *x, int64_t len, float m) {
-    v8f m8 = {m, m, m, m, m, m, m, m};
     int64_t i = 0;
+#if defined(__AVX__)
+    /* vmaxps(y, acc) is `y > acc ? y : acc` lane by lane (a NaN y keeps acc); two accumulators */
+    __m256 m0 = _mm256_set1_ps(m), m1 = m0;
+    for (; i + 16 <= len; i += 16) {
+        m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+        m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+    }
+    for (; i + 8 <= len; i += 8) m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+    float t[16];
+    _mm256_storeu_ps(t, m0);
+    _mm256_storeu_ps(t + 8, m1);
+    for (int j = 0; j < 16; j++) m = t[j] > m ? t[j] : m;
+#else
+    v8f m8 = {m, m, m, m, m, m, m, m};
     for (; i + 8 <= len; i += 8) {
         const v8f y = load8(x + i);
         m8 = select8(y > m8, y, m8);
     }
     for (int j = 0; j < 8; j++) m = m8[j] > m ? m8[j] : m;
+#endif
     for (; i < len; i++) m = x[i] > m ? x[i] : m;
     return m;
 }

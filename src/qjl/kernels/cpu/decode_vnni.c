@@ -110,22 +110,26 @@ static inline __mmask32 chunk_mask(int64_t n, int64_t c, int bits) { /* bytes of
 
 /* logits[r * SUB + i] += norm[i] * mul[r] * (sum_c q8[r][c] (c8[code[i][c]] + 128) - off[r]), i < count;
  * q8 [RW][n32], mul[r] = sq[r] * sc, off[r] = 128 * qsum[r].  Two tokens x 4 rows accumulate in 8 registers (named,
- * so that they stay in registers), reduced by one horizontal-add tree into lanes [row + 4 * token] of `dots`
- * [SUB][4]; then a 4 x 8 transpose per 8 tokens adds them to the logits [RW][SUB]. */
-QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int bits, const int nr, const qjl_key_term *k,
+ * so that they stay in registers), reduced by one horizontal-add tree into lanes [row + 4 * token] of the int32
+ * `dots` [SUB][4]; then a 4 x 8 transpose per 8 tokens gives each row's 8 sums, offset, scaled and multiplied by
+ * the 8 tokens' norms (one load) as they are added to the logits [RW][SUB].  `fixed`: the chunk count n32 / 32
+ * as a constant (2 and 4, head dims 64 and 128: the chunk loop unrolled), or 0 (read from k->n). */
+QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int bits, const int nr, const int fixed,
+                                                                    const qjl_key_term *k,
                                                                     const uint8_t *codes, const float *norm,
                                                                     int64_t count, const int8_t *q8,
                                                                     const uint8_t *table, const float *mul,
                                                                     const int32_t *off, float *logits) {
     const unpack32_t u = unpack32_setup(bits, table);
-    const int64_t n = k->n, n32 = (n + 31) / 32 * 32, chunks = n32 / 32, cs = k->codes.stride_token;
+    const int64_t n = k->n, chunks = fixed ? fixed : (n + 31) / 32, cs = k->codes.stride_token;
     const __mmask32 last = chunk_mask(n, chunks - 1, bits);
-    float dots[(SUB + 8) * 4] __attribute__((aligned(32)));
-    const __m256 vmul = _mm256_setr_ps(mul[0], mul[1], mul[2], mul[3], mul[0], mul[1], mul[2], mul[3]);
-    const __m256i voff = _mm256_setr_epi32(off[0], off[1], off[2], off[3], off[0], off[1], off[2], off[3]);
+    const int64_t n32 = 32 * chunks;
+    int32_t dots[(SUB + 8) * 4] __attribute__((aligned(32))); /* [token][4 rows]: the integer sums */
     const int8_t *q0 = q8, *q1 = q8 + n32, *q2 = q8 + 2 * n32, *q3 = q8 + 3 * n32;
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
+        _mm_prefetch((const char *)(r0 + 16 * cs), _MM_HINT_T0);
+        _mm_prefetch((const char *)(r0 + 17 * cs), _MM_HINT_T0);
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (int64_t c = 0; c < chunks; c++) {
             const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
@@ -142,17 +146,15 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
         const __m256i t0 = _mm256_hadd_epi32(a0, a1), t1 = _mm256_hadd_epi32(a2, a3);
         const __m256i t2 = _mm256_hadd_epi32(b0, b1), t3 = _mm256_hadd_epi32(b2, b3);
         const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-        const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                                             _mm256_permute2x128_si256(u0, u1, 0x31));
-        const __m256 nv = _mm256_setr_ps(norm[i], norm[i], norm[i], norm[i], norm[i + 1 < count ? i + 1 : i],
-                                         norm[i + 1 < count ? i + 1 : i], norm[i + 1 < count ? i + 1 : i],
-                                         norm[i + 1 < count ? i + 1 : i]);
-        _mm256_store_ps(dots + 4 * i, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, voff)), vmul), nv));
+        _mm256_store_si256((__m256i *)(dots + 4 * i), _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                                                       _mm256_permute2x128_si256(u0, u1, 0x31)));
     }
     int64_t i = 0;
-    for (; i + 8 <= count; i += 8) { /* [8 tokens][4 rows] -> [4 rows][8 tokens] */
-        const __m256 x0 = _mm256_load_ps(dots + 4 * i), x1 = _mm256_load_ps(dots + 4 * i + 8);
-        const __m256 x2 = _mm256_load_ps(dots + 4 * i + 16), x3 = _mm256_load_ps(dots + 4 * i + 24);
+    for (; i + 8 <= count; i += 8) { /* [8 tokens][4 rows] -> [4 rows][8 tokens], then scaled and added */
+        const __m256 x0 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i)));
+        const __m256 x1 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 8)));
+        const __m256 x2 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 16)));
+        const __m256 x3 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 24)));
         /* x0 = t0r0..3 t1r0..3, x1 = t2.. t3.., x2 = t4 t5, x3 = t6 t7 */
         const __m256 y0 = _mm256_permute2f128_ps(x0, x2, 0x20), y1 = _mm256_permute2f128_ps(x0, x2, 0x31);
         const __m256 y2 = _mm256_permute2f128_ps(x1, x3, 0x20), y3 = _mm256_permute2f128_ps(x1, x3, 0x31);
@@ -160,18 +162,20 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
         const __m256 z0 = _mm256_unpacklo_ps(y0, y1), z1 = _mm256_unpackhi_ps(y0, y1);
         const __m256 z2 = _mm256_unpacklo_ps(y2, y3), z3 = _mm256_unpackhi_ps(y2, y3);
         /* z0 = r0t0 r0t1 r1t0 r1t1 | (t4 t5), z1 = r2.. r3.., z2 = r0t2 r0t3 r1t2 r1t3, z3 = r2 r3 */
-        const __m256 w0 = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2)));
-        const __m256 w1 = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2)));
-        const __m256 w2 = _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3)));
-        const __m256 w3 = _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3)));
-        /* w0 = r0 t0 t1 t2 t3 | t4 t5 t6 t7, w1 = r1, w2 = r2, w3 = r3 */
-        _mm256_storeu_ps(logits + i, _mm256_add_ps(_mm256_loadu_ps(logits + i), w0));
-        if (nr > 1) _mm256_storeu_ps(logits + SUB + i, _mm256_add_ps(_mm256_loadu_ps(logits + SUB + i), w1));
-        if (nr > 2) _mm256_storeu_ps(logits + 2 * SUB + i, _mm256_add_ps(_mm256_loadu_ps(logits + 2 * SUB + i), w2));
-        if (nr > 3) _mm256_storeu_ps(logits + 3 * SUB + i, _mm256_add_ps(_mm256_loadu_ps(logits + 3 * SUB + i), w3));
+        const __m256 w[4] = {_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2))),
+                             _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3)))};
+        /* w[r] = row r's sums of tokens i..i+7 */
+        const __m256 nv = _mm256_loadu_ps(norm + i);
+        for (int r = 0; r < nr; r++) {
+            const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_castps_si256(w[r]), _mm256_set1_epi32(off[r])));
+            float *lg = logits + r * SUB + i;
+            _mm256_storeu_ps(lg, _mm256_add_ps(_mm256_loadu_ps(lg), _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(mul[r])), nv)));
+        }
     }
     for (; i < count; i++)
-        for (int r = 0; r < nr; r++) logits[r * SUB + i] += dots[4 * i + r];
+        for (int r = 0; r < nr; r++) logits[r * SUB + i] += (float)(dots[4 * i + r] - off[r]) * mul[r] * norm[i];
 }
 
 #define QJL_BY_BITS5(F, NR, ...)                                                                                        \
@@ -188,7 +192,11 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
                                 const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
                                 float *logits) {
     const int bits = k->bits;
-    QJL_BY_ROWS5(score_vnni_, k, codes, norm, count, q8, table, mul, off, logits)
+    switch ((k->n + 31) / 32) { /* the usual head dims' chunk counts as constants: the chunk loop unrolled */
+    case 2: QJL_BY_ROWS5(score_vnni_, 2, k, codes, norm, count, q8, table, mul, off, logits) break;
+    case 4: QJL_BY_ROWS5(score_vnni_, 4, k, codes, norm, count, q8, table, mul, off, logits) break;
+    default: QJL_BY_ROWS5(score_vnni_, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
+    }
 }
 
 /* the pass's weights pw [G][RW][SUB] (floats) -> w16 [G][RW][SUB + 2] int16 (zero past count) and mul[g][r] =
@@ -211,8 +219,6 @@ QJL_VNNI static void int16_weights(int64_t G, int64_t count, const float *pw, fl
         }
 }
 
-/* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens;
- * accumulators named so that they stay in registers) */
 /* Two tokens' codes of coordinates [16h, 16h + 16) of a chunk, interleaved: spread (one vpermt2b from both
  * tokens' bytes) so that qword i holds the bytes of codes 16h + 4i .. + 3 of token 0 (bytes 0-2) and of token 1
  * (bytes 3-5), vpmultishiftqb moving code 16h + 4i + m of token t to byte 2m + t, the int8 table: bytes
@@ -240,8 +246,9 @@ QJL_VNNI static inline __attribute__((always_inline)) unpack_pairs_t unpack_pair
     return u;
 }
 
-/* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens;
- * accumulators named so that they stay in registers) */
+/* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens, each
+ * pair one 32-bit broadcast from memory; an odd span's last token alone, its partner weight zero; accumulators
+ * named so that they stay in registers) */
 QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int bits, const int nr, const qjl_value_view *v,
                                                                   int ns, const uint8_t *const *codes,
                                                                   const int64_t *offs, const int64_t *cnts,
@@ -260,23 +267,34 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
             const uint8_t *src = codes[si] + c * 4 * bits;
             const int64_t count = cnts[si], off = offs[si];
             for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
+                const int odd = i + 1 >= count; /* an odd span's last token: no partner (its weight is masked) */
                 const __m256i r0 = _mm256_maskz_loadu_epi8(m, src);
-                const __m256i r1 = _mm256_maskz_loadu_epi8(m, i + 1 < count ? src + cs : src);
-                const int32_t keep = i + 1 < count ? -1 : 0xffff; /* an odd span's last token: no partner weight */
+                const __m256i r1 = _mm256_maskz_loadu_epi8(m, odd ? src : src + cs);
                 const __m256i c0 = _mm256_multishift_epi64_epi8(u.shifts[0], _mm256_permutex2var_epi8(r0, u.spread[0], r1));
                 const __m256i c1 = _mm256_multishift_epi64_epi8(u.shifts[1], _mm256_permutex2var_epi8(r0, u.spread[1], r1));
                 const __m512i plo = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c0, u.table)); /* coords 0-15 */
                 const __m512i phi = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c1, u.table)); /* coords 16-31 */
+                if (!odd) { /* the pairs' weights broadcast straight from memory */
 #define QJL_ROW(R)                                                                                                     \
     if (nr > R) {                                                                                                      \
         int32_t pair;                                                                                                  \
         memcpy(&pair, w##R + off + i, 4);                                                                              \
-        const __m512i w = _mm512_set1_epi32(pair & keep);                                                              \
+        const __m512i w = _mm512_set1_epi32(pair);                                                                     \
         lo##R = _mm512_dpwssd_epi32(lo##R, plo, w);                                                                    \
         hi##R = _mm512_dpwssd_epi32(hi##R, phi, w);                                                                    \
     }
-                QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
+                    QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
 #undef QJL_ROW
+                } else {
+#define QJL_ROW(R)                                                                                                     \
+    if (nr > R) {                                                                                                      \
+        const __m512i w = _mm512_set1_epi32((int32_t)(uint16_t)w##R[off + i]);                                         \
+        lo##R = _mm512_dpwssd_epi32(lo##R, plo, w);                                                                    \
+        hi##R = _mm512_dpwssd_epi32(hi##R, phi, w);                                                                    \
+    }
+                    QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
+#undef QJL_ROW
+                }
             }
         }
         const int64_t live = n - 32 * c < 32 ? n - 32 * c : 32;
