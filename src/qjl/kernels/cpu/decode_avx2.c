@@ -97,6 +97,8 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
     float s[8];
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
+        _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0); /* (decode_vnni.c's distances) */
+        _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0);
         __m256 a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups - 1; g++) {
@@ -169,6 +171,7 @@ QJL_AVX2 static inline __attribute__((always_inline)) void mix_chunk(const int b
     const int last0 = chunks == 1 && last1;
     for (int64_t i = 0; i < count; i++, src += cs) {
         const float *w0 = pw + k0 * RW * SUB + i, *w1 = pw + k1 * RW * SUB + i;
+        if (c0 == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
         const __m256 v0 = unpack8(src, bits, last0, u);
         for (int r = 0; r < nr; r++) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + r * SUB), v0, a[r]);
         if (chunks == 2) {

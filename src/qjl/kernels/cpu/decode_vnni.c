@@ -128,8 +128,8 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
     const int8_t *q0 = q8, *q1 = q8 + n32, *q2 = q8 + 2 * n32, *q3 = q8 + 3 * n32;
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
-        _mm_prefetch((const char *)(r0 + 16 * cs), _MM_HINT_T0);
-        _mm_prefetch((const char *)(r0 + 17 * cs), _MM_HINT_T0);
+        _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0);
+        _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0);
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (int64_t c = 0; c < chunks; c++) {
             const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
@@ -268,6 +268,7 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
             const int64_t count = cnts[si], off = offs[si];
             for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
                 const int odd = i + 1 >= count; /* an odd span's last token: no partner (its weight is masked) */
+                if (c == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
                 const __m256i r0 = _mm256_maskz_loadu_epi8(m, src);
                 const __m256i r1 = _mm256_maskz_loadu_epi8(m, odd ? src : src + cs);
                 const __m256i c0 = _mm256_multishift_epi64_epi8(u.shifts[0], _mm256_permutex2var_epi8(r0, u.spread[0], r1));
