@@ -19,12 +19,13 @@ typedef struct {
     int64_t b, h, rc, t0, t1;
 } qjl_item;
 
-/* pw[g][r][i] = p[r][i] * scale[g][i]; zsum[r][g] += sum_i p[r][i] * zero[g][i] (scale, zero: floats [G][SUB]) */
-static void value_weights(const qjl_value_view *v, const float *scale, const float *zero, int64_t count,
+/* pw[g][r][i] = p[r][i] * scale[g][i]; zsum[r][g] += sum_i p[r][i] * zero[g][i] (scale, zero: floats [G][SUB]),
+ * for the nr live rows */
+static void value_weights(const qjl_value_view *v, int nr, const float *scale, const float *zero, int64_t count,
                           const float *p, float *pw, float *zsum) {
     const int64_t G = v->groups;
     for (int64_t g = 0; g < G; g++)
-        for (int r = 0; r < RW; r++) {
+        for (int r = 0; r < nr; r++) {
             const float *pr = p + r * SUB, *sg = scale + g * SUB;
             float *dst = pw + (g * RW + r) * SUB;
             for (int64_t i = 0; i < count; i++) dst[i] = pr[i] * sg[i];
@@ -129,7 +130,8 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
         const int ns = cur->n;
         const int64_t *sp_j = cur->j, *sp_blk = cur->blk, *sp_slot = cur->slot, *sp_off = cur->off, *sp_cnt = cur->cnt;
         const uint8_t *const *sp_v = cur->v;
-        for (int r = 0; r < RW; r++) memset(logits + r * SUB, 0, sizeof(float) * (size_t)len);
+        /* the nr live rows only (scores, softmax, weights): rows past them stay m = -inf, l = 0, o = 0 */
+        for (int r = 0; r < nr; r++) memset(logits + r * SUB, 0, sizeof(float) * (size_t)len);
         for (int k = 0; k < a->n_terms; k++) {
             const qjl_key_term *kt = &a->key[k];
             for (int si = 0; si < ns; si++) {
@@ -155,15 +157,15 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                 if (mode) score_avx2(kt, nr, codes, knorm + off, cnt, q[k], logits + off);
                 else
 #endif
-                    score_portable(kt, codes, knorm + off, cnt, q[k], logits + off, buf);
+                    score_portable(kt, nr, codes, knorm + off, cnt, q[k], logits + off, buf);
             }
         }
         if (a->bias) {
             const float *br = a->bias + it->b * a->bias_stride + t;
-            for (int r = 0; r < RW; r++)
+            for (int r = 0; r < nr; r++)
                 for (int64_t i = 0; i < len; i++) logits[r * SUB + i] += br[i];
         }
-        for (int r = 0; r < RW; r++) { /* online softmax */
+        for (int r = 0; r < nr; r++) { /* online softmax */
             float *x = logits + r * SUB;
             const float mx = max_run(x, len, m[r]);
             if (mx > m[r] && m[r] != -INFINITY) { /* rescale what was accumulated so far */
@@ -182,19 +184,19 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
         }
 #if QJL_HAVE_VNNI
         if (iv) {
-            value_weights(v, vscale, vzero, len, logits, pw, zsum);
-            int16_weights(G, len, pw, vsc, w16, vmul);
+            value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
+            int16_weights(G, nr, len, pw, vsc, w16, vmul);
             mix_vnni(v, nr, ns, sp_v, sp_off, sp_cnt, w16, vtab, vmul, o);
         } else
 #endif
 #if QJL_HAVE_AVX2
         if (mode) {
-            value_weights(v, vscale, vzero, len, logits, pw, zsum);
+            value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
             for (int si = 0; si < ns; si++) mix_avx2(v, nr, sp_v[si], sp_cnt[si], pw + sp_off[si], o);
         } else
 #endif
             for (int si = 0; si < ns; si++)
-                mix_portable(v, sp_v[si], vscale + sp_off[si], vzero ? vzero + sp_off[si] : NULL, sp_cnt[si],
+                mix_portable(v, nr, sp_v[si], vscale + sp_off[si], vzero ? vzero + sp_off[si] : NULL, sp_cnt[si],
                              logits + sp_off[si], o, zsum, buf);
     }
     free(cur);

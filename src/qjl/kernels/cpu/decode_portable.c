@@ -7,19 +7,19 @@ static inline void unpack_row(const uint8_t *row, int bits, int64_t n, const flo
     for (int64_t c = 0; c < n; c++) out[c] = cent[code_at(row, bits, c)];
 }
 
-/* logits[r * SUB + i] += norm[i] * sum_c q[r][c] * cent[code[i][c]], i < count (norm: floats) */
-static void score_portable(const qjl_key_term *k, const uint8_t *codes, const float *norm, int64_t count,
+/* logits[r * SUB + i] += norm[i] * sum_c q[r][c] * cent[code[i][c]], i < count, r < nr (norm: floats) */
+static void score_portable(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
                            const float *q, float *logits, float *buf) {
     for (int64_t i = 0; i < count; i++) {
         unpack_row(codes + i * k->codes.stride_token, k->bits, k->n, k->cent, buf);
         const float nt = norm[i];
-        for (int r = 0; r < RW; r++) logits[r * SUB + i] += nt * dot_f(q + r * k->n, buf, k->n);
+        for (int r = 0; r < nr; r++) logits[r * SUB + i] += nt * dot_f(q + r * k->n, buf, k->n);
     }
 }
 
-/* acc[r][c] += p[r][i] * scale[g(c)][i] * cent[code[i][c]]; zsum[r][g] += p[r][i] * zero[g][i], i < count
+/* acc[r][c] += p[r][i] * scale[g(c)][i] * cent[code[i][c]]; zsum[r][g] += p[r][i] * zero[g][i], i < count, r < nr
  * (scale, zero: floats [G][SUB]) */
-static void mix_portable(const qjl_value_view *v, const uint8_t *codes, const float *scale, const float *zero,
+static void mix_portable(const qjl_value_view *v, int nr, const uint8_t *codes, const float *scale, const float *zero,
                          int64_t count, const float *p, float *acc, float *zsum, float *buf) {
     const int64_t n = v->n, G = v->groups, gs = v->group_size;
     for (int64_t i = 0; i < count; i++) {
@@ -28,7 +28,7 @@ static void mix_portable(const qjl_value_view *v, const uint8_t *codes, const fl
             const float s = scale[g * SUB + i];
             const float z = v->has_zero ? zero[g * SUB + i] : 0;
             const int64_t c1 = (g + 1) * gs < n ? (g + 1) * gs : n;
-            for (int r = 0; r < RW; r++) {
+            for (int r = 0; r < nr; r++) {
                 const float w = p[r * SUB + i];
                 if (w == 0.0f) continue;
                 const float ws = w * s;

@@ -201,9 +201,10 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
 
 /* the pass's weights pw [G][RW][SUB] (floats) -> w16 [G][RW][SUB + 2] int16 (zero past count) and mul[g][r] =
  * W / 32767 * sc, W = max_i pw[g][r][i] */
-QJL_VNNI static void int16_weights(int64_t G, int64_t count, const float *pw, float sc, int16_t *w16, float *mul) {
+QJL_VNNI static void int16_weights(int64_t G, int nr, int64_t count, const float *pw, float sc, int16_t *w16,
+                                   float *mul) {
     for (int64_t g = 0; g < G; g++)
-        for (int r = 0; r < RW; r++) {
+        for (int r = 0; r < nr; r++) {
             const float *x = pw + (g * RW + r) * SUB;
             int16_t *dst = w16 + (g * RW + r) * (SUB + 2);
             const float mx = max_run(x, count, 0.0f);
