@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import torch
 
 from qjl.tools import bench
@@ -12,7 +14,7 @@ def test_attention_and_quantize_rows(tmp_path):
     bw = bench.measure_bandwidth(mib=8, repeats=1, warmup=0)
     assert bw["copy_gbps"] > 0 and bw["read_gbps"] > 0
     rows = bench.run_attention(contexts=(300,), layers=("smollm2-135m",), presets=("tq-k3v2",), repeats=1, warmup=0,
-                               bandwidth_gbps=bw["copy_gbps"])
+                               bandwidth_gbps=bw["copy_gbps"], flush_caches=False)
     methods = {r["method"] for r in rows}
     assert {"sdpa-fp32 (enable_gqa)", "sdpa-fp32 (rows)", "sdpa-bf16 (rows)", "kivi-k2v2 dequant+sdpa"} <= methods
     ours = [r for r in rows if r["method"].startswith("tq-k3v2")]
@@ -33,6 +35,16 @@ def test_attention_and_quantize_rows(tmp_path):
     json.dumps(rows)
 
 
+def test_decode_rows_are_timed_in_interleaved_rounds(monkeypatch):
+    """Every method once per round (warm-up rounds first), each row the median of its own calls."""
+    calls, clock = [], iter(range(1000))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock) / 1e3)
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b") or next(clock)}
+    ms = bench._interleaved_ms(fns, repeats=3, warmup=1, flush=lambda: calls.append("flush") or next(clock))
+    assert calls == ["a", "b"] + ["flush", "a", "flush", "b"] * 3
+    assert ms == pytest.approx({"a": 1.0, "b": 2.0})  # "b" takes one more tick per call; the flush is not timed
+
+
 def test_cpu_rows_name_the_kernel_path(monkeypatch):
     """Where the integer path is the default, the fp32 path is timed beside it (the tests run "c": conftest)."""
     from qjl.kernels.cpu import launch
@@ -47,8 +59,6 @@ def test_cpu_rows_name_the_kernel_path(monkeypatch):
 
 
 def test_bad_arguments_are_named():
-    import pytest
-
     with pytest.raises(ValueError, match="layer"):
         bench.run_attention(contexts=(64,), layers=("gpt-5",))
     with pytest.raises(ValueError, match="contexts"):

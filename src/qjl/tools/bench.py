@@ -1,7 +1,8 @@
 """``qjl bench``: decode attention, quantization and end-to-end decoding, side by side.
 
 Everything is timed in one run on this machine, as medians over ``repeats`` after
-``warmup`` calls, and reported as ratios against the baselines measured beside it.  The run first
+``warmup`` calls, and reported as ratios against the baselines measured beside it (the decode rows of one
+layer and context in interleaved rounds: every method once per round, :func:`_interleaved_ms`).  The run first
 measures the machine's memory bandwidth (a large copy, :func:`measure_bandwidth`); every decode row
 shows its effective GB/s (bytes the method reads per call / time) and that as a fraction of the
 measured bandwidth (the roofline of a bandwidth-bound decode).  Parts (:data:`PARTS`):
@@ -76,6 +77,29 @@ def _median_ms(fn, repeats: int, warmup: int) -> float:
     return statistics.median(times) * 1e3
 
 
+FLUSH_MIB = 128  # more than the last-level cache of the CPUs this runs on
+
+
+def _interleaved_ms(fns: dict, repeats: int, warmup: int, flush=None) -> dict:
+    """{name: median ms} of the functions in ``fns``, timed in rounds: each round calls every function once, in
+    order, so that every method is timed across the same stretch of the run (a machine whose speed drifts, as
+    a shared one does, moves every row alike instead of whichever rows ran during a slow spell).  ``flush``
+    (untimed, before every timed call): empties the caches, as in a decode step, where the model's other
+    layers run between two calls of a layer and no method finds its cache (codes or K/V) still in cache."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if flush is not None:
+                flush()
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
 NUM_LAYERS = 30  # the embedded model's depth: where a preset's per-layer codecs change
 
 
@@ -145,15 +169,18 @@ def _with_impl(impl, fn, *args):
 
 def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smollm2-135m"), presets=PRESETS,
                   repeats: int = 7, warmup: int = 2, kernel: str = "auto", progress=None,
-                  bandwidth_gbps: float | None = None) -> list:
+                  bandwidth_gbps: float | None = None, flush_caches: bool = True) -> list:
     """Rows {layer, context, method, ms, bytes, gbps, roofline, x_vs_sdpa_fp32_gqa, x_vs_sdpa_fp32_rows}.
 
     bytes: what the method reads per call (fp32/bf16 K and V; the codes, norms, sinks and window held);
-    gbps = bytes / time; roofline = gbps / ``bandwidth_gbps`` (None when no bandwidth is given)."""
+    gbps = bytes / time; roofline = gbps / ``bandwidth_gbps`` (None when no bandwidth is given).
+    The methods of one layer and context are timed in interleaved rounds (:func:`_interleaved_ms`), each call
+    after writing a ``FLUSH_MIB`` buffer (``flush_caches``; untimed) so that none finds its data in cache."""
     _check_layers(layers)
     if not contexts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in contexts):
         raise ValueError(f"contexts must be positive ints, got {contexts!r}")
     rows = []
+    flush = torch.zeros(FLUSH_MIB << 18) if flush_caches else None  # float32: FLUSH_MIB MiB, written per call
     for name in layers:
         hq, hkv, d = LAYERS[name]
         g = hq // hkv
@@ -192,12 +219,13 @@ def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smo
                     for label, impl in _impls(store.backend):  # the CPU kernel: its integer and fp32 paths
                         timed[f"{preset}{part} [{label}]"] = (
                             lambda store=store, impl=impl: _with_impl(impl, attend, store, q, None, scale), held)
+            medians = _interleaved_ms({method: fn for method, (fn, _) in timed.items()}, repeats, warmup,
+                                      flush=(lambda: flush.add_(1.0)) if flush is not None else None)
             results = {}
-            for method, (fn, nbytes) in timed.items():
-                ms = _median_ms(fn, repeats, warmup)
-                results[method] = (ms, nbytes)
+            for method, (_, nbytes) in timed.items():
+                results[method] = (medians[method], nbytes)
                 if progress:
-                    progress(f"{name} {n}: {method} {ms:.2f} ms")
+                    progress(f"{name} {n}: {method} {medians[method]:.2f} ms")
             base_gqa = results["sdpa-fp32 (enable_gqa)"][0]
             base_rows = results["sdpa-fp32 (rows)"][0]
             for method, (ms, nbytes) in results.items():
