@@ -175,12 +175,14 @@ def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smo
     bytes: what the method reads per call (fp32/bf16 K and V; the codes, norms, sinks and window held);
     gbps = bytes / time; roofline = gbps / ``bandwidth_gbps`` (None when no bandwidth is given).
     The methods of one layer and context are timed in interleaved rounds (:func:`_interleaved_ms`), each call
-    after writing a ``FLUSH_MIB`` buffer (``flush_caches``; untimed) so that none finds its data in cache."""
+    after reading a ``FLUSH_MIB`` buffer (``flush_caches``; untimed) so that none finds its data in cache."""
     _check_layers(layers)
     if not contexts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in contexts):
         raise ValueError(f"contexts must be positive ints, got {contexts!r}")
     rows = []
-    flush = torch.zeros(FLUSH_MIB << 18) if flush_caches else None  # float32: FLUSH_MIB MiB, written per call
+    # float32, FLUSH_MIB MiB, read before every call: it evicts the method's data without leaving dirty lines
+    # whose write-back would load the next timed call
+    flush = torch.zeros(FLUSH_MIB << 18) if flush_caches else None
     for name in layers:
         hq, hkv, d = LAYERS[name]
         g = hq // hkv
@@ -220,7 +222,7 @@ def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smo
                         timed[f"{preset}{part} [{label}]"] = (
                             lambda store=store, impl=impl: _with_impl(impl, attend, store, q, None, scale), held)
             medians = _interleaved_ms({method: fn for method, (fn, _) in timed.items()}, repeats, warmup,
-                                      flush=(lambda: flush.add_(1.0)) if flush is not None else None)
+                                      flush=flush.sum if flush is not None else None)
             results = {}
             for method, (_, nbytes) in timed.items():
                 results[method] = (medians[method], nbytes)
