@@ -128,8 +128,8 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
     const int8_t *q0 = q8, *q1 = q8 + n32, *q2 = q8 + 2 * n32, *q3 = q8 + 3 * n32;
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
-        _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0);
-        _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0);
+        _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0); /* 40 tokens ahead (a prefetch past the codes */
+        _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0); /* never faults) */
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (int64_t c = 0; c < chunks; c++) {
             const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
@@ -247,6 +247,14 @@ QJL_VNNI static inline __attribute__((always_inline)) unpack_pairs_t unpack_pair
     return u;
 }
 
+/* two tokens' int16 weights as the int32 vpdpwssd pairs them with, in every lane (a broadcast from memory: a
+ * value built in a general register and moved over costs a transfer per row and pair) */
+QJL_VNNI static inline __attribute__((always_inline)) __m512i pair_weights(const int16_t *w) {
+    int32_t pair;
+    memcpy(&pair, w, 4);
+    return _mm512_set1_epi32(pair);
+}
+
 /* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens, each
  * pair one 32-bit broadcast from memory; an odd span's last token alone, its partner weight zero; accumulators
  * named so that they stay in registers) */
@@ -268,7 +276,7 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
             const uint8_t *src = codes[si] + c * 4 * bits;
             const int64_t count = cnts[si], off = offs[si];
             for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
-                const int odd = i + 1 >= count; /* an odd span's last token: no partner (its weight is masked) */
+                const int odd = i + 1 >= count; /* an odd span's last token: it goes alone */
                 if (c == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
                 const __m256i r0 = _mm256_maskz_loadu_epi8(m, src);
                 const __m256i r1 = _mm256_maskz_loadu_epi8(m, odd ? src : src + cs);
@@ -276,27 +284,22 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
                 const __m256i c1 = _mm256_multishift_epi64_epi8(u.shifts[1], _mm256_permutex2var_epi8(r0, u.spread[1], r1));
                 const __m512i plo = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c0, u.table)); /* coords 0-15 */
                 const __m512i phi = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c1, u.table)); /* coords 16-31 */
-                if (!odd) { /* the pairs' weights broadcast straight from memory */
-#define QJL_ROW(R)                                                                                                     \
+#define QJL_ROW(R, W)                                                                                                  \
     if (nr > R) {                                                                                                      \
-        int32_t pair;                                                                                                  \
-        memcpy(&pair, w##R + off + i, 4);                                                                              \
-        const __m512i w = _mm512_set1_epi32(pair);                                                                     \
+        const __m512i w = W;                                                                                           \
         lo##R = _mm512_dpwssd_epi32(lo##R, plo, w);                                                                    \
         hi##R = _mm512_dpwssd_epi32(hi##R, phi, w);                                                                    \
     }
-                    QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
-#undef QJL_ROW
+#define QJL_PAIR(R) pair_weights(w##R + off + i)                        /* the pair's weights, one broadcast load */
+#define QJL_ALONE(R) _mm512_set1_epi32((int32_t)(uint16_t)w##R[off + i]) /* the last token's weight, partner zero */
+                if (!odd) {
+                    QJL_ROW(0, QJL_PAIR(0)) QJL_ROW(1, QJL_PAIR(1)) QJL_ROW(2, QJL_PAIR(2)) QJL_ROW(3, QJL_PAIR(3))
                 } else {
-#define QJL_ROW(R)                                                                                                     \
-    if (nr > R) {                                                                                                      \
-        const __m512i w = _mm512_set1_epi32((int32_t)(uint16_t)w##R[off + i]);                                         \
-        lo##R = _mm512_dpwssd_epi32(lo##R, plo, w);                                                                    \
-        hi##R = _mm512_dpwssd_epi32(hi##R, phi, w);                                                                    \
-    }
-                    QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
-#undef QJL_ROW
+                    QJL_ROW(0, QJL_ALONE(0)) QJL_ROW(1, QJL_ALONE(1)) QJL_ROW(2, QJL_ALONE(2)) QJL_ROW(3, QJL_ALONE(3))
                 }
+#undef QJL_ROW
+#undef QJL_PAIR
+#undef QJL_ALONE
             }
         }
         const int64_t live = n - 32 * c < 32 ? n - 32 * c : 32;
