@@ -107,6 +107,10 @@ def test_norm_beyond_the_norm_dtype_is_refused_on_arrival():
     assert store.seq_length() == 32 and store.n_codes > 0
     wide = LayerStore(0, QJLConfig.preset("tq-k3v2", value=CodecSpec("turboquant_mse", {"bits": 2, "norm_dtype": "fp16"})))
     wide.append(k, v * 3e4 / v.norm())  # a norm fp8 cannot hold fits fp16 norms
+    flat = torch.full_like(v, 60.0)  # every entry below the fp8 codec's norm limit (84), the norm (480) beyond 448
+    with pytest.raises(ValueError, match="norm_dtype"):
+        store.append(k, flat)
+    assert store.seq_length() == 32
 
 
 def test_empty_update_is_a_no_op():

@@ -8,6 +8,8 @@ when it arrives, with the option to change -- never accepted into the window to 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["check_shapes", "check_values", "check_crop", "check_index"]
@@ -54,21 +56,30 @@ def _codecs(store, role: str) -> list:
 
 
 def check_values(store, keys, values) -> None:
-    """Finite values that the exact dtype and the codecs (norms, scales) can store."""
-    for name, x in (("key_states", keys), ("value_states", values)):
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{name} contain NaN or Inf (first at {_first_bad(x)}); the cache refuses them "
-                             "rather than store them (check the model's dtype for overflow)")
+    """Finite values that the exact dtype and the codecs (norms, scales) can store.  One reduction per tensor in the
+    common case (decode steps call this per layer): the largest |entry| of what is stored answers finiteness (a NaN
+    or inf propagates into it), the exact dtype's range, and every norm at once (``||x|| <= sqrt(D) max|x|``); the
+    exact checks run only where that bound does not settle them."""
     k = store.stored_keys(keys)
     v = store.stored_values(values)
+    big = {name: float(x.float().abs().max()) if x.numel() else 0.0 for name, x in (("key_states", k),
+                                                                                     ("value_states", v))}
+    for name, raw in (("key_states", keys), ("value_states", values)):
+        if not math.isfinite(big[name]) and not bool(torch.isfinite(raw).all()):
+            raise ValueError(f"{name} contain NaN or Inf (first at {_first_bad(raw)}); the cache refuses them "
+                             "rather than store them (check the model's dtype for overflow)")
     top = torch.finfo(store.exact_dtype).max
-    for name, x in (("key_states", k), ("value_states", v)):
-        big = float(x.float().abs().max())
-        if big > top:
-            raise ValueError(f"{name} hold a value {big:.4g} beyond the exact window's dtype {store.exact_dtype} "
-                             f"(max {top:g}); use QJLConfig(exact_dtype='fp32') or None (the model's dtype)")
-    for role, x in (("key", k), ("value", v)):
+    for name in ("key_states", "value_states"):
+        if big[name] > top:  # inf too (finite inputs whose stored form overflowed)
+            raise ValueError(f"{name} hold a value {big[name]:.4g} beyond the exact window's dtype "
+                             f"{store.exact_dtype} (max {top:g}); use QJLConfig(exact_dtype='fp32') or None (the "
+                             "model's dtype)")
+    for role, x, name in (("key", k, "key_states"), ("value", v, "value_states")):
+        bound = big[name] * math.sqrt(x.shape[-1]) if x.ndim else big[name]  # no vector's norm exceeds it
         for codec in _codecs(store, role):
+            limit = codec.norm_limit()
+            if limit is not None and bound <= limit:
+                continue
             fit = store.key_fit if role == "key" and store.key_fit is not None else ()
             try:
                 codec.check_storable(x, f"{role}_states", *fit)
