@@ -16,8 +16,6 @@ bits per KV head and layer).
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 # name: (bits per value, None for one group of `bits` | (m, b1, b2), norm dtype, channel choice)
@@ -34,27 +32,11 @@ CONFIGS = {
 
 
 def main(argv=None) -> int:
-    from transformers import DynamicCache
+    from value_mean import prompt_record  # benchmarks/: the same prefill and recorded queries
 
-    from qjl import CodecSpec, patch_attention
-    from qjl.integrations.transformers.attention import recording_queries
-    from qjl.tools.evaluate import load_text_ids
-    from qjl.tools.models import load_model
+    from qjl import CodecSpec
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--text", default="licenses")
-    p.add_argument("--tokens", type=int, default=1536)
-    p.add_argument("--threads", type=int, default=2)
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    torch.set_grad_enabled(False)
-    model, tok = load_model()
-    patch_attention(model)
-    ids, _ = load_text_ids(tok, a.text, a.tokens)
-    queries = {}
-    with recording_queries(lambda layer, q, mask, scaling, softcap: queries.setdefault(layer, (q[:, :, -64:], scaling))):
-        cache = DynamicCache()
-        model(ids[None], past_key_values=cache, use_cache=True)
+    a, cache, queries = prompt_record(argv, __doc__)
 
     def tq(bits, dim, seed, norm_dtype):
         spec = {"bits": bits, "correct_norm": True, "norm_dtype": norm_dtype}

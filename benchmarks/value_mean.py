@@ -17,16 +17,18 @@ import argparse
 import torch
 
 
-def main(argv=None) -> int:
+def prompt_record(argv=None, doc: str = __doc__) -> tuple:
+    """The options ``--text``, ``--tokens``, ``--threads`` parsed from ``argv`` (``doc``: the script's docstring, for
+    ``--help``), then one full-precision prefill of the text: (options, the prefill's ``DynamicCache``, {layer: (its
+    last 64 query rows, scaling)})."""
     from transformers import DynamicCache
 
-    from qjl import CodecSpec, patch_attention
-    from qjl.cache.smoothing import attention_weighted_mean
+    from qjl import patch_attention
     from qjl.integrations.transformers.attention import recording_queries
     from qjl.tools.evaluate import load_text_ids
     from qjl.tools.models import load_model
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--text", default="licenses")
     p.add_argument("--tokens", type=int, default=1536)
     p.add_argument("--threads", type=int, default=2)
@@ -40,6 +42,14 @@ def main(argv=None) -> int:
     with recording_queries(lambda layer, q, mask, scaling, softcap: queries.setdefault(layer, (q[:, :, -64:], scaling))):
         cache = DynamicCache()
         model(ids[None], past_key_values=cache, use_cache=True)
+    return a, cache, queries
+
+
+def main(argv=None) -> int:
+    from qjl import CodecSpec
+    from qjl.cache.smoothing import attention_weighted_mean
+
+    _, cache, queries = prompt_record(argv)
     spec = CodecSpec("turboquant_mse", {"bits": 2, "correct_norm": True, "norm_dtype": "fp8"})
     sinks, window = 4, 136
     totals = {"none": 0.0, "plain": 0.0, "weighted": 0.0}
