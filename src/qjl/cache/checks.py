@@ -75,7 +75,7 @@ def check_values(store, keys, values) -> None:
                              f"{store.exact_dtype} (max {top:g}); use QJLConfig(exact_dtype='fp32') or None (the "
                              "model's dtype)")
     for role, x, name in (("key", k, "key_states"), ("value", v, "value_states")):
-        bound = big[name] * math.sqrt(x.shape[-1]) if x.ndim else big[name]  # no vector's norm exceeds it
+        bound = big[name] * math.sqrt(x.shape[-1])  # no vector's norm exceeds it
         for codec in _codecs(store, role):
             limit = codec.norm_limit()
             if limit is not None and bound <= limit:

@@ -67,14 +67,8 @@ def _check_layers(layers) -> None:
 
 
 def _median_ms(fn, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    """Median ms of ``fn`` alone (:func:`_interleaved_ms` with one function and no flush)."""
+    return _interleaved_ms({"": fn}, repeats, warmup)[""]
 
 
 FLUSH_MIB = 128  # more than the last-level cache of the CPUs this runs on
