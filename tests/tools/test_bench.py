@@ -63,6 +63,8 @@ def test_bad_arguments_are_named():
         bench.run_attention(contexts=(64,), layers=("gpt-5",))
     with pytest.raises(ValueError, match="contexts"):
         bench.run_attention(contexts=(0,))
+    with pytest.raises(TypeError, match="flush_caches"):
+        bench.run_attention(contexts=(64,), flush_caches="yes")
     with pytest.raises(ValueError, match="num_layers"):
         bench.layer_groups("tq-k3v2", 0)
     with pytest.raises(ValueError, match="preset"):

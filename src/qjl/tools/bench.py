@@ -173,6 +173,8 @@ def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smo
     _check_layers(layers)
     if not contexts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in contexts):
         raise ValueError(f"contexts must be positive ints, got {contexts!r}")
+    if not isinstance(flush_caches, bool):
+        raise TypeError(f"flush_caches must be a bool, got {type(flush_caches).__name__} {flush_caches!r}")
     rows = []
     # float32, FLUSH_MIB MiB, read before every call: it evicts the method's data without leaving dirty lines
     # whose write-back would load the next timed call
