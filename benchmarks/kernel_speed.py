@@ -51,7 +51,9 @@ def main(argv=None):
     p.add_argument("--rows", type=int, nargs="+", default=[4], help="query rows per KV head (GQA group)")
     p.add_argument("--dims", type=int, nargs="+", default=[128], help="head dimensions")
     p.add_argument("--threads", type=int, nargs="+", default=None, help="default: 1 and all")
-    p.add_argument("--layouts", nargs="+", default=["contiguous", "paged-16"], choices=["contiguous", "paged-16"])
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "paged-16"],
+                   choices=["contiguous", "paged-16", "paged-128"], help="paged-N: blocks of N tokens in shuffled "
+                   "order (vLLM's CPU default is 128)")
     p.add_argument("--impls", nargs="+", default=list(launch.IMPLS), choices=list(launch.IMPLS))
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -78,13 +80,16 @@ def _measure(args, d: int, r: int) -> list:
         kcodes, vcodes = kc.quantize(k), vc.quantize(v)
         contiguous = ({f: PagedField.of(t) for f, t in kcodes.fields.items()},
                       {f: PagedField.of(t) for f, t in vcodes.fields.items()}, torch.zeros(1, 1, dtype=torch.int32), n)
-        kp = {f: _paged(t, 16) for f, t in kcodes.fields.items()}
-        vp = {f: _paged(t, 16) for f, t in vcodes.fields.items()}
-        table = next(iter(kp.values()))[1]
-        paged = ({f: x[0] for f, x in kp.items()}, {f: x[0] for f, x in vp.items()}, table, 16)
-        for layout, (kf, vf, bt, bs) in (("contiguous", contiguous), ("paged-16", paged)):
-            if layout not in args.layouts:
-                continue
+        layouts = {"contiguous": contiguous}
+        for layout in args.layouts:
+            if layout.startswith("paged-"):
+                bs = int(layout.split("-")[1])
+                kp = {f: _paged(t, bs) for f, t in kcodes.fields.items()}
+                vp = {f: _paged(t, bs) for f, t in vcodes.fields.items()}
+                table = next(iter(kp.values()))[1]
+                layouts[layout] = ({f: x[0] for f, x in kp.items()}, {f: x[0] for f, x in vp.items()}, table, bs)
+        for layout in args.layouts:
+            kf, vf, bt, bs = layouts[layout]
             for impl in args.impls:
                 for threads in args.threads or sorted({1, torch.get_num_threads()}):
                     def call():

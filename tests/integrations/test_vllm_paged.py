@@ -128,7 +128,11 @@ def test_prefix_cache_hit_reads_the_window_of_shared_blocks():
 
 
 def test_codes_in_pages_are_the_codecs_codes():
-    """Bit-exact: what the pages hold is codec.quantize of each token, whatever the block table."""
+    """Bit-exact: what the pages hold is each token's codes from the C encoder (its torch mirror
+    ``encode_reference``) where it serves the codec on the CPU, else codec.quantize's, whatever the block table."""
+    from qjl import kernels
+    from qjl.kernels.reference import encode_reference
+
     sim = Sim(TQ, UNI, block_size=16)
     sim.step({"a": 23, "b": 40})
     sim.step({"a": 1, "b": 1})
@@ -137,7 +141,9 @@ def test_codes_in_pages_are_the_codecs_codes():
         n = s["k"].shape[0]
         got = history_codes({kk[4:]: f for kk, f in sim.fields.items() if kk.startswith("key.")},
                              torch.tensor(s["blocks"]), 0, n, 16, 2)
-        want = sim.layout.key_codec.quantize(s["k"].transpose(0, 1))
+        codec = sim.layout.key_codec
+        assert kernels.can_quantize_cpu(codec)
+        want = encode_reference(codec, s["k"].transpose(0, 1))
         for name, t in want.fields.items():
             assert torch.equal(got.fields[name].view(torch.uint8), t.view(torch.uint8)), name
 

@@ -62,6 +62,41 @@ def test_exact_segments_read_in_place(dtype, cuts, impl):
     close(launch.paged_decode(*c.args(), code_bias=c.bias, exact=(cols, xv.to(dtype), xb), impl=impl), want, TOL)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_exact_rows_read_from_pages(impl):
+    """Exact tokens as PagedRows (fp16 rows of a page pool at per-token block and slot, as vLLM's exact slots) and
+    a bf16 segment (the current token): the same result as the joined float32 tokens, on the C kernel and the
+    torch reference; offsets reaching past the pool are refused by the kernel before it reads anything."""
+    from qjl.kernels.paged import PagedField, PagedRows
+
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=77, n_exact=5, seed=3)
+    xk, xv, xb = c.exact  # [2, 2, 5, 64]
+    g = torch.Generator().manual_seed(4)
+    cells = torch.randperm(24, generator=g)[:8].reshape(2, 4)
+    blocks, slots = cells // 4, cells % 4
+    rows = []
+    for x in (xk, xv):
+        pool = torch.zeros(6, 2, 4, 64, dtype=torch.float16)
+        pool[blocks[:, None, :], torch.arange(2)[None, :, None], slots[:, None, :]] = x[:, :, :4].half()
+        es = pool.element_size()
+        f = PagedField(pool, 0, pool.stride(0) * es, pool.stride(1) * es, pool.stride(2) * es, torch.float16, (64,))
+        rows.append(PagedRows.at(f, blocks, slots, 2))
+    assert torch.equal(rows[0].gather(), xk[:, :, :4].half())
+    cur_k, cur_v = xk[:, :, 4:].bfloat16(), xv[:, :, 4:].bfloat16()
+    joined = tuple(torch.cat([x[:, :, :4].half().float(), x[:, :, 4:].bfloat16().float()], 2) for x in (xk, xv))
+    want = launch.paged_decode(*c.args(), code_bias=c.bias, exact=(*joined, xb), impl=impl)
+    got = launch.paged_decode(*c.args(), code_bias=c.bias, exact=((rows[0], cur_k), (rows[1], cur_v), xb), impl=impl)
+    close(got, want, TOL)
+    ref = kernels.paged_decode(*c.args(), code_bias=c.bias, exact=((rows[0], cur_k), (rows[1], cur_v), xb),
+                               backend="torch")
+    close(ref, want, TOL)
+    far = PagedRows(rows[0].field, rows[0].offsets + rows[0].field.buffer.numel(), 2)  # built around the check
+    with pytest.raises(ValueError, match="refused"):
+        launch.paged_decode(*c.args(), exact=((far, cur_k), (rows[1], cur_v), xb), impl=impl)
+    with pytest.raises(ValueError, match="reach byte"):
+        PagedRows.at(rows[0].field, blocks + 6, slots, 2)
+
+
 def test_exact_segments_bad_input():
     c = Case("tq3-tq2", b=1, h=2, rows=4, n=20, n_exact=4)
     xk, xv, xb = c.exact

@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "encode_rows_cpu", "cpu_pass",
+__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "encode_rows_cpu", "store_cpu", "dense_t", "cpu_pass",
            "quantize_with"]
 
 
@@ -146,15 +146,74 @@ def quantize_cpu(codec, x: torch.Tensor):
 def encode_rows_cpu(codec, x: torch.Tensor) -> tuple:
     """``codec.quantize(x)`` as rows ready to store: (codes [rows, nbytes] uint8, stored norms [rows] float32), rows
     in x's order (x [..., dim]).  The torch half of :func:`quantize_cpu`, then one C call that buckets, packs
-    and corrects and range-checks the norm; :func:`qjl.kernels.cpu.launch.store_rows` then writes them into
-    paged fields (the norm converted to its dtype exactly as ``.to(dtype)``).  What is stored equals
-    :func:`quantize_cpu`'s codes (bit-exact with ``codec.quantize``) and norms (within one ulp of their dtype
-    with ``correct_norm``).  Raises the reference's ValueError for NaN/Inf or a norm beyond its dtype."""
-    from qjl.core.validation import check_vectors
+    and corrects and range-checks the norm (:func:`store_cpu` writes them straight into paged fields instead).
+    Equals :func:`quantize_cpu`'s codes (bit-exact with ``codec.quantize``) and norms as float32.  Raises the
+    reference's ValueError for NaN/Inf or a norm beyond its dtype."""
     from qjl.kernels.cpu import launch
 
     p, norm, y = _rotated(codec, x)
     rc, codes, stored = launch.bucket_norms(y, norm, p)
+    _raise_for(rc, codec, x, p)
+    return codes, stored
+
+
+_DENSE_T = weakref.WeakKeyDictionary()  # rotation -> its dense matrix transposed, [dim, n] float32 (CPU)
+
+
+def dense_t(rotation) -> torch.Tensor:
+    """``rotation.matrix().T`` [dim, n] float32 contiguous on the CPU, built once per rotation object."""
+    try:
+        return _DENSE_T[rotation]
+    except (KeyError, TypeError):
+        pass
+    m = _dense(rotation, torch.device("cpu")).float().T.contiguous()
+    try:
+        _DENSE_T[rotation] = m
+    except TypeError:  # not weak-referenceable: no memo
+        pass
+    return m
+
+
+def store_cpu(jobs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | None = None,
+              memo: dict | None = None) -> None:
+    """Quantize every job ``(codec, x [N, H, dim], codes_field, norm_field)`` and store its codes and norms into
+    paged fields (CPU buffers) at (blocks [N], slots [N], KV heads 0..H-1), all jobs in one C call
+    (:class:`qjl.kernels.cpu.launch.EncodeStore`: norm, rotation, cells, packing and the norm's dtype, the rows
+    never leaving C).  The arithmetic runs in a fixed order, so what is stored equals
+    :func:`qjl.kernels.reference.encode_reference` bit for bit; against ``codec.quantize`` (whose rotation is a
+    BLAS product, rounded differently from one batch shape to another) a code may differ where a rotated
+    coordinate lies within float32 rounding of a cell boundary (tested: rare, and only there).  Codecs: those of
+    :func:`can_quantize_cpu`.  Nothing is stored unless every job passes: the reference's ValueError for NaN/Inf
+    or a norm beyond its dtype; ValueError for positions or fields that do not fit.  ``bounds``:
+    :func:`qjl.kernels.cpu.launch.store_bounds` of blocks and slots (a caller storing several layers at the same
+    positions computes it once); ``memo``: a dict living as long as the fields (e.g.
+    :attr:`qjl.kernels.paged.FieldMap.memo`) where the C arguments are kept between calls."""
+    from qjl.kernels.cpu import launch
+
+    static = []
+    for codec, x, cf, nf in jobs:
+        p = cpu_pass(codec)
+        if p is None:
+            raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
+                            f"got {type(codec).__name__}")
+        static.append((p, dense_t(p.matrix), cf, nf))
+    xs = [x for _, x, _, _ in jobs]
+    heads = xs[0].shape[-2] if xs and isinstance(xs[0], torch.Tensor) and xs[0].ndim == 3 else 0
+    key = ("store", heads, tuple(id(o) for job in static for o in job))
+    store = memo.get(key) if memo is not None else None
+    if store is None or not store.matches(static):
+        store = launch.EncodeStore(static, heads)
+        if memo is not None:
+            memo[key] = store
+    rc, k = store(xs, blocks, slots, bounds)
+    if rc:
+        _raise_for(rc, jobs[k][0], xs[k], static[k][0])
+
+
+def _raise_for(rc: int, codec, x: torch.Tensor, p) -> None:
+    """The reference's error for a C bucketing status (0: none)."""
+    from qjl.core.validation import check_vectors
+
     if rc == -2:  # a NaN/Inf entry (the reference's error), else finite entries whose norm overflows float32
         check_vectors("x", x, codec.dim)
         rc = -3
@@ -164,7 +223,6 @@ def encode_rows_cpu(codec, x: torch.Tensor) -> tuple:
                          f"{p.norm_dtype} (max {top:g})")
     if rc:
         raise ValueError("the C bucketing refused its arguments (code width or boundaries)")
-    return codes, stored
 
 
 def quantize_with(backend: str, codec, x: torch.Tensor, *fit):

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["PagedField", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
-           "query_maps", "unmix_matrix", "check_exact", "joined_exact", "check_static", "fields_signature",
+__all__ = ["PagedField", "FieldMap", "PagedRows", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
+           "query_maps", "unmix_matrix", "check_exact", "joined_exact", "check_static", "check_args", "fields_signature",
            "extent_bytes"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
@@ -74,10 +74,19 @@ def views(key_codec, value_codec) -> tuple:
 
 
 def kernel_readable(key_codec, value_codec) -> bool:
-    """:func:`qjl.codecs.views.kernel_readable`, memoized per codec object."""
+    """:func:`qjl.codecs.views.kernel_readable`, memoized per pair of codec objects."""
+    memo = _VIEWS.get(key_codec)
+    hit = memo.get(("readable", id(value_codec))) if memo is not None else None
+    if hit is not None and hit[0]() is value_codec:
+        return hit[1]
     from qjl.codecs.views import readable
 
-    return readable(*views(key_codec, value_codec))
+    ok = readable(*views(key_codec, value_codec))
+    try:
+        _VIEWS.setdefault(key_codec, {})[("readable", id(value_codec))] = (weakref.ref(value_codec), ok)
+    except TypeError:  # not weak-referenceable: no memo
+        pass
+    return ok
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,90 @@ class PagedField:
         idx = addr.unsqueeze(-1) + torch.arange(self.entry_bytes, device=addr.device)
         raw = self.raw_bytes()[idx]
         return raw.view(self.dtype).reshape(*idx.shape[:-1], *self.shape)
+
+
+class FieldMap(dict):
+    """{field name: :class:`PagedField`} that cannot change once built.  Launchers memoize the checks and the C
+    arguments of a FieldMap's fields in its :attr:`memo` (a PagedField is frozen),
+    so a caller that passes the same FieldMap call after call (the vLLM backend: one per layer and role, for the
+    life of the KV cache) pays them once.  Any other mapping works too, checked on every call."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a FieldMap cannot change once built: build a new one")
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse
+
+    @property
+    def memo(self) -> dict:
+        """A dict that lives as long as this map, where launchers keep what they derive from its fields."""
+        return self.__dict__.setdefault("launch_memo", {})
+
+    def part(self, prefix: str) -> "FieldMap":
+        """The entries whose names start with ``prefix``, the prefix dropped (e.g. ``"key."``), as a FieldMap
+        built once per prefix (the same object on every call)."""
+        parts = self.__dict__.setdefault("parts", {})
+        if prefix not in parts:
+            parts[prefix] = FieldMap({n[len(prefix):]: f for n, f in self.items() if n.startswith(prefix)})
+        return parts[prefix]
+
+
+def role_fields(fields, role: str) -> dict:
+    """The fields of ``role`` ("key", "value", "exact") in a map named ``role.field`` (vLLM's page fields):
+    ``fields.part(role + ".")`` for a :class:`FieldMap`, else a new dict."""
+    if isinstance(fields, FieldMap):
+        return fields.part(role + ".")
+    p = role + "."
+    return {n[len(p):]: f for n, f in fields.items() if n.startswith(p)}
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """Exact tokens read in place from a paged field (an exact segment of :func:`paged_decode` that is no tensor):
+    token ``j`` of sequence ``b``, KV head ``h``, is ``field``'s entry at byte ``offsets[b, j] + h *
+    field.stride_head`` of ``field.buffer``.  Build with :meth:`at`; ``shape`` [B, H, n, D] as a tensor segment's.
+    The CPU kernel reads the rows where they are; the other backends :meth:`gather` them."""
+
+    field: PagedField
+    offsets: torch.Tensor  # [B, n] int64 byte offsets (the field's offset included)
+    heads: int
+
+    @staticmethod
+    def at(field: PagedField, blocks: torch.Tensor, slots: torch.Tensor, heads: int) -> "PagedRows":
+        """Rows at blocks, slots [B, n] int (broadcastable) for ``heads`` KV heads; ValueError unless every
+        entry lies inside the field's buffer."""
+        if len(field.shape) != 1 or not field.dtype.is_floating_point:
+            raise ValueError(f"PagedRows: the field must hold float rows [D], got {field.dtype} {field.shape}")
+        blocks, slots = torch.broadcast_tensors(blocks.long(), slots.long())
+        if blocks.ndim != 2:
+            raise ValueError(f"PagedRows: blocks and slots must be [B, n], got {tuple(blocks.shape)}")
+        offsets = (field.offset + blocks * field.stride_block + slots * field.stride_token).contiguous()
+        if offsets.numel():
+            lo, hi = int(offsets.min()), int(offsets.max())
+            last = hi + (heads - 1) * field.stride_head + field.entry_bytes
+            if lo < 0 or field.stride_head < 0 or last > extent_bytes(field.buffer):
+                raise ValueError(f"PagedRows: the rows reach byte {last} of a buffer of {extent_bytes(field.buffer)} "
+                                 "(or an offset is negative)")
+        return PagedRows(field, offsets, int(heads))
+
+    @property
+    def shape(self) -> tuple:
+        return (self.offsets.shape[0], self.heads, self.offsets.shape[1], self.field.shape[0])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.field.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.field.buffer.device
+
+    def gather(self) -> torch.Tensor:
+        """The rows as a tensor [B, H, n, D] (a copy)."""
+        f = self.field
+        heads = torch.arange(self.heads, device=self.offsets.device)[None, :, None] * f.stride_head
+        idx = (self.offsets[:, None, :] + heads).unsqueeze(-1) + torch.arange(f.entry_bytes, device=heads.device)
+        raw = f.raw_bytes().index_select(0, idx.reshape(-1))
+        return raw.view(f.dtype).reshape(*self.shape)
 
 
 def view_fields(key_codec, value_codec) -> tuple:
@@ -177,12 +270,20 @@ def check_paged(q, key_codec, key_fields: dict, value_codec, value_fields: dict,
 def check_static(q, key_codec, key_fields: dict, value_codec, value_fields: dict, block_table, block_size: int,
                  code_start, code_end) -> tuple:
     """:func:`check_paged` without reading the ranges' and the block table's values (for a kernel that checks
-    those itself, as the CPU kernel does): the arguments' types and shapes, and the fields (present, their
-    sizes, inside their buffers).  Returns (the fields' signature, (the largest block index every field's
-    buffer holds, the name of the field that bounds it))."""
+    those itself, as the CPU kernel does): the arguments' types and shapes (:func:`check_args`), and the fields
+    (present, their sizes, inside their buffers).  Returns (the fields' signature, (the largest block index every
+    field's buffer holds, the name of the field that bounds it))."""
+    check_args(q, block_table, block_size, code_start, code_end)
+    sig = fields_signature(key_fields, value_fields)
+    return sig, _field_room(key_codec, key_fields, value_codec, value_fields, q.shape[1], block_size, q.device, sig)
+
+
+def check_args(q, block_table, block_size: int, code_start, code_end) -> None:
+    """ValueError naming the argument unless q is a float [B, H_kv, R, D] tensor, block_table [B, max_blocks],
+    block_size a positive int and code_start / code_end [B] int tensors (types and shapes only)."""
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or not q.dtype.is_floating_point:
         raise ValueError(f"q must be a float tensor [B, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
-    b, h = q.shape[:2]
+    b = q.shape[0]
     if not isinstance(block_table, torch.Tensor) or block_table.ndim != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must be [B={b}, max_blocks], got {getattr(block_table, 'shape', block_table)!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -190,8 +291,6 @@ def check_static(q, key_codec, key_fields: dict, value_codec, value_fields: dict
     for name, t in (("code_start", code_start), ("code_end", code_end)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (b,) or t.dtype.is_floating_point:
             raise ValueError(f"{name} must be a [B={b}] int tensor, got {getattr(t, 'shape', t)!r}")
-    sig = fields_signature(key_fields, value_fields)
-    return sig, _field_room(key_codec, key_fields, value_codec, value_fields, h, block_size, q.device, sig)
 
 
 _ROOM: dict = {}  # the static checks' result per key of plain values (no object kept alive)
@@ -273,8 +372,9 @@ def term_queries(q: torch.Tensor, key_codec, key_fields: dict, block_table: torc
 def check_exact(exact, q) -> tuple | None:
     """The exact tokens checked and as segments: None, or ``(xk_segments, xv_segments, xbias)``.
 
-    ``exact`` is None or ``(xk, xv, xbias)``; xk and xv are each one tensor [B, H_kv, n, D] or a tuple of them
-    (e.g. sinks and window, read in place by the CPU kernel: no copy), taken in order as one [B, H_kv, n_x, D]."""
+    ``exact`` is None or ``(xk, xv, xbias)``; xk and xv are each one segment [B, H_kv, n, D] or a tuple of them
+    (e.g. sinks and window, read in place by the CPU kernel: no copy), taken in order as one [B, H_kv, n_x, D];
+    a segment is a tensor or a :class:`PagedRows` (rows in pages)."""
     if exact is None:
         return None
     if not isinstance(exact, (tuple, list)) or len(exact) != 3:
@@ -285,12 +385,13 @@ def check_exact(exact, q) -> tuple | None:
     b, h, r, d = q.shape
     if not ks or len(vs) != len(ks):
         raise ValueError(f"exact: xk and xv must be tensors or tuples of as many tensors, got {len(ks)} and {len(vs)}")
+    seg = (torch.Tensor, PagedRows)
     for k, v in zip(ks, vs):
-        if not isinstance(k, torch.Tensor) or k.ndim != 4 or tuple(k.shape[:2]) != (b, h) or k.shape[-1] != d:
+        if not isinstance(k, seg) or len(k.shape) != 4 or tuple(k.shape[:2]) != (b, h) or k.shape[-1] != d:
             raise ValueError(f"exact: xk must be [{b}, {h}, n, {d}], got {getattr(k, 'shape', k)!r}")
-        if not isinstance(v, torch.Tensor) or v.shape != k.shape:
+        if not isinstance(v, seg) or tuple(v.shape) != tuple(k.shape):
             raise ValueError(f"exact: xv must have xk's shape {tuple(k.shape)}, got {getattr(v, 'shape', v)!r}")
-        if not (k.is_floating_point() and v.is_floating_point()):
+        if not (k.dtype.is_floating_point and v.dtype.is_floating_point):
             raise TypeError(f"exact: xk and xv must be floating point, got {k.dtype} and {v.dtype}")
         if k.device != q.device or v.device != q.device:
             raise ValueError(f"exact: xk and xv must be on q's device {q.device}, got {k.device} and {v.device}")
@@ -306,9 +407,14 @@ def joined_exact(segments: tuple | None) -> tuple | None:
     if segments is None:
         return None
     ks, vs, xbias = segments
+    ks, vs = [_tensor(k) for k in ks], [_tensor(v) for v in vs]
     if len(ks) == 1:
         return ks[0], vs[0], xbias
     return torch.cat([k.float() for k in ks], -2), torch.cat([v.float() for v in vs], -2), xbias
+
+
+def _tensor(segment) -> torch.Tensor:
+    return segment.gather() if isinstance(segment, PagedRows) else segment
 
 
 def paged_decode(q: torch.Tensor, key_codec, key_fields: dict, value_codec, value_fields: dict,

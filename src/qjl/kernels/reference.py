@@ -21,7 +21,7 @@ import torch
 
 from qjl.core.packing import unpack_bits
 
-__all__ = ["paged_decode_reference", "gather_codes", "merge_partials", "merge_stacked_partials", "partial_softmax",
+__all__ = ["paged_decode_reference", "encode_reference", "gather_codes", "merge_partials", "merge_stacked_partials", "partial_softmax",
            "finite_max"]
 
 
@@ -146,3 +146,46 @@ def merge_stacked_partials(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, di
     mx = m.amax(dim=dim)
     w = torch.exp(m - finite_max(mx).unsqueeze(dim))
     return mx, (w * l).sum(dim=dim), (w.unsqueeze(-1) * o).sum(dim=dim)
+
+
+def encode_reference(codec, x: torch.Tensor):
+    """The plain-torch mirror of the C encoder (:func:`qjl.kernels.encode.store_cpu`, ``quantize.c``'s
+    ``encode_row``), op for op in the same order, so its codes and stored norms are the C encoder's bit for bit:
+    ``ss = sum_j x_j^2`` in float64 over j in order, ``norm = float32(sqrt(ss))``, ``u = x / (norm if norm > 0 else
+    1)``, ``y_k = sum_j u_j M[k, j]`` in float32 over j in order (products and sums rounded apart), cells as
+    ``torch.bucketize`` (``codec.cells``), ``cos = sum_k y_k cent[cell_k]`` in float32 over k in order, the stored
+    norm ``norm / cos`` (where positive) with ``correct_norm``, in the norm's dtype.
+
+    x: [..., dim] float -> :class:`qjl.Codes` (``codes`` [..., nbytes] uint8, ``norm`` [...]) of ``codec`` (a codec
+    the C encoder serves: :func:`qjl.kernels.encode.can_quantize_cpu`).  Slow (loops over the dimensions): for tests.
+    """
+    from qjl.codecs.base import Codes
+    from qjl.core.lloyd_max import bucket
+    from qjl.core.packing import pack_bits
+    from qjl.core.validation import check_fits, check_vectors
+    from qjl.kernels.encode import cpu_pass, dense_t
+
+    p = cpu_pass(codec)
+    if p is None:
+        raise TypeError(f"codec: the C encoder covers rotate-and-bucket codecs (TurboQuantMSE), got "
+                        f"{type(codec).__name__}")
+    check_vectors("x", x, codec.dim)
+    xf = x.float()
+    ss = torch.zeros(xf.shape[:-1], dtype=torch.float64)
+    for j in range(xf.shape[-1]):
+        ss = ss + xf[..., j].double() * xf[..., j].double()
+    norm = ss.sqrt().float()
+    u = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
+    mt = dense_t(p.matrix)  # [dim, n]
+    y = torch.zeros(*xf.shape[:-1], mt.shape[1])
+    for j in range(mt.shape[0]):
+        y = y + u[..., j:j + 1] * mt[j]
+    idx = bucket(y, p.boundaries.float())
+    cent = p.centroids.float()[idx]
+    cos = torch.zeros(xf.shape[:-1])
+    for k in range(y.shape[-1]):
+        cos = cos + y[..., k] * cent[..., k]
+    check_fits("norm of x", norm, p.norm_dtype)
+    stored = norm / torch.where(cos > 0, cos, torch.ones_like(cos)) if p.correct_norm else norm
+    check_fits("corrected norm of x" if p.correct_norm else "norm of x", stored, p.norm_dtype)
+    return Codes(tuple(x.shape[:-1]), {p.codes: pack_bits(idx, p.bits), p.norm: stored.to(p.norm_dtype)})

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...kernels.paged import PagedRows, extent_bytes
 from .layout import exact_slot
 
 __all__ = ["DecodeRows", "decode_rows", "code_ranges", "exact_tokens", "paged_decode_kernel", "decode_function"]
@@ -65,17 +66,21 @@ class DecodeRows:
             self.memo[key] = b[:, None, None, :]
         return self.memo[key]
 
-    def read(self, f, num_heads: int) -> torch.Tensor:
-        """The exact slots of PagedField ``f``: [B, H, E, *shape]."""
-        key = ("read", f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, num_heads)
-        if key not in self.memo:
-            heads = torch.arange(num_heads, device=self.blocks.device)[None, :, None]
-            blocks, heads, slots = torch.broadcast_tensors(self.blocks, heads, self.slots)
-            addr = f.offset + blocks * f.stride_block + heads * f.stride_head + slots * f.stride_token
-            self.memo[key] = addr.unsqueeze(-1) + torch.arange(f.entry_bytes, device=addr.device)
-        idx = self.memo[key]
-        raw = f.raw_bytes().index_select(0, idx.reshape(-1))  # not [idx]: see .paged.PagedField.read
-        return raw.view(f.dtype).reshape(*idx.shape[:-1], *f.shape)
+    def kernel_ranges(self) -> tuple:
+        """(block_table, start, end) as contiguous int32, as the CPU kernel reads them (converted once per step)."""
+        if "int32" not in self.memo:
+            self.memo["int32"] = tuple(t.to(torch.int32).contiguous() for t in (self.block_table, self.start, self.end))
+        return self.memo["int32"]
+
+    def read(self, f, num_heads: int) -> PagedRows:
+        """The exact slots of PagedField ``f`` as :class:`qjl.kernels.paged.PagedRows` [B, H, E, D] (read in place
+        by the CPU kernel; ``.gather()`` copies them out)."""
+        key = ("read", f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, f.dtype, f.shape,
+               num_heads, extent_bytes(f.buffer))
+        rows = self.memo.get(key)
+        if rows is None:  # the offsets and their bounds check, once per field geometry (layers share them)
+            rows = self.memo[key] = PagedRows.at(f, self.blocks[:, 0, :], self.slots[:, 0, :], num_heads)
+        return rows if rows.field is f else PagedRows(f, rows.offsets, rows.heads)
 
 
 def decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sinks: int,
@@ -147,8 +152,8 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
     if ex is None and not bool((rows.end > rows.start).all()):
         raise ValueError("a decode row has no token to attend to (seq_lens 0 and no current token)")
     qk = (q.float() * scale).reshape(b, num_kv_heads, hq // num_kv_heads, d)
-    out = paged_decode(qk, key_codec, key_fields, value_codec, value_fields, rows.block_table, block_size, rows.start,
-                       rows.end, exact=ex, backend=backend)
+    out = paged_decode(qk, key_codec, key_fields, value_codec, value_fields, *rows.kernel_ranges()[:1], block_size,
+                       *rows.kernel_ranges()[1:], exact=ex, backend=backend)
     return out.reshape(b, hq, d)
 
 

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from ...codecs.base import Codes
+from ...kernels.paged import FieldMap, extent_bytes, role_fields
 from ...kernels.paged import PagedField as KernelPagedField
-from ...kernels.paged import extent_bytes
 from .layout import PageLayout, exact_slot
 
 __all__ = ["PagedField", "page_fields", "paged_decode_reference", "paged_attention_reference", "gather_history",
@@ -94,9 +94,10 @@ class PagedField(KernelPagedField):
         return raw.reshape(len(blocks), num_heads, *((rows,) if self.stride_token else ()), *self.shape)
 
 
-def page_fields(layout: PageLayout, pages: torch.Tensor) -> dict[str, PagedField]:
+def page_fields(layout: PageLayout, pages: torch.Tensor) -> FieldMap:
     """The fields of ``layout`` in vLLM's page tensor ``pages`` [num_blocks, H_kv, block_size, C']
-    (any element dtype; every head region must be contiguous)."""
+    (any element dtype; every head region must be contiguous), as a :class:`qjl.kernels.paged.FieldMap` named
+    ``role.field`` (the backend builds it once per layer: the kernels then check its fields once)."""
     nb, h, bs, c = pages.shape
     es = pages.element_size()
     if bs != layout.block_size or c * es != layout.content_bytes:
@@ -109,13 +110,8 @@ def page_fields(layout: PageLayout, pages: torch.Tensor) -> dict[str, PagedField
     # the buffer is this layer's own bytes: offsets are the layout's, the same in every layer of that layout, so
     # the step's address memos (keyed by field geometry) serve all of them, and no address reaches another layer
     region = storage[base:base + extent_bytes(pages)]
-    return {n: PagedField(region, f.offset, pages.stride(0) * es, pages.stride(1) * es, f.stride_token,
-                          f.dtype, f.shape) for n, f in layout.fields.items()}
-
-
-def _role(fields: dict, role: str) -> dict:
-    p = role + "."
-    return {n[len(p):]: f for n, f in fields.items() if n.startswith(p)}
+    return FieldMap({n: PagedField(region, f.offset, pages.stride(0) * es, pages.stride(1) * es, f.stride_token,
+                                   f.dtype, f.shape) for n, f in layout.fields.items()})
 
 
 def history_codes(fields: dict, row: torch.Tensor, c0: int, c1: int, block_size: int, num_heads: int) -> Codes:
@@ -150,8 +146,8 @@ def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, en
                    num_heads: int):
     """Dequantized keys and values [H, end - start, D] float32 of positions [start, end) of one sequence."""
     key_codec, value_codec = codecs
-    kc = history_codes(_role(fields, "key"), block_row, start, end, block_size, num_heads)
-    vc = history_codes(_role(fields, "value"), block_row, start, end, block_size, num_heads)
+    kc = history_codes(role_fields(fields, "key"), block_row, start, end, block_size, num_heads)
+    vc = history_codes(role_fields(fields, "value"), block_row, start, end, block_size, num_heads)
     if "outlier_idx" in kc.shared:  # one outlier set per token: dequantize token by token
         per = Codes((*kc.lead, 1), {n: t.unsqueeze(len(kc.lead)) for n, t in kc.fields.items()}, kc.shared)
         k = key_codec.dequantize(per).squeeze(-2)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...kernels.paged import role_fields
 from .decode import DecodeRows, decode_rows
 from .layout import PageLayout
 from .paged import paged_attention_reference, paged_decode_reference
@@ -112,10 +113,6 @@ class StepPlan:
         return self.memo[key]
 
 
-def _role(fields: dict, role: str) -> dict:
-    p = role + "."
-    return {n[len(p):]: f for n, f in fields.items() if n.startswith(p)}
-
 
 def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_start_loc, seq_lens, scale: float,
                   decode=None, plan: StepPlan | None = None) -> torch.Tensor:
@@ -137,7 +134,7 @@ def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_
         ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
         rows = None if every else plan.decode_token_rows.to(q.device)
         sel = (lambda x: x) if every else (lambda x: x[rows])  # noqa: E731
-        got = decode(sel(q), _role(fields, "key"), _role(fields, "value"), plan.decode.block_table,
+        got = decode(sel(q), role_fields(fields, "key"), role_fields(fields, "value"), plan.decode.block_table,
                      plan.decode_history, layout.block_size, key_codec=layout.key_codec,
                      value_codec=layout.value_codec, scale=scale, num_kv_heads=k.shape[1], exact=ex,
                      sinks=layout.sinks, window=layout.window, current=(sel(k), sel(v)), rows=plan.decode)

@@ -9,14 +9,11 @@ from __future__ import annotations
 import torch
 
 from ...codecs.base import Codes
+from ...kernels.paged import FieldMap, role_fields
 from .layout import PageLayout, exact_slot
 
 __all__ = ["write_codes", "exact_writes", "write_exact"]
 
-
-def _role(fields: dict, role: str) -> dict:
-    p = role + "."
-    return {n[len(p):]: f for n, f in fields.items() if n.startswith(p)}
 
 
 def _codes(codec, x: torch.Tensor) -> Codes:
@@ -27,14 +24,12 @@ def _codes(codec, x: torch.Tensor) -> Codes:
     return kernels.quantize_with(kernels.pick_backend(x.device), codec, x.float())
 
 
-def _cpu_rows(codec, x: torch.Tensor, role_fields: dict):
-    """(codes, stored norms) rows of x [N, H, D] from the C encoder (:func:`qjl.kernels.encode.encode_rows_cpu`)
-    where it serves the codec (CPU tensors, TurboQuant MSE, no per-block fit), else None."""
+def _cpu_stored(codec, role_map) -> bool:
+    """The C encoder stores this role's codes straight into its fields (TurboQuant MSE, no per-block fit;
+    :func:`qjl.kernels.encode.store_cpu`)."""
     from ... import kernels
 
-    if x.device.type != "cpu" or "outlier_idx" in role_fields or not kernels.can_quantize_cpu(codec):
-        return None
-    return kernels.encode_rows_cpu(codec, x)
+    return "outlier_idx" not in role_map and kernels.can_quantize_cpu(codec)
 
 
 def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Codes:
@@ -83,25 +78,27 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
     if key.shape[0] == 0:
         return
     from ... import kernels
-    from ...kernels.cpu.launch import store_bounds, store_rows
 
     h = key.shape[1]
-    kf, vf = _role(fields, "key"), _role(fields, "value")
-    # both roles encoded before either is stored: C rows where the encoder serves the codec, else Codes
-    encoded = (("key", layout.key_codec, kf, _cpu_rows(layout.key_codec, key, kf)
-                or _quantize_keys(layout.key_codec, key, blocks, offs, kf)),
-               ("value", layout.value_codec, vf, _cpu_rows(layout.value_codec, value, vf)
-                or _codes(layout.value_codec, value)))
-    bounds = None
-    for role, codec, role_fields, enc in encoded:
-        if isinstance(enc, tuple):  # C rows: stored straight into the pages
+    roles = (("key", layout.key_codec, role_fields(fields, "key"), key),
+             ("value", layout.value_codec, role_fields(fields, "value"), value))
+    c_jobs, torch_roles = [], []
+    for role, codec, fmap, x in roles:
+        if x.device.type == "cpu" and _cpu_stored(codec, fmap):
             p = kernels.cpu_pass(codec)
-            if bounds is None:  # the positions' checks: once per step when a plan is shared by the layers
-                bounds = plan.store_bounds() if plan is not None else store_bounds(blocks, offs)
-            store_rows(*enc, role_fields[p.codes], role_fields[p.norm], blocks, offs, bounds=bounds)
-            continue
+            c_jobs.append((codec, x, fmap[p.codes], fmap[p.norm]))
+        else:
+            torch_roles.append((role, codec, fmap, x))
+    # every role encoded before any is stored (nothing half-written on bad input): the torch roles' Codes first,
+    # then the C roles in one call that checks all of them before it stores anything
+    encoded = [(role, fmap, _quantize_keys(codec, x, blocks, offs, fmap) if role == "key" else _codes(codec, x))
+               for role, codec, fmap, x in torch_roles]
+    if c_jobs:  # the positions' checks: once per step when a plan is shared by the layers
+        kernels.store_cpu(c_jobs, blocks, offs, plan.store_bounds() if plan is not None else None,
+                          memo=fields.memo if isinstance(fields, FieldMap) else None)
+    for role, fmap, enc in encoded:
         for name, t in enc.fields.items():
-            f = role_fields[name]
+            f = fmap[name]
             if plan is not None:
                 f.write(plan.addresses(f"codes.{role}.{name}", f, h, blocks, offs), t)
             else:

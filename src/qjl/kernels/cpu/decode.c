@@ -216,10 +216,12 @@ static void exact_rows(const qjl_decode_args *a, int64_t b, int64_t h, float *xk
     int64_t j = 0;
     for (int sg = 0; sg < a->n_xseg; sg++) {
         const qjl_exact_seg *e = &a->xseg[sg];
-        const uint8_t *k = e->k + b * e->k_sb + h * e->k_sh, *v = e->v + b * e->v_sb + h * e->v_sh;
+        const uint8_t *k = e->k + h * e->k_sh, *v = e->v + h * e->v_sh;
         for (int64_t i = 0; i < e->n; i++, j++) {
-            read_row(k + i * e->k_st, a->x_dtype, a->dx, xk + j * a->dx);
-            read_row(v + i * e->v_st, a->x_dtype, a->dx, xv + j * a->dx);
+            const int64_t ko = e->k_off ? e->k_off[b * e->n + i] : b * e->k_sb + i * e->k_st;
+            const int64_t vo = e->v_off ? e->v_off[b * e->n + i] : b * e->v_sb + i * e->v_st;
+            read_row(k + ko, e->dtype, a->dx, xk + j * a->dx);
+            read_row(v + vo, e->dtype, a->dx, xv + j * a->dx);
         }
     }
 }
@@ -267,9 +269,21 @@ static int check_args(const qjl_decode_args *a) {
     if (v->bits < 1 || v->bits > 8 || v->n < 8 || v->n % 8 || v->group_size < 8 || v->group_size % 8) return -1;
     if (v->groups != (v->n + v->group_size - 1) / v->group_size) return -1;
     if (v->out_dim < 1 || (!v->unmix && v->out_dim != v->n) || (a->ne > 0 && a->dx != v->out_dim)) return -1;
-    if (a->ne < 0 || a->n_xseg < 0 || a->n_xseg > 2 || a->x_dtype < 0 || a->x_dtype > 2) return -1;
+    if (a->ne < 0 || a->n_xseg < 0 || a->n_xseg > 2) return -1;
     int64_t nx = 0;
-    for (int sg = 0; sg < a->n_xseg; sg++) nx += a->xseg[sg].n;
+    for (int sg = 0; sg < a->n_xseg; sg++) {
+        const qjl_exact_seg *e = &a->xseg[sg];
+        if (e->dtype < 0 || e->dtype > 2 || e->n < 0 || (!e->k_off) != (!e->v_off)) return -1;
+        nx += e->n;
+        if (!e->k_off) continue;
+        /* rows read in place through offsets: every row of every head inside its buffer */
+        const int64_t row = a->dx * dtype_bytes(e->dtype);
+        if (e->k_sh < 0 || e->v_sh < 0) return -1;
+        for (int64_t i = 0; i < a->batch * e->n; i++)
+            if (e->k_off[i] < 0 || e->v_off[i] < 0 || e->k_off[i] + (a->heads - 1) * e->k_sh + row > e->k_room ||
+                e->v_off[i] + (a->heads - 1) * e->v_sh + row > e->v_room)
+                return -1;
+    }
     if (nx != a->ne) return -1;
     for (int k = 0; k < a->n_terms; k++)
         if (a->key[k].qmap && (a->key[k].qdim < 1 || a->key[k].q_per_block)) return -1;

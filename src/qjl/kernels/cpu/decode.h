@@ -46,10 +46,15 @@ typedef struct {          /* v[t, c] = zero[t, c / group_size] + scale[t, c / gr
 } qjl_value_view;
 
 typedef struct {          /* exact tokens [B, H, n, dx] (sinks, window, the current token): rows of dx contiguous
-                             elements, the rest at byte strides */
+                             elements, the rest at byte strides; token i of sequence b at
+                             k + b * k_sb + h * k_sh + i * k_st, or, with k_off, k + k_off[b * n + i] + h * k_sh
+                             (rows read in place from pages: byte offsets per sequence and token) */
     const uint8_t *k, *v;
     int64_t n;            /* tokens */
     int64_t k_sb, k_sh, k_st, v_sb, v_sh, v_st; /* bytes between sequences, heads, tokens */
+    const int64_t *k_off, *v_off;               /* [B, n] byte offsets, or NULL (the strides) */
+    int64_t k_room, v_room;                     /* with offsets: the bytes from k / v on that rows may reach */
+    int32_t dtype;        /* 0 fp32, 1 fp16, 2 bf16 */
 } qjl_exact_seg;
 
 typedef struct {
@@ -64,7 +69,7 @@ typedef struct {
     const float *bias;                    /* [B, bias_stride] additive over coded tokens t, or NULL */
     int64_t bias_stride;
     int64_t ne, dx;                       /* exact tokens per sequence and head (all segments), their dim (0: none) */
-    int32_t n_xseg, x_dtype;              /* segments (0-2), joined in this order; their dtype: 0 fp32, 1 fp16, 2 bf16 */
+    int32_t n_xseg;                       /* segments (0-2), joined in this order */
     qjl_exact_seg xseg[2];
     const float *qx;                      /* [B, H, R, dx] the query (model basis, scale included) */
     const float *xbias;                   /* additive, or NULL: xbias[b * sb + h * sh + r * sr + j] */
@@ -77,6 +82,18 @@ typedef struct {
     int32_t threads, simd;                /* simd 0: portable path; 1: the AVX2 path where the CPU has it; 2: the
                                              integer path (decode_vnni.c) where it has AVX-512 VBMI + VNNI, else 1 */
 } qjl_decode_args;
+
+typedef struct {          /* one role's rows for qjl_encode_store (quantize.c) */
+    const uint8_t *x;     /* token t, KV head h: dim contiguous elements at x + t * x_st + h * x_sh (bytes) */
+    int64_t x_st, x_sh;
+    int32_t x_dtype;      /* 0 fp32, 1 fp16, 2 bf16 */
+    int64_t dim, n;       /* input and rotated dimensions */
+    const float *matrix_t; /* [dim, n]: the rotation's dense matrix M [n, dim], transposed */
+    const float *bnd, *cent; /* [2^bits - 1] sorted boundaries, [2^bits] centroids */
+    int32_t nbnd, bits, correct;
+    float norm_max;
+    qjl_field codes, norm_field;
+} qjl_encode_job;
 /* cdef end */
 
 /* norms, scales and zero points in their storage dtype */

@@ -20,7 +20,7 @@ import weakref
 import torch
 
 __all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "bucket_norms",
-           "store_rows", "cell_moments", "store_bounds", "IMPLS"]
+           "EncodeStore", "cell_moments", "store_bounds", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-portable")
 _SIMD = {"c": 1, "c-int": 2, "c-portable": 0}
@@ -177,6 +177,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
 
 
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int64 and t.is_contiguous():
+        return t
+    return t.to(torch.int64).contiguous()
+
+
 def _i32(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.int32 and t.is_contiguous():
         return t
@@ -186,15 +192,80 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
 _X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def _exact_segments(ks: tuple, vs: tuple) -> tuple:
-    """The exact tokens as the kernel reads them: (dtype code, [(xk, xv)] of at most two non-empty segments of
-    one dtype, each row contiguous), read in place where they already are that; else joined as float32."""
+def _exact_segments(ks: tuple, vs: tuple) -> list:
+    """The exact tokens as the kernel reads them: [(xk, xv)] of at most two non-empty segments, each a tensor with
+    contiguous rows of fp32/fp16/bf16 (key and value of one dtype) or a :class:`qjl.kernels.paged.PagedRows` pair,
+    read in place where they are that; else the segments joined as float32 tensors."""
+    from qjl.kernels.paged import PagedRows, joined_exact
+
     segs = [(k, v) for k, v in zip(ks, vs) if k.shape[2] > 0]
-    dtypes = {t.dtype for kv in segs for t in kv}
-    if len(segs) <= 2 and len(dtypes) == 1 and next(iter(dtypes)) in _X_DTYPES:
-        segs = [tuple(t if t.stride(3) == 1 else t.contiguous() for t in kv) for kv in segs]
-        return _X_DTYPES[segs[0][0].dtype], segs
-    return 0, [(torch.cat([_f32(k) for k, _ in segs], -2), torch.cat([_f32(v) for _, v in segs], -2))]
+    if len(segs) <= 2 and all(k.dtype == v.dtype and k.dtype in _X_DTYPES and type(k) is type(v) for k, v in segs):
+        return [kv if isinstance(kv[0], PagedRows) else tuple(t if t.stride(3) == 1 else t.contiguous() for t in kv)
+                for kv in segs]
+    xk, xv, _ = joined_exact((tuple(k for k, _ in segs), tuple(v for _, v in segs), None))
+    return [(_f32(xk), _f32(xv))]
+
+
+class _Prepared:
+    """What a decode call takes from its codecs and fields, checked and filled once: the struct's template and the
+    largest block index every field's buffer holds (``room``).  Kept in the key fields'
+    :attr:`qjl.kernels.paged.FieldMap.memo` (:func:`_prepared`): ``matches`` tells whether a call's value fields and codecs are the objects it was
+    built for and every buffer still has the address and geometry it had (a buffer resized in place rebuilds it)."""
+
+    __slots__ = ("tpl", "room", "refs", "buffers")
+
+    def __init__(self, tpl, room, value_fields, key_codec, value_codec, buffers):
+        self.tpl, self.room = tpl, room
+        self.refs = tuple(weakref.ref(o) for o in (value_fields, key_codec, value_codec) if o is not None)
+        self.buffers = tuple((t, t.data_ptr(), tuple(t.shape), t.stride()) for t in buffers)
+
+    def matches(self, value_fields, key_codec, value_codec) -> bool:
+        vf, kc, vc = (r() for r in self.refs)
+        return (vf is value_fields and kc is key_codec and vc is value_codec
+                and all(t.data_ptr() == p and t.shape == s and t.stride() == st for t, p, s, st in self.buffers))
+
+
+def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
+              code_end) -> _Prepared:
+    """The call's :class:`_Prepared`: from the memo when both field maps are FieldMaps it was built for (then only
+    the arguments' types and shapes are checked here), else from the full static checks
+    (:func:`qjl.kernels.paged.check_static`, memoized on the fields' signature)."""
+    from qjl.kernels.paged import FieldMap, check_args, check_static, kernel_readable
+
+    h, d = q.shape[1], q.shape[3]
+    memo = key = None
+    if isinstance(key_fields, FieldMap) and isinstance(value_fields, FieldMap):
+        key = ("decode", id(value_fields), id(key_codec), id(value_codec), h, d, block_size, q.device)
+        memo = key_fields.memo
+        p = memo.get(key)
+        if p is not None and p.matches(value_fields, key_codec, value_codec):
+            check_args(q, block_table, block_size, code_start, code_end)
+            return p
+    if not kernel_readable(key_codec, value_codec):
+        raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
+                         f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
+    sig, room = check_static(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
+                             code_end)
+    tpl = _template(mod, key_codec, key_fields, value_codec, value_fields, d, sig)
+    buffers = {id(f.buffer): f.buffer for f in (*key_fields.values(), *value_fields.values())}
+    if memo is None:
+        return _Prepared(tpl, room, None, None, None, ())
+    p = _Prepared(tpl, room, value_fields, key_codec, value_codec, buffers.values())
+    if len(memo) > 64:  # (a FieldMap served with many codec objects)
+        memo.clear()
+    memo[key] = p
+    return p
+
+
+def _impl_code(impl) -> str:
+    """``impl`` resolved ("auto": :func:`default_impl`) and checked."""
+    if impl == "auto":
+        impl = default_impl()
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"impl must be one of {('auto',) + IMPLS}, got {impl!r}")
+    if impl == "c-int" and not has_int_path():
+        raise ValueError("impl='c-int' needs AVX-512 F/BW/VL/VBMI/VNNI, which this CPU lacks; use 'c' or 'auto'")
+    return impl
 
 
 def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end,
@@ -205,35 +276,29 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     impl: "auto", "c", "c-int" or "c-portable" (module docstring); threads: OpenMP threads (default
     ``torch.get_num_threads()``);
     split_tokens: coded tokens per work item (0: enough items for every thread).
+    Fields passed as :class:`qjl.kernels.paged.FieldMap` objects are checked and turned into C arguments once
+    (the vLLM backend's); other mappings on every call.
     """
-    from qjl.kernels.paged import check_exact, check_paged, check_static, kernel_readable, term_queries
+    from qjl.kernels.paged import check_exact, check_paged, term_queries
 
-    if impl == "auto":
-        impl = default_impl()
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {('auto',) + IMPLS}, got {impl!r}")
-    if impl == "c-int" and not has_int_path():
-        raise ValueError("impl='c-int' needs AVX-512 F/BW/VL/VBMI/VNNI, which this CPU lacks; use 'c' or 'auto'")
+    impl = _impl_code(impl)
     mod = _require()
-    if not kernel_readable(key_codec, value_codec):
-        raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
-                         f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
     # the ranges and the blocks are checked by the kernel itself (before it reads anything): no reads of their
     # values here (each a few torch operations per layer and step)
-    sig, room = check_static(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
-                             code_end)
+    prep = _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
+                     code_end)
+    tpl, room = prep.tpl, prep.room
     b, hkv, r, d = q.shape
-    tpl = _template(mod, key_codec, key_fields, value_codec, value_fields, d, sig)
     bt = _i32(block_table)
     a = _Args(mod.ffi)
     c = a.c
     mod.ffi.memmove(c, tpl.c, mod.ffi.sizeof("qjl_decode_args"))
     q32 = _f32(q)
-    qs = [None] * c.n_terms if tpl.qmaps else term_queries(q, key_codec, key_fields, bt)
-    for i, qt in enumerate(qs):
-        if tpl.qmaps:
+    if tpl.qmaps:
+        for i in range(c.n_terms):
             c.key[i].q = a.ptr(q32)
-        else:
+    else:
+        for i, qt in enumerate(term_queries(q, key_codec, key_fields, bt)):
             c.key[i].q = a.ptr(_f32(qt))
     c.batch, c.heads, c.rows = b, hkv, r
     c.block_table, c.max_blocks, c.block_size = a.ptr(bt, "int32_t *"), bt.shape[1], int(block_size)
@@ -251,15 +316,10 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if ne > 0:
         ks, vs, xb = exact
         c.ne, c.dx, c.qx = ne, d, a.ptr(q32)
-        c.x_dtype, segs = _exact_segments(ks, vs)
+        segs = _exact_segments(ks, vs)
         c.n_xseg = len(segs)
-        for i, (k, v) in enumerate(segs):
-            e = c.xseg[i]
-            e.k, e.v = a.ptr(k, "const uint8_t *"), a.ptr(v, "const uint8_t *")
-            e.n = k.shape[2]
-            es = k.element_size()
-            e.k_sb, e.k_sh, e.k_st = (k.stride(j) * es for j in range(3))
-            e.v_sb, e.v_sh, e.v_st = (v.stride(j) * es for j in range(3))
+        for e, (k, v) in zip(c.xseg, segs):
+            _segment(a, e, k, v)
         if xb is not None:  # [B|1, H|1, R|1, n_x], broadcast through zero strides
             xb = xb.float()
             if xb.ndim != 4 or xb.stride(3) != 1:
@@ -278,6 +338,24 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if rc != 0:
         raise ValueError("the C kernel refused its arguments (code widths, lengths, group sizes, ranges or blocks)")
     return out
+
+
+def _segment(a: _Args, e, k, v) -> None:
+    """Fill the C exact segment ``e`` from a (key, value) pair of :func:`_exact_segments`."""
+    e.n, e.dtype = k.shape[2], _X_DTYPES[k.dtype]
+    if isinstance(k, torch.Tensor):
+        es = k.element_size()
+        e.k, e.v = a.ptr(k, "const uint8_t *"), a.ptr(v, "const uint8_t *")
+        (sb, sh, st, _), (vb, vh, vt, _) = k.stride(), v.stride()
+        e.k_sb, e.k_sh, e.k_st, e.v_sb, e.v_sh, e.v_st = sb * es, sh * es, st * es, vb * es, vh * es, vt * es
+    else:  # PagedRows: the pages' bytes from each buffer's start, one offset per sequence and token (the kernel
+        # checks every offset against the buffer's extent before it reads anything)
+        from qjl.kernels.paged import extent_bytes
+
+        e.k, e.v = a.ptr(k.field.buffer, "const uint8_t *"), a.ptr(v.field.buffer, "const uint8_t *")
+        e.k_sh, e.v_sh = k.field.stride_head, v.field.stride_head
+        e.k_off, e.v_off = a.ptr(_i64(k.offsets), "int64_t *"), a.ptr(_i64(v.offsets), "int64_t *")
+        e.k_room, e.v_room = extent_bytes(k.field.buffer), extent_bytes(v.field.buffer)
 
 
 def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
@@ -324,7 +402,7 @@ def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Ten
 
 
 def store_bounds(blocks: torch.Tensor, slots: torch.Tensor) -> tuple:
-    """What :func:`store_rows` checks its positions with: (blocks, slots as int64 contiguous, the smallest of
+    """What :class:`EncodeStore` checks its positions with: (blocks, slots as int64 contiguous, the smallest of
     both, the largest block, the largest slot).  A caller that stores several fields at the same positions (the
     vLLM backend: every layer of a step) computes it once and passes it as ``bounds``."""
     for name, t in (("blocks", blocks), ("slots", slots)):
@@ -337,33 +415,84 @@ def store_bounds(blocks: torch.Tensor, slots: torch.Tensor) -> tuple:
     return blk, slt, min(int(blk.min()), int(slt.min())), int(blk.max()), int(slt.max())
 
 
-def store_rows(codes: torch.Tensor, stored: torch.Tensor, codes_field, norm_field, blocks: torch.Tensor,
-               slots: torch.Tensor, bounds: tuple | None = None) -> None:
-    """codes [N * H, nbytes] uint8 and stored norms [N * H] float32 (:func:`bucket_norms`) written into paged
-    fields (CPU buffers) at (blocks [N], slots [N], KV heads 0..H-1), the norm in ``norm_field``'s dtype.
-    ``bounds``: :func:`store_bounds` of these blocks and slots (computed here when None)."""
-    from qjl.kernels.paged import extent_bytes
+class EncodeStore:
+    """One C call (``qjl_encode_store``, ``quantize.c``) that quantizes a layer's new keys and values and stores
+    them into paged fields, with the jobs' fixed parts (Lloyd-Max pass, rotation, codes field, norm field) checked
+    and turned into C arguments once: callers that store into the same fields step after step keep one (the vLLM
+    backend: in its :attr:`qjl.kernels.paged.FieldMap.memo`).  ``static``: [(qpass, matrix_t [dim, n] float32 (the
+    rotation's dense matrix, transposed), codes_field, norm_field)], 1 to 4 jobs; ``heads``: KV heads per token.
+    The row order of the arithmetic is fixed (``quantize.c``'s ``encode_row``; the torch mirror is
+    :func:`qjl.kernels.reference.encode_reference`).  Each call checks the positions against the fields' buffers
+    (whose address and geometry must not have changed: checked too)."""
 
-    mod = _require()
-    blk, slt, lo, top_block, top_slot = store_bounds(blocks, slots) if bounds is None else bounds
-    n_tok = blk.shape[0]
-    rows, nbytes = codes.shape
-    if (slt.shape[0] != n_tok or rows % n_tok or tuple(stored.shape) != (rows,)
-            or codes_field.entry_bytes != nbytes or norm_field.dtype not in _DTYPES):
-        raise ValueError(f"store_rows: {rows} rows of {nbytes} bytes (stored {tuple(stored.shape)}) do not fit "
-                         f"{n_tok} tokens of {codes_field.entry_bytes}-byte codes with a {norm_field.dtype} norm")
-    for name, f in (("codes_field", codes_field), ("norm_field", norm_field)):
-        if f.buffer.device.type != "cpu":
-            raise ValueError(f"{name} must live in CPU memory, got {f.buffer.device}")
-        last = (f.offset + top_block * f.stride_block + (rows // n_tok - 1) * f.stride_head
-                + top_slot * f.stride_token + f.entry_bytes)
-        if lo < 0 or min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > extent_bytes(f.buffer):
-            raise ValueError(f"{name}: blocks/slots reach byte {last} of a buffer of {extent_bytes(f.buffer)} "
-                             f"(or an index is negative): nothing stored")
-    a = _Args(mod.ffi)
-    cf, nf = mod.ffi.new("qjl_field *"), mod.ffi.new("qjl_field *")
-    a.field(cf, codes_field, False)
-    a.field(nf, norm_field, True)
-    if mod.lib.qjl_store_rows(rows, rows // n_tok, a.ptr(blk, "int64_t *"), a.ptr(slt, "int64_t *"),
-                              a.ptr(codes.contiguous(), "uint8_t *"), nbytes, a.ptr(_f32(stored)), cf[0], nf[0]):
-        raise ValueError("store_rows: the C store refused its arguments")
+    def __init__(self, static, heads: int):
+        from qjl.kernels.paged import extent_bytes
+
+        if not 1 <= len(static) <= 4:
+            raise ValueError(f"EncodeStore takes 1 to 4 jobs, got {len(static)}")
+        self.mod, self.heads, self.static = _require(), int(heads), tuple(static)
+        self.a = a = _Args(self.mod.ffi)
+        self.cj = a.ffi.new("qjl_encode_job[]", len(static))
+        self.limits = []  # per field: (name, offset + the last head's and the entry's bytes, strides, extent, buffer)
+        for j, (qpass, matrix_t, codes_field, norm_field) in zip(self.cj, static):
+            mt, bnd, cent = _f32(matrix_t), _f32(qpass.boundaries), _f32(qpass.centroids)
+            dim, n = mt.shape
+            for name, f, entry in (("codes_field", codes_field, (n * qpass.bits + 7) // 8),
+                                   ("norm_field", norm_field, None)):
+                if f.buffer.device.type != "cpu":
+                    raise ValueError(f"{name} must live in CPU memory, got {f.buffer.device}")
+                if entry is not None and f.entry_bytes != entry:
+                    raise ValueError(f"{name}: entries of {f.entry_bytes} bytes cannot hold {entry}-byte codes")
+                if entry is None and f.dtype not in _DTYPES:
+                    raise ValueError(f"{name}: a norm stored as {f.dtype} is not written by the CPU kernel")
+                if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0:
+                    raise ValueError(f"{name}: negative offset or strides")
+                t = f.buffer
+                self.limits.append((name, f.offset + (self.heads - 1) * f.stride_head + f.entry_bytes, f.stride_block,
+                                    f.stride_token, extent_bytes(t), t, t.data_ptr(), tuple(t.shape), t.stride()))
+            j.dim, j.n, j.matrix_t = dim, n, a.ptr(mt)
+            j.bnd, j.cent, j.nbnd, j.bits = a.ptr(bnd), a.ptr(cent), bnd.numel(), qpass.bits
+            j.correct, j.norm_max = int(bool(qpass.correct_norm)), torch.finfo(qpass.norm_dtype).max
+            a.field(j.codes, codes_field, False)
+            a.field(j.norm_field, norm_field, True)
+        self.failed = a.ffi.new("int32_t *")
+
+    def matches(self, static) -> bool:
+        """These jobs are the ones this store was built for (the same objects)."""
+        return len(static) == len(self.static) and all(
+            x is y for s, t in zip(static, self.static) for x, y in zip(s, t))
+
+    def __call__(self, xs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | None = None) -> tuple:
+        """xs: one tensor [N, H, dim] per job (fp32, fp16 or bf16; other floats are converted) of the tokens at
+        blocks, slots [N] (``bounds``: their :func:`store_bounds`).  Returns (status, job): 0, or for the first
+        job that failed -2 (a NaN/Inf entry), -3 (a norm beyond its dtype), -4 (a corrected norm beyond it), -1
+        (arguments refused); nothing is stored unless the status is 0.  ValueError (nothing stored) for inputs or
+        positions that do not fit."""
+        blk, slt, lo, top_block, top_slot = bounds = store_bounds(blocks, slots) if bounds is None else bounds
+        n_tok, h = blk.shape[0], self.heads
+        for name, fixed, sb, st, extent, t, ptr, shape, stride in self.limits:
+            last = fixed + top_block * sb + top_slot * st
+            if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
+                raise ValueError(f"{name}: its buffer moved or changed shape since this EncodeStore was built")
+            if lo < 0 or last > extent:
+                raise ValueError(f"{name}: blocks/slots reach byte {last} of a buffer of {extent} "
+                                 f"(or an index is negative): nothing stored")
+        if len(xs) != len(self.static):
+            raise ValueError(f"EncodeStore: {len(self.static)} inputs expected, got {len(xs)}")
+        keep = []
+        for j, x in zip(self.cj, xs):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (n_tok, h, j.dim):
+                raise ValueError(f"x must be [{n_tok}, {h}, {j.dim}] (tokens, KV heads, dim), got "
+                                 f"{getattr(x, 'shape', type(x).__name__)}")
+            if x.dtype not in _X_DTYPES or x.stride(2) != 1 or x.device.type != "cpu":
+                x = x.detach().to("cpu", torch.float32).contiguous()
+            keep.append(x)
+            es = x.element_size()
+            j.x, j.x_dtype = self.a.ffi.cast("const uint8_t *", x.data_ptr()), _X_DTYPES[x.dtype]
+            j.x_st, j.x_sh = x.stride(0) * es, x.stride(1) * es
+        rc = self.mod.lib.qjl_encode_store(self.cj, len(self.static), n_tok, h,
+                                           self.a.ffi.cast("int64_t *", blk.data_ptr()),
+                                           self.a.ffi.cast("int64_t *", slt.data_ptr()), torch.get_num_threads(),
+                                           self.failed)
+        del keep  # (the inputs stayed alive through the call)
+        return rc, int(self.failed[0])

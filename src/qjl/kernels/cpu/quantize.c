@@ -196,3 +196,96 @@ QJL_EXPORT int qjl_store_scalars(const float *v, int64_t n, int32_t dtype, uint8
     }
     return 0;
 }
+
+/* One encode job of qjl_encode_store: the rows x of a role (token t, KV head h at x + t * x_st + h * x_sh, fp32 /
+ * fp16 / bf16 rows of dim contiguous elements) rotated by a dense matrix, bucketed, packed and stored. */
+typedef struct {
+    const qjl_encode_job *j;
+    int64_t heads;
+    const int64_t *blocks, *slots;
+    uint8_t *codes;  /* [rows, nbytes] */
+    float *stored;   /* [rows] */
+    int *status;     /* [rows]: 0, -2 a non-finite entry, -3 the norm beyond norm_max, -4 the corrected norm */
+} qjl_encode_ctx;
+
+/* Row i of a job in a fixed order (what qjl.kernels.encode.encode_reference computes op for op in torch):
+ *   ss = sum_j x_j^2 in float64, j = 0, 1, ...; norm = (float)sqrt(ss); u_j = x_j / (norm > 0 ? norm : 1);
+ *   y_k = sum_j u_j * M[k, j] in float32, j = 0, 1, ... (each product and sum rounded: no fused multiply-add,
+ *   the build being -std=c99); cells as torch.bucketize, packed LSB-first; cos = sum_k y_k * cent[cell_k] in
+ *   float32, k = 0, 1, ...; stored = correct ? norm / (cos > 0 ? cos : 1) : norm. */
+static void encode_row(void *ctx, int64_t i) {
+    const qjl_encode_ctx *c = ctx;
+    const qjl_encode_job *j = c->j;
+    const int64_t t = i / c->heads, h = i % c->heads, d = j->dim, n = j->n, nbytes = (n * j->bits + 7) / 8;
+    float buf[d + n], *x = buf, *y = buf + d; /* (head dimensions: a few KB on the stack) */
+    read_row(j->x + t * j->x_st + h * j->x_sh, j->x_dtype, d, x);
+    double ss = 0.0;
+    int finite = 1;
+    for (int64_t k = 0; k < d; k++) {
+        finite &= isfinite(x[k]) != 0;
+        ss += (double)x[k] * (double)x[k];
+    }
+    const float norm = (float)sqrt(ss), div = norm > 0.0f ? norm : 1.0f;
+    for (int64_t k = 0; k < d; k++) x[k] = x[k] / div;
+    for (int64_t k = 0; k < n; k++) y[k] = 0.0f;
+    for (int64_t k = 0; k < d; k++) { /* y += u_k * M[:, k]: each output summed over k in order */
+        const float uk = x[k], *col = j->matrix_t + k * n;
+        for (int64_t o = 0; o < n; o++) y[o] = y[o] + uk * col[o];
+    }
+    uint8_t *out = c->codes + i * nbytes;
+    memset(out, 0, (size_t)nbytes);
+    float cos = 0.0f;
+    const int top = (j->nbnd + 1) / 2;
+    for (int64_t k = 0; k < n; k++) {
+        const int cell = lm_cell(j->bnd, top, y[k]);
+        cos = cos + y[k] * j->cent[cell];
+        const int64_t pos = k * j->bits;
+        const uint32_t w = (uint32_t)cell << (pos & 7);
+        out[pos >> 3] |= (uint8_t)w;
+        if ((pos & 7) + j->bits > 8) out[(pos >> 3) + 1] |= (uint8_t)(w >> 8);
+    }
+    const float v = j->correct ? norm / (cos > 0.0f ? cos : 1.0f) : norm;
+    c->stored[i] = v;
+    c->status[i] = !finite ? -2 : !(norm <= j->norm_max) ? -3 : !(fabsf(v) <= j->norm_max) ? -4 : 0;
+}
+
+/* Several roles (a layer's keys and values) quantized as encode_row says and stored into paged fields, the rows
+ * never leaving C: row i of a job is token i / heads, KV head i % heads, stored at (blocks[i / heads],
+ * slots[i / heads]) of its codes and norm fields (the norm converted to the field's dtype as torch's .to(dtype)).
+ * Nothing is stored unless every row of every job passes; else *failed is the first job that did not and the
+ * return value its first row's status (-2 non-finite x, -3 norm beyond norm_max, -4 corrected norm; -1 bad
+ * arguments or no memory). */
+QJL_EXPORT int qjl_encode_store(const qjl_encode_job *jobs, int32_t n_jobs, int64_t tokens, int64_t heads,
+                                const int64_t *blocks, const int64_t *slots, int32_t threads, int32_t *failed) {
+    *failed = 0;
+    if (n_jobs < 1 || n_jobs > 4 || heads < 1 || tokens < 1) return -1;
+    const int64_t rows = tokens * heads;
+    uint8_t *codes[4] = {0};
+    float *stored[4] = {0};
+    int *status = malloc(sizeof(int) * (size_t)rows);
+    int rc = status ? 0 : -1;
+    for (int k = 0; k < n_jobs && !rc; k++) {
+        const qjl_encode_job *j = &jobs[k];
+        *failed = k;
+        if (j->dim < 1 || j->dim > 4096 || j->n < 1 || j->n > 4096 || j->bits < 1 || j->bits > 8 || j->nbnd != (1 << j->bits) - 1 ||
+            j->x_dtype < 0 || j->x_dtype > 2 || j->norm_field.dtype < 0 || j->norm_field.dtype > 3) {
+            rc = -1;
+            break;
+        }
+        codes[k] = malloc((size_t)(rows * ((j->n * j->bits + 7) / 8)));
+        stored[k] = malloc(sizeof(float) * (size_t)rows);
+        if (!codes[k] || !stored[k]) { rc = -1; break; }
+        const qjl_encode_ctx ctx = {j, heads, blocks, slots, codes[k], stored[k], status};
+        parallel_for(rows, rows >= 64 && threads > 1 ? threads : 1, encode_row, (void *)&ctx);
+        for (int64_t i = 0; i < rows && !rc; i++) rc = status[i];
+    }
+    for (int k = 0; k < n_jobs && !rc; k++) {
+        const qjl_encode_job *j = &jobs[k];
+        *failed = k;
+        rc = qjl_store_rows(rows, heads, blocks, slots, codes[k], (j->n * j->bits + 7) / 8, stored[k], j->codes,
+                            j->norm_field);
+    }
+    for (int k = 0; k < n_jobs; k++) free(codes[k]), free(stored[k]);
+    free(status);
+    return rc;
+}
