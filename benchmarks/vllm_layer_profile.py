@@ -6,7 +6,7 @@
 One layer of the embedded model's shape (3 KV heads, 9 query heads, head_dim 64, 16-token blocks) in a page pool
 written as the backend writes it (one prefill of ``--context`` tokens), then the pieces of a one-sequence decode
 step timed separately (median of ``--repeats`` calls, milliseconds): the step's index plan, the code write
-(quantization included), the decode (exact-slot gather + :func:`qjl.kernels.paged_decode`), the exact-copy
+(quantization included, one C call), the decode (the exact slots as rows read in place + :func:`qjl.kernels.paged_decode`), the exact-copy
 write, and beside them a dense bf16 ``scaled_dot_product_attention`` over the same context (what one attention
 call of a native layer costs, roughly).  Prints a JSON object.
 """
@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=128, help="tokens per page (vLLM's CPU default: 128)")
     ap.add_argument("--layer", type=int, default=20, help="layer index of 30 (the default preset's keys: 4 bits "
                     "below 15, 5 bits from 15 on)")
     args = ap.parse_args(argv)
@@ -80,7 +80,7 @@ def main(argv=None) -> dict:
         "plan": _median_ms(lambda: StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window), r),
         "write_codes": _median_ms(lambda: write_codes(lay, fields, k, v, None, plan=plan), r),
         "decode": _median_ms(lambda: dec(q, kf, vf, plan.decode.block_table, lens - 1, bs, **kw), r),
-        "decode.exact_gather": _median_ms(lambda: exact_tokens(ex, plan.decode, hkv, (k, v)), r),
+        "decode.exact_rows": _median_ms(lambda: exact_tokens(ex, plan.decode, hkv, (k, v)), r),
         "decode.kernel": _median_ms(lambda: paged_decode(qk, lay.key_codec, kf, lay.value_codec, vf,
                                                          plan.decode.block_table, bs, plan.decode.start,
                                                          plan.decode.end, exact=xt), r),
