@@ -181,5 +181,5 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         write_codes(lay, fields, key[:n], value[:n], None, plan=plan)
         out = forward_batch(lay, fields, query[:n], key[:n], value[:n], m.block_table, m.query_start_loc, m.seq_lens,
                             self.scale, self._decode, plan=plan)
-        output[:n] = out.to(output.dtype)
+        output[:n].copy_(out)  # (converted to the output's dtype in the copy)
         return output
