@@ -250,7 +250,10 @@ def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_ta
     buffers = {id(f.buffer): f.buffer for f in (*key_fields.values(), *value_fields.values())}
     if memo is None:
         return _Prepared(tpl, room, None, None, None, ())
-    p = _Prepared(tpl, room, value_fields, key_codec, value_codec, buffers.values())
+    try:
+        p = _Prepared(tpl, room, value_fields, key_codec, value_codec, buffers.values())
+    except TypeError:  # a codec that cannot be weakly referenced: checked on every call
+        return _Prepared(tpl, room, None, None, None, ())
     if len(memo) > 64:  # (a FieldMap served with many codec objects)
         memo.clear()
     memo[key] = p
