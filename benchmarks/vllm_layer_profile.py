@@ -6,7 +6,8 @@
 One layer of the embedded model's shape (3 KV heads, 9 query heads, head_dim 64, 16-token blocks) in a page pool
 written as the backend writes it (one prefill of ``--context`` tokens), then the pieces of a one-sequence decode
 step timed separately (median of ``--repeats`` calls, milliseconds): the step's index plan, the code write
-(quantization included, one C call), the decode (the exact slots as rows read in place + :func:`qjl.kernels.paged_decode`), the exact-copy
+(quantization included, one C call), the decode (the exact slots as rows read in place +
+:func:`qjl.kernels.paged_decode`), the exact-copy
 write, and beside them a dense bf16 ``scaled_dot_product_attention`` over the same context (what one attention
 call of a native layer costs, roughly).  Prints a JSON object.
 """

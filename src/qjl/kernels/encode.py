@@ -10,7 +10,8 @@ import weakref
 
 import torch
 
-__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "encode_rows_cpu", "store_cpu", "dense_t", "cpu_pass",
+__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "encode_rows_cpu", "store_cpu", "dense_t",
+           "cpu_pass",
            "quantize_with"]
 
 

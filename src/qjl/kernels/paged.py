@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["PagedField", "FieldMap", "PagedRows", "paged_decode", "check_paged", "views", "kernel_readable", "view_fields", "term_queries",
-           "query_maps", "unmix_matrix", "check_exact", "joined_exact", "check_static", "check_args", "fields_signature",
-           "extent_bytes"]
+__all__ = ["PagedField", "FieldMap", "PagedRows", "role_fields", "paged_decode", "check_paged", "views",
+           "kernel_readable", "view_fields", "term_queries", "query_maps", "unmix_matrix", "check_exact",
+           "joined_exact", "check_static", "check_args", "fields_signature", "extent_bytes"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
 

@@ -21,7 +21,8 @@ import torch
 
 from qjl.core.packing import unpack_bits
 
-__all__ = ["paged_decode_reference", "encode_reference", "gather_codes", "merge_partials", "merge_stacked_partials", "partial_softmax",
+__all__ = ["paged_decode_reference", "encode_reference", "gather_codes", "merge_partials", "merge_stacked_partials",
+           "partial_softmax",
            "finite_max"]
 
 

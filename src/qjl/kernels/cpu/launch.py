@@ -209,8 +209,9 @@ def _exact_segments(ks: tuple, vs: tuple) -> list:
 class _Prepared:
     """What a decode call takes from its codecs and fields, checked and filled once: the struct's template and the
     largest block index every field's buffer holds (``room``).  Kept in the key fields'
-    :attr:`qjl.kernels.paged.FieldMap.memo` (:func:`_prepared`): ``matches`` tells whether a call's value fields and codecs are the objects it was
-    built for and every buffer still has the address and geometry it had (a buffer resized in place rebuilds it)."""
+    :attr:`qjl.kernels.paged.FieldMap.memo` (:func:`_prepared`): ``matches`` tells whether a call's value fields and
+    codecs are the objects it was built for and every buffer still has the address and geometry it had (a buffer
+    resized in place rebuilds it)."""
 
     __slots__ = ("tpl", "room", "refs", "buffers")
 

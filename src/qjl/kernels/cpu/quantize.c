@@ -267,7 +267,8 @@ QJL_EXPORT int qjl_encode_store(const qjl_encode_job *jobs, int32_t n_jobs, int6
     for (int k = 0; k < n_jobs && !rc; k++) {
         const qjl_encode_job *j = &jobs[k];
         *failed = k;
-        if (j->dim < 1 || j->dim > 4096 || j->n < 1 || j->n > 4096 || j->bits < 1 || j->bits > 8 || j->nbnd != (1 << j->bits) - 1 ||
+        if (j->dim < 1 || j->dim > 4096 || j->n < 1 || j->n > 4096 || j->bits < 1 || j->bits > 8 ||
+            j->nbnd != (1 << j->bits) - 1 ||
             j->x_dtype < 0 || j->x_dtype > 2 || j->norm_field.dtype < 0 || j->norm_field.dtype > 3) {
             rc = -1;
             break;
