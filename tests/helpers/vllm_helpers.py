@@ -31,8 +31,11 @@ def run_script(code: str, tmp_path: Path, env: dict | None = None, timeout: int 
     return result
 
 
-def tiny_llama_dir(path: Path, heads: int = 4, kv_heads: int = 2, layers: int = 4) -> str:
-    """A tiny random Llama (even head counts, so TP=2 splits it), saved with the embedded model's tokenizer."""
+def tiny_llama_dir(path: Path, heads: int = 4, kv_heads: int = 2, layers: int = 4, layer_types=None,
+                   sliding_window: int | None = None) -> str:
+    """A tiny random Llama (even head counts, so TP=2 splits it), saved with the embedded model's tokenizer;
+    ``layer_types`` ("sliding_attention" / "full_attention" per layer) and ``sliding_window``: a hybrid model as
+    vLLM's Llama reads one (Gemma-3-style interleaving)."""
     import torch
     import transformers as tf
 
@@ -44,6 +47,8 @@ def tiny_llama_dir(path: Path, heads: int = 4, kv_heads: int = 2, layers: int = 
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64,
                          max_position_embeddings=2048, initializer_range=0.05, tie_word_embeddings=True,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if layer_types is not None:
+        cfg.layer_types, cfg.sliding_window = list(layer_types), sliding_window
     model = tf.LlamaForCausalLM(cfg).to(torch.float32)
     model.save_pretrained(path)
     tok.save_pretrained(path)

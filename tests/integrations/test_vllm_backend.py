@@ -43,11 +43,16 @@ def test_register_overrides_cpu_attn_only_when_enabled(qjl_env, monkeypatch):
         qv.register()
 
 
-@pytest.mark.parametrize("kw,name", [({"sliding_window": 64}, "sliding_window"), ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
+@pytest.mark.parametrize("kw,name", [({"sliding_window": 0}, "sliding_window"),
+                                     ({"sliding_window": 8.5}, "sliding_window"),
+                                     ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
                                      ({"alibi_slopes": [1.0]}, "alibi_slopes"), ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
                                      ({"attn_type": "encoder_only"}, "attn_type")])
 def test_impl_refuses_what_it_cannot_hold(qjl_env, kw, name):
-    from qjl.integrations.vllm.backend import QJLAttentionImpl
+    from qjl.integrations.vllm.backend import QJLAttentionBackend, QJLAttentionImpl
 
     with pytest.raises(ValueError, match=name):
         QJLAttentionImpl(num_heads=9, head_size=64, scale=0.125, num_kv_heads=3, **kw)
+    assert QJLAttentionBackend.supports_sliding_window()  # a positive int window is served (test_vllm_sliding.py)
+    impl = QJLAttentionImpl(num_heads=9, head_size=64, scale=0.125, num_kv_heads=3, sliding_window=64)
+    assert impl.sliding_window == 64

@@ -37,8 +37,8 @@ class Pool:
     """One layer of a preset in a shuffled page pool, sequences written as the backend writes them."""
 
     def __init__(self, settings: VLLMSettings, hkv: int, hq: int, block_size: int, layer: int = 20,
-                 num_blocks: int = 40, seed: int = 0, device="cpu"):
-        self.lay = layer_layout(settings, layer, 30, D, block_size, torch.bfloat16)
+                 num_blocks: int = 40, seed: int = 0, device="cpu", sliding: int | None = None):
+        self.lay = layer_layout(settings, layer, 30, D, block_size, torch.bfloat16, sliding_window=sliding)
         self.device = torch.device(device)
         self.pages = torch.zeros(num_blocks, hkv, block_size, self.lay.content_bytes // 2, dtype=torch.bfloat16,
                                  device=device)
@@ -69,7 +69,8 @@ class Pool:
         q, k, v = self._x(t, self.hq, D), self._x(t, self.hkv, D), self._x(t, self.hkv, D)
         qsl, lens = torch.tensor(qsl, device=self.device), torch.tensor(lens, device=self.device)
         lay = self.lay
-        plan = StepPlan.build(qsl, lens, table, lay.block_size, lay.sinks, lay.window)
+        plan = StepPlan.build(qsl, lens, table, lay.block_size, lay.sinks, lay.window,
+                              sliding_window=lay.sliding_window)
         write_codes(lay, self.fields, k, v, None, plan=plan)
         if compare is not None and plan.decode is not None:
             rows = plan.decode_token_rows
@@ -78,7 +79,8 @@ class Pool:
             ex = (self.fields["exact.key"], self.fields["exact.value"]) if lay.sinks + lay.window else None
             args = (q[rows], kf, vf, plan.decode.block_table, plan.seq_lens[plan.decode_seqs] - 1, lay.block_size)
             kw = dict(key_codec=lay.key_codec, value_codec=lay.value_codec, scale=D ** -0.5, num_kv_heads=self.hkv,
-                      exact=ex, sinks=lay.sinks, window=lay.window, current=(k[rows], v[rows]), rows=plan.decode)
+                      exact=ex, sinks=lay.sinks, window=lay.window, current=(k[rows], v[rows]), rows=plan.decode,
+                      sliding_window=lay.sliding_window)
             compare(args, kw)
             write_exact(plan, self.fields, k, v)
             return None
@@ -92,8 +94,10 @@ def _close(a, b):
     assert err <= TOL * float(b.abs().max()), err
 
 
-CASES = [  # (preset, settings overrides, KV heads, query heads, block size)
+CASES = [  # (preset, settings overrides, KV heads, query heads, block size[, sliding window])
     ("tq-k45v3", {}, 2, 6, 16),
+    ("tq-k45v3", {"sinks": 2, "window": 5}, 2, 6, 16, 20),  # a sliding-window layer: no sinks, W - 1 >= window
+    ("tq-k3v2", {}, 2, 4, 8, 13),
     ("tq-k45v3", {"sinks": 2, "window": 5}, 1, 4, 8),
     ("tq-k3v2", {}, 2, 4, 16),  # window 0 (the preset's default): sinks only
     ("tq-k3v2", {"sinks": 0}, 2, 2, 16),  # no exact slot at all: the current token only
@@ -102,10 +106,12 @@ CASES = [  # (preset, settings overrides, KV heads, query heads, block size)
 
 
 @pytest.mark.parametrize("backend", _backends())
-@pytest.mark.parametrize("preset,over,hkv,hq,bs", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_kernel_decode_matches_the_reference(preset, over, hkv, hq, bs, backend):
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}" + (f"-sw{c[5]}" if len(c) > 5 else "") for c in CASES])
+def test_kernel_decode_matches_the_reference(case, backend):
+    preset, over, hkv, hq, bs, *sliding = case
     s = VLLMSettings(preset=preset, **over)
-    pool = Pool(s, hkv, hq, bs, device=TRITON_DEVICE if backend == "triton" else "cpu")
+    pool = Pool(s, hkv, hq, bs, device=TRITON_DEVICE if backend == "triton" else "cpu",
+                sliding=sliding[0] if sliding else None)
     assert kernels.supports(pool.lay.key_codec, pool.lay.value_codec)
     # histories: none, shorter than sinks + window, straddling blocks, several blocks
     short = max(1, pool.lay.sinks + pool.lay.window - 2)
@@ -144,6 +150,11 @@ def test_forward_batch_with_the_kernel_equals_the_reference_run():
 def test_code_ranges_and_exact_rows():
     start, end = code_ranges(torch.tensor([0, 1, 3, 4, 10, 40]), sinks=2, window=3)
     assert start.tolist() == [0, 1, 2, 2, 2, 2] and end.tolist() == [0, 1, 2, 2, 7, 37]
+    # a sliding window of 8: the current token (position n) sees positions n - 7 ... n - 1 of its history
+    start, end = code_ranges(torch.tensor([0, 5, 8, 10, 40]), sinks=0, window=3, sliding_window=8)
+    assert start.tolist() == [0, 0, 1, 3, 33] and end.tolist() == [0, 2, 5, 7, 37]
+    with pytest.raises(ValueError, match="sliding window"):
+        decode_rows(torch.tensor([[0]]), torch.tensor([3]), block_size=8, sinks=0, window=8, sliding_window=8)
     table = torch.tensor([[5, 6, 7], [1, 2, 3]])
     rows = decode_rows(table, torch.tensor([3, 20]), block_size=8, sinks=2, window=3)
     # sequence 0 (3 tokens): sinks 0, 1 and window token 2; sequence 1: sinks 0, 1, window 17, 18, 19

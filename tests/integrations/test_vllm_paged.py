@@ -19,6 +19,14 @@ from qjl.integrations.vllm.settings import VLLMSettings
 D = 64
 
 
+def _quantize(codec, x):
+    """The codes the pages hold: the C encoder's (its torch mirror) where it serves the codec, else the codec's."""
+    from qjl import kernels
+    from qjl.kernels.reference import encode_reference
+
+    return encode_reference(codec, x) if kernels.can_quantize_cpu(codec) else codec.quantize(x)
+
+
 def _bf16(*shape, gen):
     return torch.randn(*shape, generator=gen).bfloat16().float()
 
@@ -27,9 +35,9 @@ class Sim:
     """One layer's page pool and the sequences written into it."""
 
     def __init__(self, key_spec, value_spec, block_size=16, hkv=2, hq=6, sinks=2, window=5, num_blocks=24, seed=0,
-                 planned=True):
+                 planned=True, sliding=None):
         self.layout = PageLayout(key_spec.build(D, 7), value_spec.build(D, 8), D, block_size, torch.bfloat16,
-                                 sinks, window)
+                                 sinks, window, sliding_window=sliding)
         self.pages = torch.zeros(num_blocks, hkv, block_size, self.layout.content_bytes // 2, dtype=torch.bfloat16)
         self.fields = page_fields(self.layout, self.pages)
         self.gen = torch.Generator().manual_seed(seed)
@@ -61,7 +69,8 @@ class Sim:
         table, qsl, lens = self._table(ids), torch.tensor(qsl), torch.tensor(lens)
         if self.planned:  # as the backend does: one StepPlan for the step (here: for the one layer)
             lay = self.layout
-            plan = StepPlan.build(qsl, lens, table, lay.block_size, lay.sinks, lay.window, torch.cat(slots))
+            plan = StepPlan.build(qsl, lens, table, lay.block_size, lay.sinks, lay.window, torch.cat(slots),
+                                  sliding_window=lay.sliding_window)
             write_codes(lay, self.fields, k, v, None, plan=plan)
         else:
             write_codes(self.layout, self.fields, k, v, torch.cat(slots))
@@ -81,9 +90,9 @@ class Sim:
         k, v = s["k"], s["v"]
         L, c = k.shape[0], q.shape[0]
         n = L - c
-        kc = lay.key_codec.quantize(k.transpose(0, 1))  # [H, L] codes of every token
+        kc = _quantize(lay.key_codec, k.transpose(0, 1))  # [H, L] codes of every token, as the pages hold them
         khat = lay.key_codec.dequantize(kc).transpose(0, 1)
-        vhat = lay.value_codec.dequantize(lay.value_codec.quantize(v.transpose(0, 1))).transpose(0, 1)
+        vhat = lay.value_codec.dequantize(_quantize(lay.value_codec, v.transpose(0, 1))).transpose(0, 1)
         exact = torch.zeros(L, dtype=torch.bool)
         exact[:min(lay.sinks, n)] = True
         exact[max(0, n - lay.window):] = True
@@ -91,7 +100,10 @@ class Sim:
         g = self.hq // self.hkv
         kk, vv = kk.repeat_interleave(g, dim=1), vv.repeat_interleave(g, dim=1)  # [L, H_q, D]
         logits = torch.einsum("chd,lhd->hcl", q, kk) * D ** -0.5
-        mask = torch.arange(L)[None, :] <= (n + torch.arange(c))[:, None]
+        qpos = (n + torch.arange(c))[:, None]
+        mask = torch.arange(L)[None, :] <= qpos
+        if lay.sliding_window is not None:  # a token sees the W - 1 before it
+            mask &= torch.arange(L)[None, :] > qpos - lay.sliding_window
         p = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
         return torch.einsum("hcl,lhd->chd", p, vv)
 
@@ -112,6 +124,24 @@ def test_mixed_batches_match_dense_attention(kv, sinks, window):
         for i, o in outs.items():
             ref = sim.dense(i, qs[i])
             assert torch.allclose(o, ref, atol=2e-5, rtol=1e-4), (chunks, i, (o - ref).abs().max())
+
+
+@pytest.mark.parametrize("sliding,window", [(24, 5), (9, 16), (1, 0)], ids=["w24", "w9-window-clamped", "w1"])
+def test_sliding_window_layers_match_dense_attention(sliding, window):
+    """A sliding-window layer (a token sees the W - 1 before it): no sinks (the settings' 2 are dropped), the exact
+    window clamped to W - 1, chunks and decode rows reaching past the window, through the reference and the C
+    kernel (decode rows), against the dense computation with the sliding mask."""
+    from qjl.integrations.vllm.decode import paged_decode_kernel
+
+    for decode in (None, paged_decode_kernel):
+        sim = Sim(TQ, TQV, sinks=2, window=window, sliding=sliding, num_blocks=40)
+        assert sim.layout.sinks == 0 and sim.layout.window == min(window, sliding - 1)
+        for chunks in ({"a": 20, "b": 1}, {"a": 17, "b": 1, "c": 30}, {"a": 1, "b": 1, "c": 1}, {"c": 3, "a": 1},
+                       {"a": 1, "b": 1, "c": 1}, {"b": 33}, {"a": 1, "b": 1, "c": 1}):
+            outs, qs = sim.step(chunks, decode=decode)
+            for i, o in outs.items():
+                ref = sim.dense(i, qs[i])
+                assert torch.allclose(o, ref, atol=2e-5, rtol=1e-4), (chunks, i, (o - ref).abs().max())
 
 
 def test_prefix_cache_hit_reads_the_window_of_shared_blocks():

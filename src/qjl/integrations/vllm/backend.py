@@ -63,6 +63,12 @@ class QJLAttentionBackend(AttentionBackend):
 
         return "CPU_ATTN" if current_platform.is_cpu() else "CUSTOM"
 
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        """Sliding-window layers (Mistral, hybrid Gemma-2/3-style models): their pages hold codes as any layer's; a
+        token attends the window's codes and exact tokens, no sinks (:class:`.layout.PageLayout`)."""
+        return True
+
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
         return [MultipleOf(16)]
@@ -98,12 +104,14 @@ class QJLMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # [T]
     plans: dict = field(default_factory=dict)
 
-    def plan(self, block_size: int, sinks: int, window: int) -> StepPlan:
-        """The step's :class:`.step.StepPlan`, built by the first layer that asks and shared by the others."""
-        key = (block_size, sinks, window)
+    def plan(self, block_size: int, sinks: int, window: int, sliding_window: int | None = None) -> StepPlan:
+        """The step's :class:`.step.StepPlan`, built by the first layer that asks and shared by the others of its
+        kind (hybrid models: the sliding-window layers share one, the full-attention layers another)."""
+        key = (block_size, sinks, window, sliding_window)
         if key not in self.plans:
             self.plans[key] = StepPlan.build(self.query_start_loc, self.seq_lens, self.block_table, block_size, sinks,
-                                             window, slot_mapping=self.slot_mapping[:self.num_actual_tokens])
+                                             window, slot_mapping=self.slot_mapping[:self.num_actual_tokens],
+                                             sliding_window=sliding_window)
         return self.plans[key]
 
 
@@ -127,7 +135,9 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name=None, sinks=None, **kwargs):
         refuse = {"attn_type": (attn_type != AttentionType.DECODER, attn_type),
                   "alibi_slopes": (alibi_slopes is not None, "ALiBi"),
-                  "sliding_window": (sliding_window is not None, sliding_window),
+                  "sliding_window": (sliding_window is not None and (isinstance(sliding_window, bool) or not
+                                                                     isinstance(sliding_window, int) or
+                                                                     sliding_window < 1), sliding_window),
                   "logits_soft_cap": (bool(logits_soft_cap), logits_soft_cap),
                   "sinks": (sinks is not None, "learned attention sinks"),
                   "kv_sharing_target_layer_name": (kv_sharing_target_layer_name is not None,
@@ -136,8 +146,10 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         for name, (bad, got) in refuse.items():
             if bad:
                 raise ValueError(f"the qjl vLLM backend cannot hold this model: {name}={got!r} is not supported "
-                                 "(decoder-only full causal attention, kv_cache_dtype='auto')")
+                                 "(decoder-only causal attention, full or over a sliding window of a positive int "
+                                 "number of tokens, kv_cache_dtype='auto')")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.sliding_window = sliding_window  # None, or W: a token sees the W - 1 before it (no sinks kept)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.settings = current_settings()
@@ -158,7 +170,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
                 raise ValueError(f"the qjl backend cannot place layer {layer.layer_name!r} in a model of "
                                  f"{self.num_layers} layers")
             self.layout = layer_layout(self.settings, idx, self.num_layers, self.head_size, kv_cache.shape[2],
-                                       kv_cache.dtype)
+                                       kv_cache.dtype, sliding_window=self.sliding_window)
         return self.layout
 
     def _page_fields(self, layer, kv_cache: torch.Tensor) -> dict:
@@ -177,7 +189,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         m = attn_metadata
         n = m.num_actual_tokens
         lay, fields = self._layout(layer, kv_cache), self._page_fields(layer, kv_cache)
-        plan = m.plan(lay.block_size, lay.sinks, lay.window)
+        plan = m.plan(lay.block_size, lay.sinks, lay.window, lay.sliding_window)
         write_codes(lay, fields, key[:n], value[:n], None, plan=plan)
         out = forward_batch(lay, fields, query[:n], key[:n], value[:n], m.block_table, m.query_start_loc, m.seq_lens,
                             self.scale, self._decode, plan=plan)

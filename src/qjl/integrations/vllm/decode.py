@@ -30,10 +30,14 @@ from .layout import exact_slot
 __all__ = ["DecodeRows", "decode_rows", "code_ranges", "exact_tokens", "paged_decode_kernel", "decode_function"]
 
 
-def code_ranges(seq_lens: torch.Tensor, sinks: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(start, end) [B] int64 of the coded tokens of histories of ``seq_lens`` [B] tokens."""
+def code_ranges(seq_lens: torch.Tensor, sinks: int, window: int,
+                sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) [B] int64 of the coded tokens of histories of ``seq_lens`` [B] tokens (the current token at
+    position ``seq_lens``; with a sliding window W it sees history from position ``seq_lens + 1 - W`` on)."""
     n = seq_lens.long()
     start = n.clamp(max=sinks)
+    if sliding_window is not None:
+        start = torch.maximum(start, (n + 1 - sliding_window).clamp(min=0))
     return start, torch.maximum(start, n - window)
 
 
@@ -84,11 +88,15 @@ class DecodeRows:
 
 
 def decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sinks: int,
-                window: int) -> DecodeRows:
-    """:class:`DecodeRows` of decode rows with block_table [B, max_blocks] and seq_lens [B] tokens of history."""
+                window: int, sliding_window: int | None = None) -> DecodeRows:
+    """:class:`DecodeRows` of decode rows with block_table [B, max_blocks] and seq_lens [B] tokens of history
+    (``sliding_window``: the layer's window; its exact window then lies inside it: ``window < sliding_window``)."""
+    if sliding_window is not None and (sinks or window >= sliding_window):
+        raise ValueError(f"a sliding window of {sliding_window} keeps no sinks and fewer exact window tokens, got "
+                         f"sinks={sinks}, window={window}")
     dev = block_table.device
     n = seq_lens.long().to(dev)
-    start, end = code_ranges(n, sinks, window)
+    start, end = code_ranges(n, sinks, window, sliding_window)
     j = torch.arange(sinks + window, device=dev)
     pos = torch.where(j < sinks, j, end[:, None] + (j - sinks))  # [B, E]
     ok = torch.where(j < sinks, j < start[:, None], pos < n[:, None])
@@ -125,7 +133,8 @@ def exact_tokens(exact, rows: DecodeRows, num_kv_heads: int, current=None):
 
 def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, block_size, *, key_codec, value_codec,
                         scale: float, num_kv_heads: int, exact=None, sinks: int = 0, window: int = 0, current=None,
-                        rows: DecodeRows | None = None, backend: str = "auto") -> torch.Tensor:
+                        rows: DecodeRows | None = None, backend: str = "auto",
+                        sliding_window: int | None = None) -> torch.Tensor:
     """:func:`.paged.paged_decode_reference`'s signature and result, computed by :func:`qjl.kernels.paged_decode`.
 
     q [B, H_q, D]; fields {codec field name: PagedField}; block_table [B, max_blocks]; seq_lens [B] tokens
@@ -145,9 +154,9 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
         return paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size,
                                       key_codec=key_codec, value_codec=value_codec, scale=scale,
                                       num_kv_heads=num_kv_heads, exact=exact, sinks=sinks, window=window,
-                                      current=current)
+                                      current=current, sliding_window=sliding_window)
     if rows is None:
-        rows = decode_rows(block_table.to(q.device), seq_lens, block_size, sinks, window)
+        rows = decode_rows(block_table.to(q.device), seq_lens, block_size, sinks, window, sliding_window)
     ex = exact_tokens(exact, rows, num_kv_heads, current)
     if ex is None and not bool((rows.end > rows.start).all()):
         raise ValueError("a decode row has no token to attend to (seq_lens 0 and no current token)")

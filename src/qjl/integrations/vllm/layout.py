@@ -78,13 +78,21 @@ class PageLayout:
         exact_dtype: dtype of the exact copies (sinks and window).
         sinks, window: exact slots per head region: E = sinks + window.
         content_bytes: C to use (>= what this layer needs), or None for the minimum.
+        sliding_window: None, or the layer's sliding window W (a query at position p sees the keys at p - W + 1
+            ... p, as vLLM and transformers define it): such a layer keeps no sinks (the model never sees a token
+            that far back) and at most W - 1 exact window tokens.
     """
 
     def __init__(self, key_codec, value_codec, head_dim: int, block_size: int, exact_dtype: torch.dtype,
-                 sinks: int, window: int, content_bytes: int | None = None):
+                 sinks: int, window: int, content_bytes: int | None = None, sliding_window: int | None = None):
+        if sliding_window is not None:
+            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+                raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+            sinks, window = 0, min(window, sliding_window - 1)
         self.key_codec, self.value_codec = key_codec, value_codec
         self.head_dim, self.block_size = head_dim, block_size
         self.exact_dtype, self.sinks, self.window = exact_dtype, sinks, window
+        self.sliding_window = sliding_window
         self.fields: dict[str, FieldSpec] = {}
         off = 0
         kper, kshared = codec_fields(key_codec, head_dim)
@@ -142,12 +150,13 @@ def content_bytes(settings, head_dim: int, block_size: int, model_dtype: torch.d
 
 
 def layer_layout(settings, layer: int, num_layers: int, head_dim: int, block_size: int,
-                 model_dtype: torch.dtype) -> PageLayout:
+                 model_dtype: torch.dtype, sliding_window: int | None = None) -> PageLayout:
     """Layer ``layer``'s codecs (seeds ``seed + 1000 layer`` and ``+ 1``, as :class:`qjl.QJLCache`) in pages
-    of :func:`content_bytes`."""
+    of :func:`content_bytes`; ``sliding_window``: the layer's window, if it has one (:class:`PageLayout`)."""
     cfg = settings.config
     k, v = cfg.specs(layer, num_layers)
     seed = cfg.seed + 1000 * layer
     return PageLayout(k.build(head_dim, seed), v.build(head_dim, seed + 1), head_dim, block_size,
                       _DTYPES.get(cfg.exact_dtype, model_dtype), settings.sink_tokens, settings.window_tokens,
-                      content_bytes=content_bytes(settings, head_dim, block_size, model_dtype))
+                      content_bytes=content_bytes(settings, head_dim, block_size, model_dtype),
+                      sliding_window=sliding_window)

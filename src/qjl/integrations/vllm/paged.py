@@ -163,18 +163,22 @@ def _exact(exact, block_row, pos, block_size, sinks, window, heads):
     return (ek.gather(blocks, heads[:, None], slots).float(), ev.gather(blocks, heads[:, None], slots).float())
 
 
-def _split(n: int, sinks: int, window: int):
-    """(exact sink positions, code range, exact window positions) of a history of n tokens."""
+def _split(n: int, sinks: int, window: int, sliding_window: int | None = None):
+    """(exact sink positions, code range, exact window positions) of a history of n tokens that a token at
+    position n sees (with a sliding window W: from position n + 1 - W on; then no sinks, window < W)."""
     s = min(sinks, n)
-    w0 = max(s, n - window)
-    return torch.arange(0, s), (s, w0), torch.arange(w0, n)
+    c0 = s if sliding_window is None else max(s, n + 1 - sliding_window)
+    w0 = max(c0, n - window)
+    return torch.arange(0, s), (c0, w0), torch.arange(w0, n)
 
 
 def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size, *, key_codec,
                            value_codec, scale: float, num_kv_heads: int, exact=None, sinks: int = 0,
-                           window: int = 0, current=None, rows=None) -> torch.Tensor:
+                           window: int = 0, current=None, rows=None,
+                           sliding_window: int | None = None) -> torch.Tensor:
     """The paged decode attention of the module docstring (plain torch, one sequence at a time; ``rows``, the
-    step's precomputed indices that :func:`.decode.paged_decode_kernel` takes, is ignored)."""
+    step's precomputed indices that :func:`.decode.paged_decode_kernel` takes, is ignored).  ``sliding_window``:
+    the layer's window W: the current token sees the W - 1 tokens before it (no sinks; ``window < W``)."""
     b, hq, d = q.shape
     if exact is None and sinks + window:
         raise ValueError("exact must be given when sinks or window is non-zero")
@@ -185,7 +189,7 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
     out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     for i in range(b):
         row = block_table[i].long()
-        sink_pos, (c0, c1), win_pos = _split(int(seq_lens[i]), sinks, window)
+        sink_pos, (c0, c1), win_pos = _split(int(seq_lens[i]), sinks, window, sliding_window)
         qi = q[i].float().reshape(num_kv_heads, g, d)
         logits, vs = [], []
         xpos = torch.cat([sink_pos, win_pos])
@@ -213,7 +217,8 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
     exactly, causally), history from the pages -> [T, H_q, D] float32.
 
     Sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]`` and has ``seq_lens[i]``
-    tokens after this step; its history is the first ``seq_lens[i] - query_len`` tokens.
+    tokens after this step; its history is the first ``seq_lens[i] - query_len`` tokens.  A layer with a sliding
+    window W (``layout.sliding_window``): the token at position p sees positions p - W + 1 ... p.
     """
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -227,7 +232,8 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
             continue
         n = int(seq_lens[i]) - c
         row = block_table[i].long()
-        sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window)
+        sliding = layout.sliding_window
+        sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window, sliding)
         ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
         ks, vs = [], []
         xpos = torch.cat([sink_pos, win_pos])
@@ -242,8 +248,11 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
             ks.append(xk[:, len(sink_pos):]), vs.append(xv[:, len(sink_pos):])
         ks.append(k[r0:r1].float().transpose(0, 1)), vs.append(v[r0:r1].float().transpose(0, 1))
         kk, vv = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
-        mask = torch.ones(c, n + c, dtype=torch.bool, device=q.device)
-        mask[:, n:] = torch.tril(torch.ones(c, c, dtype=torch.bool, device=q.device))
+        pos = torch.cat([sink_pos, torch.arange(c0, c1), win_pos, torch.arange(n, n + c)]).to(q.device)
+        qpos = torch.arange(n, n + c, device=q.device)[:, None]
+        mask = pos[None, :] <= qpos  # causal over [sinks, codes, window, this chunk]
+        if sliding is not None:
+            mask &= pos[None, :] > qpos - sliding
         o = F.scaled_dot_product_attention(q[r0:r1].float().transpose(0, 1), kk, vv, attn_mask=mask, scale=scale,
                                            enable_gqa=hq != hkv)
         out[r0:r1] = o.transpose(0, 1)

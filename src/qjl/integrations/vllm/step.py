@@ -50,6 +50,7 @@ class StepPlan:
     block_size: int
     sinks: int
     window: int
+    sliding_window: int | None
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_table: torch.Tensor
@@ -68,10 +69,10 @@ class StepPlan:
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, block_table, block_size: int, sinks: int, window: int,
-              slot_mapping: torch.Tensor | None = None) -> "StepPlan":
+              slot_mapping: torch.Tensor | None = None, sliding_window: int | None = None) -> "StepPlan":
         """query_start_loc [B + 1], seq_lens [B] (after the step), block_table [B, max_blocks] (its device is
         the pages'), slot_mapping [>= T] (block * block_size + offset, negative = padding; None: from the
-        block table)."""
+        block table); sliding_window: the layers' window (:class:`.layout.PageLayout`), if any."""
         dev = block_table.device
         qsl, lens = query_start_loc.long().cpu(), seq_lens.long().cpu()
         positions, seq_ends, is_dec = token_positions(qsl, lens)
@@ -86,11 +87,13 @@ class StepPlan:
         kept = slots if rows is None else slots[rows]
         dec = is_dec.nonzero().flatten()
         history = lens[dec] - 1
-        drows = decode_rows(block_table[dec.to(dev)], history, block_size, sinks, window) if len(dec) else None
+        drows = (decode_rows(block_table[dec.to(dev)], history, block_size, sinks, window, sliding_window)
+                 if len(dec) else None)
         prefill = [(i, int(qsl[i]), int(qsl[i + 1])) for i in (~is_dec).nonzero().flatten().tolist()
                    if qsl[i + 1] > qsl[i]]
         erows, eblocks, eslots = exact_writes(positions, seq_ends, slots, block_size, sinks, window)
-        return cls(block_size, sinks, window, qsl, lens, block_table, rows, (kept // block_size).to(dev),
+        return cls(block_size, sinks, window, sliding_window, qsl, lens, block_table, rows,
+                   (kept // block_size).to(dev),
                    (kept % block_size).to(dev), dec, qsl[dec], history, drows, prefill, erows, eblocks.to(dev),
                    eslots.to(dev))
 
@@ -126,7 +129,11 @@ def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_
     """
     decode = paged_decode_reference if decode is None else decode
     if plan is None:
-        plan = StepPlan.build(query_start_loc, seq_lens, block_table, layout.block_size, layout.sinks, layout.window)
+        plan = StepPlan.build(query_start_loc, seq_lens, block_table, layout.block_size, layout.sinks, layout.window,
+                              sliding_window=layout.sliding_window)
+    if (plan.block_size, plan.sinks, plan.window, plan.sliding_window) != (
+            layout.block_size, layout.sinks, layout.window, layout.sliding_window):
+        raise ValueError("plan: built for another block size, sinks, window or sliding window than this layout's")
     t, hq, d = q.shape
     every = plan.decode is not None and not plan.prefill and len(plan.decode_seqs) == t  # rows 0..T-1 decode
     out = None if every else torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
@@ -137,7 +144,8 @@ def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_
         got = decode(sel(q), role_fields(fields, "key"), role_fields(fields, "value"), plan.decode.block_table,
                      plan.decode_history, layout.block_size, key_codec=layout.key_codec,
                      value_codec=layout.value_codec, scale=scale, num_kv_heads=k.shape[1], exact=ex,
-                     sinks=layout.sinks, window=layout.window, current=(sel(k), sel(v)), rows=plan.decode)
+                     sinks=layout.sinks, window=layout.window, current=(sel(k), sel(v)), rows=plan.decode,
+                     sliding_window=layout.sliding_window)
         if every:
             out = got
         else:
