@@ -427,7 +427,8 @@ class EncodeStore:
     rotation's dense matrix, transposed), codes_field, norm_field)], 1 to 4 jobs; ``heads``: KV heads per token.
     The row order of the arithmetic is fixed (``quantize.c``'s ``encode_row``; the torch mirror is
     :func:`qjl.kernels.reference.encode_reference`).  Each call checks the positions against the fields' buffers
-    (whose address and geometry must not have changed: checked too)."""
+    (whose address and geometry must not have changed: checked too).  One caller at a time: a call fills the C
+    arguments it keeps (the vLLM backend runs a step's layers one after another)."""
 
     def __init__(self, static, heads: int):
         from qjl.kernels.paged import extent_bytes
