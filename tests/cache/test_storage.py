@@ -159,3 +159,36 @@ def test_select_checks_the_index_first():
         assert same(state(store), before)
     store.select(torch.tensor([1, 1, 0]))
     assert store.batch_size == 3 and torch.equal(store.keys[2], before["keys"][0])
+
+
+def test_code_buffer_fields_are_kept_until_the_buffers_change():
+    """CodeBuffer.paged_fields: one FieldMap over the whole capacity, the same object while codes are appended in
+    place (so the kernels keep their checks), a new one when the buffers grow, are reindexed or restored, and none
+    kept for buffers the store let go."""
+    import gc
+    import weakref
+
+    from qjl.cache.buffers import CodeBuffer
+    from qjl.codecs import TurboQuantMSE
+
+    codec = TurboQuantMSE(64, 3, seed=0)
+    buf = CodeBuffer()
+    assert buf.paged_fields() is None
+    buf.append(codec.quantize(torch.randn(2, 3, 5, 64)))
+    fm = buf.paged_fields()
+    assert fm is buf.paged_fields() and fm["codes"].buffer is buf.fields["codes"]
+    assert fm["codes"].buffer.shape[2] == buf.capacity >= 5
+    state = buf.state()
+    while buf.capacity == state[0]["codes"].shape[2]:  # appended in place: the same map
+        assert buf.paged_fields() is fm
+        buf.append(codec.quantize(torch.randn(2, 3, 1, 64)))
+    grown = buf.paged_fields()  # the buffers grew: a new map over them
+    assert grown is not fm and grown["codes"].buffer is buf.fields["codes"]
+    old = weakref.ref(grown["codes"].buffer)
+    buf.select(torch.tensor([1]))
+    assert buf.paged_fields()["codes"].buffer.shape[0] == 1
+    del grown
+    gc.collect()
+    assert old() is None  # the grown buffers, let go by select, are not kept alive by a map
+    buf.restore(state)
+    assert buf.paged_fields()["codes"].buffer is state[0]["codes"]

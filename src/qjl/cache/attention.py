@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from qjl import kernels
-from qjl.kernels.paged import PagedField
 
 __all__ = ["attend", "MAX_KERNEL_ROWS", "QUERY_CHUNK"]
 
@@ -119,13 +118,6 @@ def _attend_sdpa(store, query: torch.Tensor, attention_mask, scaling: float) -> 
     return out.transpose(1, 2)
 
 
-def _fields(codes) -> dict:
-    """A store's contiguous codes ([B, H, N, ...] per field) as paged fields: one block per sequence."""
-    out = {n: PagedField.of(t) for n, t in codes.fields.items()}
-    out.update({n: PagedField.of(t, shared=True) for n, t in codes.shared.items()})
-    return out
-
-
 def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: int, t: int):
     """Codes through the paged decode core (one block per sequence), sinks + window exactly, in one
     call: -> [B, t, H_q, D] float32, or None when the mask over the codes differs between rows or heads."""
@@ -149,8 +141,8 @@ def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: 
     block_table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
     start = torch.zeros(b, dtype=torch.int32, device=dev)
     end = torch.full((b,), n_codes, dtype=torch.int32, device=dev)
-    out = kernels.paged_decode(qg * scaling, store.key_codec, _fields(store.key_codes), store.value_codec,
-                               _fields(store.value_codes), block_table, max(n_codes, 1), start, end,
-                               exact=(keys, values, bias_x), code_bias=bias, backend=store.backend,
-                               max_codes=n_codes)
+    key_fields, value_fields, capacity = store.kernel_fields()
+    out = kernels.paged_decode(qg * scaling, store.key_codec, key_fields, store.value_codec, value_fields,
+                               block_table, max(capacity, 1), start, end, exact=(keys, values, bias_x),
+                               code_bias=bias, backend=store.backend, max_codes=n_codes)
     return out.reshape(b, hq, t, d).transpose(1, 2)

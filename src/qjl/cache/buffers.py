@@ -99,6 +99,24 @@ class CodeBuffer:
     def __init__(self):
         self.fields, self.shared, self.n = None, None, 0
 
+    # (``fields`` and ``shared`` are replaced, never changed in place: replacing either drops the kept FieldMap, so
+    # it never keeps buffers alive that the store let go)
+    @property
+    def fields(self):
+        return self._fields
+
+    @fields.setter
+    def fields(self, value) -> None:
+        self._fields, self._paged = value, None
+
+    @property
+    def shared(self):
+        return self._shared
+
+    @shared.setter
+    def shared(self, value) -> None:
+        self._shared, self._paged = value, None
+
     @property
     def capacity(self) -> int:
         return 0 if not self.fields else next(iter(self.fields.values())).shape[2]
@@ -108,6 +126,20 @@ class CodeBuffer:
             return None
         lead = (*next(iter(self.fields.values())).shape[:2], self.n)
         return Codes(lead, {k: t[:, :, : self.n] for k, t in self.fields.items()}, dict(self.shared))
+
+    def paged_fields(self):
+        """The fields over the whole capacity as one block per sequence (:class:`qjl.kernels.paged.FieldMap`; a
+        kernel reads the codes in use through its ranges, ``[0, n)``), built once per set of buffers (the same
+        object until they grow or the shared fields change), or None while empty."""
+        if self.fields is None or self.n == 0:
+            return None
+        if self._paged is None:
+            from qjl.kernels.paged import FieldMap, PagedField
+
+            fm = {n: PagedField.of(t) for n, t in self.fields.items()}
+            fm.update({n: PagedField.of(t, shared=True) for n, t in self.shared.items()})
+            self._paged = FieldMap(fm)
+        return self._paged
 
     def append(self, codes: Codes) -> None:
         """Copy ``codes`` (leading shape ``[B, H, m]``) in after the codes in use."""

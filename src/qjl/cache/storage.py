@@ -153,6 +153,12 @@ class LayerStore:
     def value_codes(self) -> Codes | None:
         return self._vc.view()
 
+    def kernel_fields(self) -> tuple:
+        """(key fields, value fields, block size) of the codes for the paged kernels: one block per sequence over
+        the buffers' whole capacity, the same FieldMap objects from call to call until the buffers grow (so the
+        launchers keep their checks); the codes in use are tokens ``[0, n_codes)``."""
+        return self._kc.paged_fields(), self._vc.paged_fields(), self._kc.capacity
+
     @property
     def n_sink(self) -> int:
         return 0 if self.sink_k is None else self.sink_k.shape[2]
