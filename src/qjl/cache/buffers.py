@@ -89,6 +89,18 @@ class TokenBuffer:
         return [] if self.data is None else [self.data]
 
 
+def _dropping_fields_map(name: str) -> property:
+    """An attribute stored as ``name`` whose assignment also drops the FieldMap kept by ``paged_fields``."""
+
+    def get(self):
+        return self.__dict__[name]
+
+    def put(self, value) -> None:
+        self.__dict__[name], self.__dict__["_paged"] = value, None
+
+    return property(get, put)
+
+
 class CodeBuffer:
     """Codes with leading shape ``[B, H, n]`` held in per-field tensors of capacity ``[B, H, cap, ...]``.
 
@@ -99,23 +111,10 @@ class CodeBuffer:
     def __init__(self):
         self.fields, self.shared, self.n = None, None, 0
 
-    # (``fields`` and ``shared`` are replaced, never changed in place: replacing either drops the kept FieldMap, so
-    # it never keeps buffers alive that the store let go)
-    @property
-    def fields(self):
-        return self._fields
-
-    @fields.setter
-    def fields(self, value) -> None:
-        self._fields, self._paged = value, None
-
-    @property
-    def shared(self):
-        return self._shared
-
-    @shared.setter
-    def shared(self, value) -> None:
-        self._shared, self._paged = value, None
+    # ``fields`` and ``shared`` are replaced, never changed in place: replacing either drops the kept FieldMap, so
+    # it never keeps buffers alive that the store let go
+    fields = _dropping_fields_map("_fields")
+    shared = _dropping_fields_map("_shared")
 
     @property
     def capacity(self) -> int:
