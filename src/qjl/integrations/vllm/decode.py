@@ -6,9 +6,10 @@ The backend's decode contract (:func:`.paged.paged_decode_reference`: a history 
 the same softmax) like this, for all decode rows of the batch at once:
 
 * coded range ``[start, end)`` with ``start = min(sinks, n)`` and ``end = max(start, n - window)``;
-* exact tokens ``[B, H_kv, sinks + window + 1, D]``: the sink slots and the ring-window slots (gathered
-  from the pages) and the current token; slots a short sequence does not have yet are masked with
-  ``-inf`` in ``xbias``;
+* exact tokens ``[B, H_kv, sinks + window + 1, D]`` as two segments: the sink slots and the ring-window slots,
+  read in place from the pages (:class:`qjl.kernels.paged.PagedRows`; the torch and Triton paths gather them),
+  and the current token; slots a short sequence does not have yet are masked with ``-inf`` in ``xbias``
+  (with a sliding window W: no sinks, the codes from position ``n + 1 - W``);
 * queries ``[B, H_q, D]`` become the kernel's rows ``[B, H_kv, g, D]`` (query head ``i`` reads KV head
   ``i // g``), multiplied by the softmax scale.
 
@@ -161,8 +162,9 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
     if ex is None and not bool((rows.end > rows.start).all()):
         raise ValueError("a decode row has no token to attend to (seq_lens 0 and no current token)")
     qk = (q.float() * scale).reshape(b, num_kv_heads, hq // num_kv_heads, d)
-    out = paged_decode(qk, key_codec, key_fields, value_codec, value_fields, *rows.kernel_ranges()[:1], block_size,
-                       *rows.kernel_ranges()[1:], exact=ex, backend=backend)
+    table, start, end = rows.kernel_ranges()
+    out = paged_decode(qk, key_codec, key_fields, value_codec, value_fields, table, block_size, start, end, exact=ex,
+                       backend=backend)
     return out.reshape(b, hq, d)
 
 

@@ -15,7 +15,6 @@ from .layout import PageLayout, exact_slot
 __all__ = ["write_codes", "exact_writes", "write_exact"]
 
 
-
 def _codes(codec, x: torch.Tensor) -> Codes:
     """x [N, H, D] -> codec.quantize(x)'s codes, through the fastest quantizer for x's device (C on CPU
     tensors, Triton on CUDA; bit-exact with the codec's own)."""
