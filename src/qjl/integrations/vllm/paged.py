@@ -5,7 +5,7 @@ PAGED CONTRACT (shared with the paged kernels of issue #13)::
 
     paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size, *,
                            key_codec, value_codec, scale, num_kv_heads, exact=None, sinks=0,
-                           window=0, current=None, rows=None) -> out [B, H_q, D] float32
+                           window=0, current=None, rows=None, sliding_window=None) -> out [B, H_q, D] float32
 
 * ``q``: [B, H_q, D], one query row per sequence (a decode step); query head ``i`` reads KV
   head ``i // (H_q / H_kv)`` (GQA).
@@ -25,6 +25,8 @@ PAGED CONTRACT (shared with the paged kernels of issue #13)::
   ``sinks`` and last ``window`` come exactly from ``exact = (key PagedField, value PagedField)``
   at slot :func:`.layout.exact_slot` instead of ``t % block_size``.
 * ``current``: None or (k, v) [B, H_kv, D], the current token's exact key and value.
+* ``sliding_window``: None, or W for a sliding-window layer: the current token sees the W - 1 tokens before it
+  (codes from position ``n + 1 - W``; such a layer keeps no sinks and ``window < W``).
 * Softmax in float32 over all of them; ``scale`` multiplies the logits.
 
 Keys are scored with the codec's own estimator (``inner_product``), values mixed from
