@@ -155,6 +155,9 @@ def test_code_ranges_and_exact_rows():
     assert start.tolist() == [0, 0, 1, 3, 33] and end.tolist() == [0, 2, 5, 7, 37]
     with pytest.raises(ValueError, match="sliding window"):
         decode_rows(torch.tensor([[0]]), torch.tensor([3]), block_size=8, sinks=0, window=8, sliding_window=8)
+    for bad in (0, 8.0, True):
+        with pytest.raises(ValueError, match="sliding_window"):
+            code_ranges(torch.tensor([5]), sinks=0, window=3, sliding_window=bad)
     table = torch.tensor([[5, 6, 7], [1, 2, 3]])
     rows = decode_rows(table, torch.tensor([3, 20]), block_size=8, sinks=2, window=3)
     # sequence 0 (3 tokens): sinks 0, 1 and window token 2; sequence 1: sinks 0, 1, window 17, 18, 19

@@ -4,9 +4,9 @@ vLLM's own CPU attention on the same model, teacher-forced over prompts of 40-15
 chunks, so the later chunks' history reaches past the window and vLLM frees the blocks behind it).
 
 The first chunk is attended exactly by both (sliding mask inside the chunk included): equal within float error.
-After it, the difference is the compression of the history (a high-bit preset): small against the difference
-that ignoring the window makes (the same model with every layer full: measured mean |logprob change| 0.34,
-qjl 0.018 on 2026-11-24)."""
+After it, the difference is the compression of the history (a high-bit preset), which must be several times
+smaller than the difference the window itself makes (native attention on the same weights with every layer full).
+The figures are printed (``-s``)."""
 
 import pytest
 
@@ -31,16 +31,26 @@ if __name__ == "__main__":
 """
 
 
+def _gaps(a: dict, b: dict) -> tuple:
+    """(largest |logprob difference| over the first 64-token chunk, mean over the rest) of two runs' prompts."""
+    first, later = [], []
+    for a_seq, b_seq in zip(a["prompt"], b["prompt"]):
+        assert len(a_seq) == len(b_seq)
+        for i, (x, y) in enumerate(zip(a_seq, b_seq)):  # entry i: the logprob of prompt token i + 1
+            (first if i + 1 < 64 else later).append(abs(x - y))
+    return max(first), sum(later) / len(later)
+
+
 def test_hybrid_sliding_window_model_against_native(tmp_path):
-    model = tiny_llama_dir(tmp_path / "hybrid", layer_types=["sliding_attention", "full_attention"] * 2,
-                           sliding_window=32)
+    types = ["sliding_attention", "full_attention"] * 2
+    model = tiny_llama_dir(tmp_path / "hybrid", layer_types=types, sliding_window=32)
+    full = tiny_llama_dir(tmp_path / "full")  # the same weights (seeded), every layer full attention
     native = run_script(SCRIPT.format(model=model), tmp_path / "native")
+    native_full = run_script(SCRIPT.format(model=full), tmp_path / "native-full")
     ours = run_script(SCRIPT.format(model=model), tmp_path / "qjl", {"QJL_VLLM_PRESET": "tq-k5v4"})
     assert "qjl backend: preset tq-k5v4" in ours["_log"] and ours["tokens"] == [8, 8, 8]
-    first, later = [], []
-    for a_seq, b_seq in zip(native["prompt"], ours["prompt"]):
-        assert len(a_seq) == len(b_seq)
-        for i, (a, b) in enumerate(zip(a_seq, b_seq)):  # entry i: the logprob of prompt token i + 1
-            (first if i + 1 < 64 else later).append(abs(a - b))
-    assert max(first) < 1e-3, max(first)  # exact attention in the first chunk, the window's mask included
-    assert sum(later) / len(later) < 0.1, sum(later) / len(later)
+    first, later = _gaps(native, ours)
+    _, window = _gaps(native, native_full)
+    print(f"qjl vs native: first chunk max {first:.2e}, later mean {later:.4f}; the window's own effect {window:.4f}")
+    assert first < 1e-3, first  # exact attention in the first chunk, the window's mask included
+    assert later < window / 3, (later, window)  # ignoring the window would be as far off as native_full

@@ -95,6 +95,8 @@ def test_exact_rows_read_from_pages(impl):
         launch.paged_decode(*c.args(), exact=((far, cur_k), (rows[1], cur_v), xb), impl=impl)
     with pytest.raises(ValueError, match="reach byte"):
         PagedRows.at(rows[0].field, blocks + 6, slots, 2)
+    with pytest.raises(ValueError, match="heads"):
+        PagedRows.at(rows[0].field, blocks, slots, 0)
 
 
 def test_exact_segments_bad_input():

@@ -188,6 +188,8 @@ class PagedRows:
         entry lies inside the field's buffer."""
         if len(field.shape) != 1 or not field.dtype.is_floating_point:
             raise ValueError(f"PagedRows: the field must hold float rows [D], got {field.dtype} {field.shape}")
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"PagedRows: heads must be a positive int, got {heads!r}")
         blocks, slots = torch.broadcast_tensors(blocks.long(), slots.long())
         if blocks.ndim != 2:
             raise ValueError(f"PagedRows: blocks and slots must be [B, n], got {tuple(blocks.shape)}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...kernels.paged import PagedRows, extent_bytes
-from .layout import exact_slot
+from .layout import check_sliding_window, exact_slot
 
 __all__ = ["DecodeRows", "decode_rows", "code_ranges", "exact_tokens", "paged_decode_kernel", "decode_function"]
 
@@ -37,7 +37,7 @@ def code_ranges(seq_lens: torch.Tensor, sinks: int, window: int,
     position ``seq_lens``; with a sliding window W it sees history from position ``seq_lens + 1 - W`` on)."""
     n = seq_lens.long()
     start = n.clamp(max=sinks)
-    if sliding_window is not None:
+    if check_sliding_window(sliding_window) is not None:
         start = torch.maximum(start, (n + 1 - sliding_window).clamp(min=0))
     return start, torch.maximum(start, n - window)
 

@@ -61,6 +61,15 @@ def codec_fields(codec, dim: int) -> tuple[dict, dict]:
     return per, shared
 
 
+def check_sliding_window(sliding_window):
+    """``sliding_window`` itself if it is None or a positive int (a token sees the W - 1 before it), else
+    ValueError naming it."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    return sliding_window
+
+
 def exact_slot(pos: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
     """Exact-area slot of absolute token positions ``pos`` (any shape, int64)."""
     ring = sinks + torch.remainder(pos, max(window, 1))
@@ -85,9 +94,7 @@ class PageLayout:
 
     def __init__(self, key_codec, value_codec, head_dim: int, block_size: int, exact_dtype: torch.dtype,
                  sinks: int, window: int, content_bytes: int | None = None, sliding_window: int | None = None):
-        if sliding_window is not None:
-            if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-                raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+        if check_sliding_window(sliding_window) is not None:
             sinks, window = 0, min(window, sliding_window - 1)
         self.key_codec, self.value_codec = key_codec, value_codec
         self.head_dim, self.block_size = head_dim, block_size

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from ...codecs.base import Codes
 from ...kernels.paged import FieldMap, extent_bytes, role_fields
 from ...kernels.paged import PagedField as KernelPagedField
-from .layout import PageLayout, exact_slot
+from .layout import PageLayout, check_sliding_window, exact_slot
 
 __all__ = ["PagedField", "page_fields", "paged_decode_reference", "paged_attention_reference", "gather_history",
            "history_codes"]
@@ -182,6 +182,7 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
     step's precomputed indices that :func:`.decode.paged_decode_kernel` takes, is ignored).  ``sliding_window``:
     the layer's window W: the current token sees the W - 1 tokens before it (no sinks; ``window < W``)."""
     b, hq, d = q.shape
+    check_sliding_window(sliding_window)
     if exact is None and sinks + window:
         raise ValueError("exact must be given when sinks or window is non-zero")
     if hq % num_kv_heads:
