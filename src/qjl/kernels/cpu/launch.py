@@ -221,6 +221,8 @@ class _Prepared:
         self.buffers = tuple((t, t.data_ptr(), tuple(t.shape), t.stride()) for t in buffers)
 
     def matches(self, value_fields, key_codec, value_codec) -> bool:
+        if not self.refs:  # built for one call (plain mappings): never kept
+            return False
         vf, kc, vc = (r() for r in self.refs)
         return (vf is value_fields and kc is key_codec and vc is value_codec
                 and all(t.data_ptr() == p and t.shape == s and t.stride() == st for t, p, s, st in self.buffers))

@@ -19,24 +19,27 @@ static inline int lm_cell(const float *bnd, int top, float v) {
     return idx;
 }
 
-static void bucket_row(void *ctx, int64_t i) {
-    const qjl_bucket_job *j = ctx;
-    const int64_t n = j->n, nbytes = j->nbytes;
-    const int bits = j->bits, nbnd = j->nbnd;
-    const float *yi = j->y + i * n, *bnd = j->bnd;
-    uint8_t *out = j->codes + i * nbytes;
-    memset(out, 0, (size_t)nbytes);
-    float acc = 0.0f;
+/* y [n]'s cells (lm_cell) packed `bits` bits each, LSB-first, into out [ceil(n bits / 8)]; returns the norm
+ * correction's cosine sum_c y[c] * cent[cell_c], summed in float32 in coordinate order. */
+static float cells_packed(const float *y, int64_t n, const float *bnd, int nbnd, const float *cent, int bits,
+                          uint8_t *out) {
+    memset(out, 0, (size_t)((n * bits + 7) / 8));
+    float cos = 0.0f;
+    const int top = (nbnd + 1) / 2;
     for (int64_t c = 0; c < n; c++) {
-        const float v = yi[c];
-        const int lo = lm_cell(bnd, (nbnd + 1) / 2, v);
-        acc += v * j->cent[lo];
+        const int cell = lm_cell(bnd, top, y[c]);
+        cos += y[c] * cent[cell];
         const int64_t pos = c * bits;
-        const uint32_t w = (uint32_t)lo << (pos & 7);
+        const uint32_t w = (uint32_t)cell << (pos & 7);
         out[pos >> 3] |= (uint8_t)w;
         if ((pos & 7) + bits > 8) out[(pos >> 3) + 1] |= (uint8_t)(w >> 8);
     }
-    j->cos[i] = acc;
+    return cos;
+}
+
+static void bucket_row(void *ctx, int64_t i) {
+    const qjl_bucket_job *j = ctx;
+    j->cos[i] = cells_packed(j->y + i * j->n, j->n, j->bnd, j->nbnd, j->cent, j->bits, j->codes + i * j->nbytes);
 }
 
 /* Moments of rows y [rows, n] against a Lloyd-Max codebook of 2^bits cells: cos[i] = sum_c y[i,c] * cent[cell],
@@ -232,18 +235,7 @@ static void encode_row(void *ctx, int64_t i) {
         const float uk = x[k], *col = j->matrix_t + k * n;
         for (int64_t o = 0; o < n; o++) y[o] = y[o] + uk * col[o];
     }
-    uint8_t *out = c->codes + i * nbytes;
-    memset(out, 0, (size_t)nbytes);
-    float cos = 0.0f;
-    const int top = (j->nbnd + 1) / 2;
-    for (int64_t k = 0; k < n; k++) {
-        const int cell = lm_cell(j->bnd, top, y[k]);
-        cos = cos + y[k] * j->cent[cell];
-        const int64_t pos = k * j->bits;
-        const uint32_t w = (uint32_t)cell << (pos & 7);
-        out[pos >> 3] |= (uint8_t)w;
-        if ((pos & 7) + j->bits > 8) out[(pos >> 3) + 1] |= (uint8_t)(w >> 8);
-    }
+    const float cos = cells_packed(y, n, j->bnd, j->nbnd, j->cent, j->bits, c->codes + i * nbytes);
     const float v = j->correct ? norm / (cos > 0.0f ? cos : 1.0f) : norm;
     c->stored[i] = v;
     c->status[i] = !finite ? -2 : !(norm <= j->norm_max) ? -3 : !(fabsf(v) <= j->norm_max) ? -4 : 0;
