@@ -99,6 +99,86 @@ def test_exact_rows_read_from_pages(impl):
         PagedRows.at(rows[0].field, blocks, slots, 0)
 
 
+def _paged_exact(c, seed: int = 4):
+    """Case ``c``'s first 4 exact tokens as fp16 PagedRows in a page pool (one per role), its last one as the bf16
+    current token [B, H, D]: (rows, pools' fields, current)."""
+    from qjl.kernels.paged import PagedField, PagedRows
+
+    xk, xv, _ = c.exact
+    b, h = xk.shape[:2]
+    g = torch.Generator().manual_seed(seed)
+    cells = torch.randperm(24, generator=g)[:4 * b].reshape(b, 4)
+    blocks, slots = cells // 4, cells % 4
+    rows, fields = [], []
+    for x in (xk, xv):
+        pool = torch.zeros(6, h, 4, x.shape[-1], dtype=torch.float16)
+        pool[blocks[:, None, :], torch.arange(h)[None, :, None], slots[:, None, :]] = x[:, :, :4].half()
+        es = pool.element_size()
+        f = PagedField(pool, 0, pool.stride(0) * es, pool.stride(1) * es, pool.stride(2) * es, torch.float16,
+                       (x.shape[-1],))
+        rows.append(PagedRows.at(f, blocks, slots, h))
+        fields.append(f)
+    return tuple(rows), tuple(fields), (xk[:, :, 4].bfloat16(), xv[:, :, 4].bfloat16())
+
+
+@pytest.mark.parametrize("impl", ("c", "c-int") if launch.has_int_path() else ("c",))
+@pytest.mark.parametrize("name", ["tq3-tq2", "qjl-outliers-uni2"])  # the kernel maps the queries / the general path
+def test_decode_step_equals_paged_decode(name, impl):
+    """paged_decode_step (a step's ranges, exact offsets and bias converted once, each layer's fields, exact
+    fields and current token filled per call) makes the same C call as paged_decode: equal bit for bit, for a
+    second layer's pages of the same geometry as well."""
+    c = Case(name, b=2, h=2, rows=4, n=77, n_exact=5, seed=3, masked=False)
+    rows, fields, cur = _paged_exact(c)
+    xb = c.exact[2]
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    step = launch.DecodeStep(bt, bs, start, end, rows=rows, current=True, xbias=xb, impl=impl)
+    want = launch.paged_decode(*c.args(), exact=((rows[0], cur[0].unsqueeze(2)), (rows[1], cur[1].unsqueeze(2)), xb),
+                               impl=impl)
+    got = launch.paged_decode_step(q, kc, kf, vc, vf, step, exact_fields=fields, current=cur)
+    assert torch.equal(got, want)
+    if impl == "c":  # (the integer path against the reference: test_cpu_int.py)
+        ref = kernels.paged_decode(*c.args(), exact=((rows[0], cur[0].unsqueeze(2)), (rows[1], cur[1].unsqueeze(2)),
+                                                     xb), backend="torch")
+        close(got, ref, TOL)
+    other = Case(name, b=2, h=2, rows=4, n=77, n_exact=5, seed=9, masked=False)  # another layer, same geometry
+    rows2, fields2, cur2 = _paged_exact(other)
+    got2 = launch.paged_decode_step(q, kc, kf, vc, vf, step, exact_fields=fields2, current=cur2)
+    want2 = launch.paged_decode(*c.args(), exact=((rows2[0], cur2[0].unsqueeze(2)), (rows2[1], cur2[1].unsqueeze(2)),
+                                                  xb), impl=impl)
+    assert torch.equal(got2, want2) and not torch.equal(got2, got)
+
+
+def test_decode_step_bad_input():
+    from qjl.kernels.paged import PagedField
+
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=40, n_exact=5, masked=False)
+    rows, fields, cur = _paged_exact(c)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    step = launch.DecodeStep(bt, bs, start, end, rows=rows, current=True, xbias=c.exact[2])
+    run = launch.paged_decode_step
+    with pytest.raises(TypeError, match="step"):
+        run(q, kc, kf, vc, vf, None, exact_fields=fields, current=cur)
+    with pytest.raises(ValueError, match="q must be"):
+        run(q[:1], kc, kf, vc, vf, step, exact_fields=fields, current=cur)
+    with pytest.raises(ValueError, match="exact_fields and current"):
+        run(q, kc, kf, vc, vf, step, exact_fields=fields)
+    with pytest.raises(ValueError, match="current k"):
+        run(q, kc, kf, vc, vf, step, exact_fields=fields, current=(cur[0][:, :1], cur[1]))
+    f = fields[0]
+    moved = PagedField(f.buffer, f.offset + 2, f.stride_block, f.stride_head, f.stride_token, f.dtype, f.shape)
+    with pytest.raises(ValueError, match="geometry|offset, strides"):
+        run(q, kc, kf, vc, vf, step, exact_fields=(moved, fields[1]), current=cur)
+    with pytest.raises(ValueError, match="xbias"):
+        launch.DecodeStep(bt, bs, start, end, rows=rows, current=False, xbias=c.exact[2])
+    with pytest.raises(ValueError, match="code_end"):
+        launch.DecodeStep(bt, bs, start, end[:1], rows=rows, current=True)
+    with pytest.raises(ValueError, match="rows"):
+        launch.DecodeStep(bt, bs, start, end, rows=(rows[0], rows[0].gather()), current=True)
+    far = launch.DecodeStep(bt, bs, start, end + 10**6, rows=rows, current=True, xbias=c.exact[2])
+    with pytest.raises(ValueError, match="code_end"):  # values checked by the kernel, named by the full check
+        run(q, kc, kf, vc, vf, far, exact_fields=fields, current=cur)
+
+
 def test_exact_segments_bad_input():
     c = Case("tq3-tq2", b=1, h=2, rows=4, n=20, n_exact=4)
     xk, xv, xb = c.exact

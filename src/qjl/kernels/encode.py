@@ -191,21 +191,24 @@ def store_cpu(jobs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | N
     :attr:`qjl.kernels.paged.FieldMap.memo`) where the C arguments are kept between calls."""
     from qjl.kernels.cpu import launch
 
-    static = []
-    for codec, x, cf, nf in jobs:
-        p = cpu_pass(codec)
-        if p is None:
-            raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
-                            f"got {type(codec).__name__}")
-        static.append((p, dense_t(p.matrix), cf, nf))
     xs = [x for _, x, _, _ in jobs]
     heads = xs[0].shape[-2] if xs and isinstance(xs[0], torch.Tensor) and xs[0].ndim == 3 else 0
-    key = ("store", heads, tuple(id(o) for job in static for o in job))
-    store = memo.get(key) if memo is not None else None
-    if store is None or not store.matches(static):
+    objs = tuple(o for codec, _, cf, nf in jobs for o in (codec, cf, nf))  # (codecs are immutable: what a job
+    key = ("store", heads) + tuple(id(o) for o in objs)                     # stores follows from these objects)
+    hit = memo.get(key) if memo is not None else None
+    if hit is not None and len(hit[0]) == len(objs) and all(x is y for x, y in zip(hit[0], objs)):
+        static, store = hit[1], hit[2]
+    else:
+        static = []
+        for codec, x, cf, nf in jobs:
+            p = cpu_pass(codec)
+            if p is None:
+                raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
+                                f"got {type(codec).__name__}")
+            static.append((p, dense_t(p.matrix), cf, nf))
         store = launch.EncodeStore(static, heads)
         if memo is not None:
-            memo[key] = store
+            memo[key] = (objs, static, store)  # (the objects kept: their ids stay theirs)
     rc, k = store(xs, blocks, slots, bounds)
     if rc:
         _raise_for(rc, jobs[k][0], xs[k], static[k][0])

@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["PagedField", "FieldMap", "PagedRows", "role_fields", "paged_decode", "check_paged", "views",
            "kernel_readable", "view_fields", "term_queries", "query_maps", "unmix_matrix", "check_exact",
-           "joined_exact", "check_static", "check_args", "fields_signature", "extent_bytes"]
+           "joined_exact", "check_static", "check_args", "check_table", "fields_signature", "extent_bytes"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
 
@@ -285,7 +285,12 @@ def check_args(q, block_table, block_size: int, code_start, code_end) -> None:
     block_size a positive int and code_start / code_end [B] int tensors (types and shapes only)."""
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or not q.dtype.is_floating_point:
         raise ValueError(f"q must be a float tensor [B, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
-    b = q.shape[0]
+    check_table(q.shape[0], block_table, block_size, code_start, code_end)
+
+
+def check_table(b: int, block_table, block_size: int, code_start, code_end) -> None:
+    """:func:`check_args` without the query: block_table [B, max_blocks], block_size a positive int, code_start /
+    code_end [B] int tensors, for a batch of ``b`` sequences (types and shapes only)."""
     if not isinstance(block_table, torch.Tensor) or block_table.ndim != 2 or block_table.shape[0] != b:
         raise ValueError(f"block_table must be [B={b}, max_blocks], got {getattr(block_table, 'shape', block_table)!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:

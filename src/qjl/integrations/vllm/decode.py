@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...kernels.paged import PagedRows, extent_bytes
+from ...kernels import pick_backend
+from ...kernels.cpu.launch import DecodeStep, paged_decode_step
+from ...kernels.paged import PagedRows, extent_bytes, kernel_readable, paged_decode
 from .layout import check_sliding_window, exact_slot
 
 __all__ = ["DecodeRows", "decode_rows", "code_ranges", "exact_tokens", "paged_decode_kernel", "decode_function"]
@@ -76,6 +78,24 @@ class DecodeRows:
         if "int32" not in self.memo:
             self.memo["int32"] = tuple(t.to(torch.int32).contiguous() for t in (self.block_table, self.start, self.end))
         return self.memo["int32"]
+
+    def cpu_step(self, exact, num_kv_heads: int, current: bool):
+        """The step's :class:`qjl.kernels.cpu.launch.DecodeStep` (ranges, exact-slot offsets, bias) for the C kernel,
+        built once per exact-field geometry and shared by the layers (each reads the offsets in its own pages).
+        exact: the (key, value) PagedFields of a layer's exact slots, or None when ``sinks + window == 0``."""
+        e = self.valid.shape[1]
+        if e and exact is None:
+            raise ValueError("exact must be given when sinks or window is non-zero")
+        geom = tuple((f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, f.dtype, f.shape)
+                     for f in exact) if e else None
+        key = ("cpu_step", geom, num_kv_heads, current)
+        step = self.memo.get(key)
+        if step is None:
+            rows = (self.read(exact[0], num_kv_heads), self.read(exact[1], num_kv_heads)) if e else None
+            table, start, end = self.kernel_ranges()
+            step = self.memo[key] = DecodeStep(table, self.block_size, start, end, rows=rows, current=current,
+                                               xbias=self.bias(current) if e or current else None)
+        return step
 
     def read(self, f, num_heads: int) -> PagedRows:
         """The exact slots of PagedField ``f`` as :class:`qjl.kernels.paged.PagedRows` [B, H, E, D] (read in place
@@ -144,8 +164,6 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
     ``backend``: "auto" (C on CPU, Triton on CUDA), "cpu", "triton" or "torch" (the kernels' reference).
     Codecs that declare no kernel views (:func:`qjl.kernels.supports`) are served by the backend's reference.
     """
-    from qjl.kernels.paged import kernel_readable, paged_decode
-
     b, hq, d = q.shape
     if hq % num_kv_heads:
         raise ValueError(f"num_kv_heads={num_kv_heads} must divide the {hq} query heads")
@@ -158,13 +176,26 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
                                       current=current, sliding_window=sliding_window)
     if rows is None:
         rows = decode_rows(block_table.to(q.device), seq_lens, block_size, sinks, window, sliding_window)
+    key = ("backend", q.device, backend)
+    chosen = rows.memo.get(key)
+    if chosen is None:
+        chosen = rows.memo[key] = pick_backend(q.device, backend)
+    if chosen == "cpu":  # the step's ranges, exact offsets and bias checked once for every layer (same result)
+        step = rows.cpu_step(exact, num_kv_heads, current is not None)
+        if step.ne == 0 and not bool((rows.end > rows.start).all()):
+            raise ValueError("a decode row has no token to attend to (seq_lens 0 and no current token)")
+        qk = q.to(torch.float32).mul_(scale) if q.dtype != torch.float32 else q * scale
+        out = paged_decode_step(qk.reshape(b, num_kv_heads, hq // num_kv_heads, d), key_codec, key_fields,
+                                value_codec, value_fields, step, exact_fields=None if step.rows is None else exact,
+                                current=current)
+        return out.reshape(b, hq, d)
     ex = exact_tokens(exact, rows, num_kv_heads, current)
     if ex is None and not bool((rows.end > rows.start).all()):
         raise ValueError("a decode row has no token to attend to (seq_lens 0 and no current token)")
     qk = (q.float() * scale).reshape(b, num_kv_heads, hq // num_kv_heads, d)
     table, start, end = rows.kernel_ranges()
     out = paged_decode(qk, key_codec, key_fields, value_codec, value_fields, table, block_size, start, end, exact=ex,
-                       backend=backend)
+                       backend=chosen)
     return out.reshape(b, hq, d)
 
 

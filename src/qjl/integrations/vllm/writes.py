@@ -58,6 +58,27 @@ def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Co
     return Codes((k.shape[0], h), fields)
 
 
+def _roles(layout: PageLayout, fields, key: torch.Tensor, value: torch.Tensor) -> list:
+    """[(role, codec, role's fields, x, (codes field, norm field) where the C encoder stores x, else None)], the
+    fields' part worked out once per layout and device where ``fields`` is a :class:`FieldMap`."""
+    from ... import kernels
+
+    memo_key = ("roles", id(layout), key.device.type, value.device.type)
+    memo = fields.memo if isinstance(fields, FieldMap) else {}
+    hit = memo.get(memo_key)
+    if hit is None or hit[0] is not layout:
+        parts = []
+        for role, codec, x in (("key", layout.key_codec, key), ("value", layout.value_codec, value)):
+            fmap = role_fields(fields, role)
+            stored = None
+            if x.device.type == "cpu" and _cpu_stored(codec, fmap):
+                p = kernels.cpu_pass(codec)
+                stored = (fmap[p.codes], fmap[p.norm])
+            parts.append((role, codec, fmap, stored))
+        hit = memo[memo_key] = (layout, parts)  # (the layout kept: its id stays its own)
+    return [(role, codec, fmap, x, stored) for (role, codec, fmap, stored), x in zip(hit[1], (key, value))]
+
+
 def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torch.Tensor,
                 slot_mapping: torch.Tensor | None, plan=None) -> None:
     """Quantize key/value [N, H_kv, D] and store the codes at ``slot_mapping`` [N] (block * block_size +
@@ -79,13 +100,10 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
     from ... import kernels
 
     h = key.shape[1]
-    roles = (("key", layout.key_codec, role_fields(fields, "key"), key),
-             ("value", layout.value_codec, role_fields(fields, "value"), value))
     c_jobs, torch_roles = [], []
-    for role, codec, fmap, x in roles:
-        if x.device.type == "cpu" and _cpu_stored(codec, fmap):
-            p = kernels.cpu_pass(codec)
-            c_jobs.append((codec, x, fmap[p.codes], fmap[p.norm]))
+    for role, codec, fmap, x, stored in _roles(layout, fields, key, value):
+        if stored is not None:
+            c_jobs.append((codec, x, *stored))
         else:
             torch_roles.append((role, codec, fmap, x))
     # every role encoded before any is stored (nothing half-written on bad input): the torch roles' Codes first,

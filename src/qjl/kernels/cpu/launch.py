@@ -19,11 +19,13 @@ import weakref
 
 import torch
 
-__all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "bucket_norms",
+__all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "DecodeStep",
+           "paged_decode_step", "bucket_norms",
            "EncodeStore", "cell_moments", "store_bounds", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-portable")
 _SIMD = {"c": 1, "c-int": 2, "c-portable": 0}
+_IMPL_OF = {v: k for k, v in _SIMD.items()}
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 
 
@@ -229,7 +231,7 @@ class _Prepared:
 
 
 def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
-              code_end) -> _Prepared:
+              code_end, checked: bool = False) -> _Prepared:
     """The call's :class:`_Prepared`: from the memo when both field maps are FieldMaps it was built for (then only
     the arguments' types and shapes are checked here), else from the full static checks
     (:func:`qjl.kernels.paged.check_static`, memoized on the fields' signature)."""
@@ -242,7 +244,8 @@ def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_ta
         memo = key_fields.memo
         p = memo.get(key)
         if p is not None and p.matches(value_fields, key_codec, value_codec):
-            check_args(q, block_table, block_size, code_start, code_end)
+            if not checked:  # (``checked``: the caller has checked the arguments' types and shapes)
+                check_args(q, block_table, block_size, code_start, code_end)
             return p
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
@@ -362,6 +365,188 @@ def _segment(a: _Args, e, k, v) -> None:
         e.k_sh, e.v_sh = k.field.stride_head, v.field.stride_head
         e.k_off, e.v_off = a.ptr(_i64(k.offsets), "int64_t *"), a.ptr(_i64(v.offsets), "int64_t *")
         e.k_room, e.v_room = extent_bytes(k.field.buffer), extent_bytes(v.field.buffer)
+
+
+def _geometry(f) -> tuple:
+    """What fixes where a PagedField's rows are, apart from its buffer's address."""
+    return (f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, f.dtype, tuple(f.shape))
+
+
+class DecodeStep:
+    """What the decode calls of one step share -- the block table, the coded ranges, the exact rows' byte offsets
+    and the exact tokens' bias (every layer of a vLLM step) -- checked and turned into C arguments once, for
+    :func:`paged_decode_step`.
+
+    block_table [B, max_blocks] int, block_size, code_start / code_end [B] int: as :func:`paged_decode`'s.
+    rows: None, or the exact slots as a (key, value) pair of :class:`qjl.kernels.paged.PagedRows` [B, H, E, D]:
+    each call reads these offsets in its own exact fields (``exact_fields``), which must have the rows' fields'
+    geometry (offset, strides, dtype, shape; the buffer may differ: another layer's pages).
+    current: each call adds its current token [B, H, D] after the rows (one more exact token per sequence).
+    xbias: None or [B|1, H|1, R|1, n_x] float, additive over the exact tokens (n_x = E + current).
+    impl: as :func:`paged_decode`'s, resolved here.  The step keeps its tensors alive (the C arguments point at
+    them); a call checks the values of the ranges and blocks in C, as :func:`paged_decode` does."""
+
+    def __init__(self, block_table, block_size: int, code_start, code_end, *, rows=None, current: bool = False,
+                 xbias=None, impl: str = "auto"):
+        from qjl.kernels.paged import PagedRows, check_table
+
+        if not isinstance(block_table, torch.Tensor):
+            raise ValueError(f"block_table must be a [B, max_blocks] int tensor, got {type(block_table).__name__}")
+        b = block_table.shape[0] if block_table.ndim else -1
+        check_table(b, block_table, block_size, code_start, code_end)
+        if block_table.dtype.is_floating_point:
+            raise ValueError(f"block_table must hold ints, got {block_table.dtype}")
+        if not isinstance(current, bool):
+            raise TypeError(f"current must be a bool, got {type(current).__name__}")
+        self.simd, self.mod = _SIMD[_impl_code(impl)], _require()
+        ffi = self.mod.ffi
+        self.batch, self.block_size, self.current = b, int(block_size), current
+        self.block_table, self.code_start, self.code_end = _i32(block_table), _i32(code_start), _i32(code_end)
+        self.c_table = ffi.cast("int32_t *", self.block_table.data_ptr())
+        self.c_start = ffi.cast("int32_t *", self.code_start.data_ptr())
+        self.c_end = ffi.cast("int32_t *", self.code_end.data_ptr())
+        self.rows = rows
+        self.n_rows = 0
+        if rows is not None:
+            if (not isinstance(rows, tuple) or len(rows) != 2 or not all(isinstance(x, PagedRows) for x in rows)):
+                raise ValueError("rows must be None or a (key, value) pair of PagedRows")
+            kr, vr = rows
+            if kr.shape != vr.shape or kr.shape[0] != b or kr.dtype != vr.dtype or kr.dtype not in _X_DTYPES:
+                raise ValueError(f"rows: key and value rows must both be [B={b}, H, E, D] of one float dtype "
+                                 f"(fp32, fp16, bf16), got {kr.shape} {kr.dtype} and {vr.shape} {vr.dtype}")
+            self.n_rows, self.heads, self.dim = kr.shape[2], kr.shape[1], kr.shape[3]
+            self.geometry = (_geometry(kr.field), _geometry(vr.field))
+            self.offsets = (_i64(kr.offsets), _i64(vr.offsets))
+            self.c_offsets = tuple(ffi.cast("int64_t *", t.data_ptr()) for t in self.offsets)
+            self.stride_head = (kr.field.stride_head, vr.field.stride_head)
+        self.ne = self.n_rows + int(current)
+        self.xbias = None
+        if xbias is not None:
+            if (not isinstance(xbias, torch.Tensor) or xbias.ndim != 4 or xbias.shape[-1] != self.ne
+                    or xbias.shape[0] not in (1, b)):
+                raise ValueError(f"xbias must be [{b}|1, H|1, R|1, {self.ne}], got {getattr(xbias, 'shape', xbias)!r}")
+            xb = xbias.float()
+            self.xbias = xb if xb.stride(3) == 1 else xb.contiguous()
+            self.c_xbias = ffi.cast("float *", self.xbias.data_ptr())
+            self.xbias_strides = tuple(self.xbias.stride(i) if self.xbias.shape[i] > 1 else 0 for i in range(3))
+
+    def exact(self, exact_fields, current) -> tuple | None:
+        """The exact tokens of a call as :func:`paged_decode` takes them (``(xk, xv, xbias)``, or None)."""
+        from qjl.kernels.paged import PagedRows
+
+        ks, vs = [], []
+        if self.rows is not None:
+            ks.append(PagedRows(exact_fields[0], self.offsets[0], self.heads))
+            vs.append(PagedRows(exact_fields[1], self.offsets[1], self.heads))
+        if self.current:
+            ks.append(current[0].unsqueeze(2))
+            vs.append(current[1].unsqueeze(2))
+        return (tuple(ks), tuple(vs), self.xbias) if ks else None
+
+
+def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, *, exact_fields=None,
+                      current=None, threads: int | None = None) -> torch.Tensor:
+    """:func:`paged_decode` with the step's shared arguments taken from ``step`` (a :class:`DecodeStep`): the
+    same C call and result, bit for bit, with only what changes from layer to layer checked and filled here
+    (the layer's query, fields, exact fields and current token).
+
+    q [B, H_kv, R, D] float (scale included); exact_fields: the (key, value) PagedFields of the exact slots when
+    ``step.rows`` is set; current: (k, v) [B, H_kv, D] (fp32/fp16/bf16) when ``step.current`` is set.  Key
+    codecs whose query maps the kernel does not apply itself go through :func:`paged_decode` (same result)."""
+    if not isinstance(step, DecodeStep):
+        raise TypeError(f"step must be a DecodeStep, got {type(step).__name__}")
+    if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != step.batch or q.device.type != "cpu":
+        raise ValueError(f"q must be a CPU tensor [B={step.batch}, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
+    b, h, r, d = q.shape
+    if (step.rows is not None) != (exact_fields is not None) or (current is not None) != step.current:
+        raise ValueError("exact_fields and current must be given exactly when the step has exact rows / a current "
+                         "token")
+    if step.rows is not None and (h, d) != (step.heads, step.dim):
+        raise ValueError(f"q: {h} KV heads of dim {d}, but the step's exact rows have {step.heads} of {step.dim}")
+    if step.xbias is not None and (step.xbias.shape[1] not in (1, h) or step.xbias.shape[2] not in (1, r)):
+        raise ValueError(f"the step's xbias {tuple(step.xbias.shape)} does not broadcast over [B, {h}, {r}, n_x]")
+    mod = step.mod
+    prep = _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, step.block_table, step.block_size,
+                     step.code_start, step.code_end, checked=q.dtype.is_floating_point)
+    tpl = prep.tpl
+    if not tpl.qmaps:  # per-block query maps (shared fields): the general launcher
+        return paged_decode(q, key_codec, key_fields, value_codec, value_fields, step.block_table, step.block_size,
+                            step.code_start, step.code_end, exact=step.exact(exact_fields, current),
+                            impl=_IMPL_OF[step.simd], threads=threads)
+    a = _Args(mod.ffi)
+    c = a.c
+    mod.ffi.memmove(c, tpl.c, mod.ffi.sizeof("qjl_decode_args"))
+    q32 = _f32(q)
+    for i in range(c.n_terms):
+        c.key[i].q = a.ptr(q32)
+    c.batch, c.heads, c.rows = b, h, r
+    c.block_table, c.max_blocks, c.block_size = step.c_table, step.block_table.shape[1], step.block_size
+    c.max_block = min(prep.room[0], 2**62)
+    c.code_start, c.code_end = step.c_start, step.c_end
+    a.keep.append(step)
+    if step.ne:
+        c.ne, c.dx, c.qx, c.n_xseg = step.ne, d, c.key[0].q, int(step.rows is not None) + int(step.current)
+    seg = 0
+    if step.rows is not None:
+        _rows_segment(a, c.xseg[0], step, exact_fields)
+        seg = 1
+    if step.current:
+        _current_segment(a, c.xseg[seg], current, (b, h, d))
+    if step.xbias is not None:
+        c.xbias = step.c_xbias
+        c.xbias_sb, c.xbias_sh, c.xbias_sr = step.xbias_strides
+    out = torch.empty(b, h, r, d)
+    c.out = a.ptr(out)
+    a.keep.append(tpl)
+    c.threads = int(threads or torch.get_num_threads())
+    c.simd = step.simd
+    rc = mod.lib.qjl_paged_decode(c)
+    if rc < -1:  # a range or a block out of bounds (nothing was read): the full check names it
+        from qjl.kernels.paged import check_paged
+
+        check_paged(q, key_codec, key_fields, value_codec, value_fields, step.block_table, step.block_size,
+                    step.code_start, step.code_end)
+    if rc != 0:
+        raise ValueError("the C kernel refused its arguments (code widths, lengths, group sizes, ranges, blocks or "
+                         "exact rows beyond their buffers)")
+    return out
+
+
+def _rows_segment(a: _Args, e, step: DecodeStep, exact_fields) -> None:
+    """Fill exact segment ``e`` with the step's rows read in this layer's exact fields."""
+    from qjl.kernels.paged import extent_bytes
+
+    if not isinstance(exact_fields, tuple) or len(exact_fields) != 2:
+        raise ValueError("exact_fields must be a (key, value) pair of PagedFields")
+    kf, vf = exact_fields
+    if (_geometry(kf), _geometry(vf)) != step.geometry:
+        raise ValueError("exact_fields: their offset, strides, dtype or shape differ from those the step's rows "
+                         "were built for")
+    if kf.buffer.device.type != "cpu" or vf.buffer.device.type != "cpu":
+        raise ValueError("exact_fields must live in CPU memory")
+    e.n, e.dtype = step.n_rows, _X_DTYPES[kf.dtype]
+    e.k, e.v = a.ptr(kf.buffer, "const uint8_t *"), a.ptr(vf.buffer, "const uint8_t *")
+    e.k_sh, e.v_sh = step.stride_head
+    e.k_off, e.v_off = step.c_offsets
+    e.k_room, e.v_room = extent_bytes(kf.buffer), extent_bytes(vf.buffer)
+
+
+def _current_segment(a: _Args, e, current, shape: tuple) -> None:
+    """Fill exact segment ``e`` with the current token (k, v) [B, H, D], read in place."""
+    if not isinstance(current, tuple) or len(current) != 2:
+        raise ValueError("current must be a (k, v) pair of [B, H_kv, D] tensors")
+    k, v = current
+    for name, t in (("current k", k), ("current v", v)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor {list(shape)}, got {getattr(t, 'shape', t)!r}")
+    if k.dtype != v.dtype or k.dtype not in _X_DTYPES:
+        k, v = k.float(), v.float()
+    k = k if k.stride(2) == 1 else k.contiguous()
+    v = v if v.stride(2) == 1 else v.contiguous()
+    es = k.element_size()
+    e.n, e.dtype = 1, _X_DTYPES[k.dtype]
+    e.k, e.v = a.ptr(k, "const uint8_t *"), a.ptr(v, "const uint8_t *")
+    e.k_sb, e.k_sh, e.v_sb, e.v_sh = k.stride(0) * es, k.stride(1) * es, v.stride(0) * es, v.stride(1) * es
 
 
 def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
