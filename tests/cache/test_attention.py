@@ -108,3 +108,29 @@ def test_unavailable_kernel_is_refused_before_anything_is_stored(monkeypatch):
     with pytest.raises(ValueError, match="kernel='triton' needs"):
         model(torch.randint(3, 96, (1, 8)), past_key_values=cache)
     assert cache.get_seq_length() == 0 and not cache.layers[0].is_initialized
+
+
+def test_decode_steps_across_flushes_read_every_code(monkeypatch):
+    """Unmasked decode steps keep the C kernel's step arguments (block table, coded range) between calls: steps
+    that cross flushes (more codes, same buffers) must still attend to every code, as the reference does."""
+    from qjl.kernels.cpu import launch
+
+    monkeypatch.setenv("QJL_CPU_IMPL", "c")
+    g = torch.Generator().manual_seed(2)
+    b, hkv, hq, d = 1, 2, 4, 64
+    store = LayerStore(0, QJLConfig.preset("tq-k3v2", kernel="cpu"), num_layers=30)
+    store.append(torch.randn(b, hkv, 200, d, generator=g), torch.randn(b, hkv, 200, d, generator=g))
+    store.flush()
+    calls, real = [], launch.paged_decode_step
+    monkeypatch.setattr(launch, "paged_decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    seen = set()
+    for _ in range(300):
+        store.append(torch.randn(b, hkv, 1, d, generator=g), torch.randn(b, hkv, 1, d, generator=g))
+        q = torch.randn(b, hq, 1, d, generator=g)
+        ref = copy.copy(store)
+        ref.backend, ref.kernel_ok = "torch", False
+        want = attend(ref, q, None, d ** -0.5)
+        got = attend(store, q, None, d ** -0.5)
+        assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item()), (store.n_codes, (got - want).abs().max())
+        seen.add(store.n_codes)
+    assert len(seen) >= 3 and len(calls) == 300  # flushes crossed, every step through the kept step arguments

@@ -100,8 +100,8 @@ def test_exact_rows_read_from_pages(impl):
 
 
 def _paged_exact(c, seed: int = 4):
-    """Case ``c``'s first 4 exact tokens as fp16 PagedRows in a page pool (one per role), its last one as the bf16
-    current token [B, H, D]: (rows, pools' fields, current)."""
+    """Case ``c``'s first 4 exact tokens as fp16 PagedRows in a page pool (one per role), its last one as a bf16
+    segment [B, H, 1, D] (vLLM's current token): (rows, pools' fields, segment)."""
     from qjl.kernels.paged import PagedField, PagedRows
 
     xk, xv, _ = c.exact
@@ -118,7 +118,7 @@ def _paged_exact(c, seed: int = 4):
                        (x.shape[-1],))
         rows.append(PagedRows.at(f, blocks, slots, h))
         fields.append(f)
-    return tuple(rows), tuple(fields), (xk[:, :, 4].bfloat16(), xv[:, :, 4].bfloat16())
+    return tuple(rows), tuple(fields), (xk[:, :, 4:].bfloat16(), xv[:, :, 4:].bfloat16())
 
 
 @pytest.mark.parametrize("impl", ("c", "c-int") if launch.has_int_path() else ("c",))
@@ -131,21 +131,24 @@ def test_decode_step_equals_paged_decode(name, impl):
     rows, fields, cur = _paged_exact(c)
     xb = c.exact[2]
     q, kc, kf, vc, vf, bt, bs, start, end = c.args()
-    step = launch.DecodeStep(bt, bs, start, end, rows=rows, current=True, xbias=xb, impl=impl)
-    want = launch.paged_decode(*c.args(), exact=((rows[0], cur[0].unsqueeze(2)), (rows[1], cur[1].unsqueeze(2)), xb),
-                               impl=impl)
-    got = launch.paged_decode_step(q, kc, kf, vc, vf, step, exact_fields=fields, current=cur)
+    step = launch.DecodeStep(bt, bs, start, end, rows=rows, segments=1, xbias=xb, impl=impl)
+    want = launch.paged_decode(*c.args(), exact=((rows[0], cur[0]), (rows[1], cur[1]), xb), impl=impl)
+    got = launch.paged_decode_step(q, kc, kf, vc, vf, step, exact_fields=fields, segments=(cur,))
     assert torch.equal(got, want)
     if impl == "c":  # (the integer path against the reference: test_cpu_int.py)
-        ref = kernels.paged_decode(*c.args(), exact=((rows[0], cur[0].unsqueeze(2)), (rows[1], cur[1].unsqueeze(2)),
-                                                     xb), backend="torch")
+        ref = kernels.paged_decode(*c.args(), exact=((rows[0], cur[0]), (rows[1], cur[1]), xb), backend="torch")
         close(got, ref, TOL)
     other = Case(name, b=2, h=2, rows=4, n=77, n_exact=5, seed=9, masked=False)  # another layer, same geometry
     rows2, fields2, cur2 = _paged_exact(other)
-    got2 = launch.paged_decode_step(q, kc, kf, vc, vf, step, exact_fields=fields2, current=cur2)
-    want2 = launch.paged_decode(*c.args(), exact=((rows2[0], cur2[0].unsqueeze(2)), (rows2[1], cur2[1].unsqueeze(2)),
-                                                  xb), impl=impl)
+    got2 = launch.paged_decode_step(q, kc, kf, vc, vf, step, exact_fields=fields2, segments=(cur2,))
+    want2 = launch.paged_decode(*c.args(), exact=((rows2[0], cur2[0]), (rows2[1], cur2[1]), xb), impl=impl)
     assert torch.equal(got2, want2) and not torch.equal(got2, got)
+    xk, xv, xb = c.exact  # two tensor segments per call (transformers' sinks and window), no rows
+    plain = launch.DecodeStep(bt, bs, start, end, segments=2, xbias=xb, impl=impl)
+    segs = ((xk[:, :, :2], xv[:, :, :2]), (xk[:, :, 2:].half(), xv[:, :, 2:].half()))
+    assert torch.equal(launch.paged_decode_step(q, kc, kf, vc, vf, plain, segments=segs),
+                       launch.paged_decode(*c.args(), exact=(tuple(k for k, _ in segs), tuple(v for _, v in segs), xb),
+                                           impl=impl))
 
 
 def test_decode_step_bad_input():
@@ -154,29 +157,36 @@ def test_decode_step_bad_input():
     c = Case("tq3-tq2", b=2, h=2, rows=4, n=40, n_exact=5, masked=False)
     rows, fields, cur = _paged_exact(c)
     q, kc, kf, vc, vf, bt, bs, start, end = c.args()
-    step = launch.DecodeStep(bt, bs, start, end, rows=rows, current=True, xbias=c.exact[2])
+    step = launch.DecodeStep(bt, bs, start, end, rows=rows, segments=1, xbias=c.exact[2])
     run = launch.paged_decode_step
     with pytest.raises(TypeError, match="step"):
-        run(q, kc, kf, vc, vf, None, exact_fields=fields, current=cur)
+        run(q, kc, kf, vc, vf, None, exact_fields=fields, segments=(cur,))
     with pytest.raises(ValueError, match="q must be"):
-        run(q[:1], kc, kf, vc, vf, step, exact_fields=fields, current=cur)
-    with pytest.raises(ValueError, match="exact_fields and current"):
+        run(q[:1], kc, kf, vc, vf, step, exact_fields=fields, segments=(cur,))
+    with pytest.raises(ValueError, match="exact_fields must be given"):
+        run(q, kc, kf, vc, vf, step, segments=(cur,))
+    with pytest.raises(ValueError, match="segments must be"):
         run(q, kc, kf, vc, vf, step, exact_fields=fields)
-    with pytest.raises(ValueError, match="current k"):
-        run(q, kc, kf, vc, vf, step, exact_fields=fields, current=(cur[0][:, :1], cur[1]))
+    with pytest.raises(ValueError, match=r"segments\[0\] v"):
+        run(q, kc, kf, vc, vf, step, exact_fields=fields, segments=((cur[0], cur[1][:, :1]),))
+    with pytest.raises(ValueError, match="xbias"):  # two tokens in the segment: the bias covers one
+        run(q, kc, kf, vc, vf, step, exact_fields=fields, segments=((torch.cat([cur[0]] * 2, 2),
+                                                                    torch.cat([cur[1]] * 2, 2)),))
     f = fields[0]
     moved = PagedField(f.buffer, f.offset + 2, f.stride_block, f.stride_head, f.stride_token, f.dtype, f.shape)
     with pytest.raises(ValueError, match="geometry|offset, strides"):
-        run(q, kc, kf, vc, vf, step, exact_fields=(moved, fields[1]), current=cur)
+        run(q, kc, kf, vc, vf, step, exact_fields=(moved, fields[1]), segments=(cur,))
     with pytest.raises(ValueError, match="xbias"):
-        launch.DecodeStep(bt, bs, start, end, rows=rows, current=False, xbias=c.exact[2])
+        launch.DecodeStep(bt, bs, start, end, rows=rows, segments=0, xbias=c.exact[2])
+    with pytest.raises(ValueError, match="segments"):
+        launch.DecodeStep(bt, bs, start, end, rows=rows, segments=2)
     with pytest.raises(ValueError, match="code_end"):
-        launch.DecodeStep(bt, bs, start, end[:1], rows=rows, current=True)
+        launch.DecodeStep(bt, bs, start, end[:1], rows=rows, segments=1)
     with pytest.raises(ValueError, match="rows"):
-        launch.DecodeStep(bt, bs, start, end, rows=(rows[0], rows[0].gather()), current=True)
-    far = launch.DecodeStep(bt, bs, start, end + 10**6, rows=rows, current=True, xbias=c.exact[2])
+        launch.DecodeStep(bt, bs, start, end, rows=(rows[0], rows[0].gather()), segments=1)
+    far = launch.DecodeStep(bt, bs, start, end + 10**6, rows=rows, segments=1, xbias=c.exact[2])
     with pytest.raises(ValueError, match="code_end"):  # values checked by the kernel, named by the full check
-        run(q, kc, kf, vc, vf, far, exact_fields=fields, current=cur)
+        run(q, kc, kf, vc, vf, far, exact_fields=fields, segments=(cur,))
 
 
 def test_exact_segments_bad_input():

@@ -63,7 +63,8 @@ def attend(store, query: torch.Tensor, attention_mask, scaling: float, softcap=N
     if out is None:
         out = _attend_reference(store, query, attention_mask, scaling, softcap)
     if store.mu_v is not None:  # [B, H_kv, D_v] -> query head h reads KV head h // g
-        out = out + store.mu_v.repeat_interleave(g, dim=1).unsqueeze(1)
+        dv = store.mu_v.shape[-1]
+        out = (out.reshape(b, t, hkv, g, dv) + store.mu_v[:, None, :, None, :]).reshape(b, t, hq, dv)
     return out.to(query.dtype)
 
 
@@ -137,12 +138,37 @@ def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: 
         mx = torch.cat([mask[..., :n_sink], mask[..., n_sink + n_codes:]], dim=-1)  # [B, 1, t, n_x]
         # row g * t + i of KV head h is query head h * g + g' at new token i: broadcast over heads (and the group)
         bias_x = mx if t == 1 else mx.unsqueeze(2).expand(b, 1, hq // hkv, t, ne).reshape(b, 1, rows, ne)
-    dev = qg.device  # built where the kernel reads them: no host-to-device copies per layer and step
-    block_table = torch.arange(b, dtype=torch.int32, device=dev)[:, None]
-    start = torch.zeros(b, dtype=torch.int32, device=dev)
-    end = torch.full((b,), n_codes, dtype=torch.int32, device=dev)
     key_fields, value_fields, capacity = store.kernel_fields()
+    if bias is None and bias_x is None and store.backend == "cpu":  # no mask: the step's arguments kept
+        from qjl.kernels.cpu.launch import paged_decode_step
+
+        step = _cpu_step(key_fields, b, n_codes, max(capacity, 1), len(keys))
+        out = paged_decode_step(qg * scaling, store.key_codec, key_fields, store.value_codec, value_fields, step,
+                                segments=tuple(zip(keys, values)))
+        return out.reshape(b, hq, t, d).transpose(1, 2)
+    block_table, start, end = _ranges(b, n_codes, qg.device)
     out = kernels.paged_decode(qg * scaling, store.key_codec, key_fields, store.value_codec, value_fields,
                                block_table, max(capacity, 1), start, end, exact=(keys, values, bias_x),
                                code_bias=bias, backend=store.backend, max_codes=n_codes)
     return out.reshape(b, hq, t, d).transpose(1, 2)
+
+
+def _ranges(b: int, n_codes: int, dev) -> tuple:
+    """(block_table [B, 1], start [B], end [B]) int32 of codes [0, n_codes) in one block per sequence, built where
+    the kernel reads them (no host-to-device copies per layer and step)."""
+    return (torch.arange(b, dtype=torch.int32, device=dev)[:, None], torch.zeros(b, dtype=torch.int32, device=dev),
+            torch.full((b,), n_codes, dtype=torch.int32, device=dev))
+
+
+def _cpu_step(key_fields, b: int, n_codes: int, block_size: int, segments: int):
+    """The C kernel's :class:`qjl.kernels.cpu.launch.DecodeStep` of codes [0, n_codes) in one block per sequence,
+    kept in the key fields' memo until the codes' count changes (one entry: a flush replaces it)."""
+    from qjl.kernels.cpu.launch import DecodeStep
+
+    params = (b, n_codes, block_size, segments)
+    memo = key_fields.memo
+    hit = memo.get("attend_step")
+    if hit is None or hit[0] != params:
+        table, start, end = _ranges(b, n_codes, torch.device("cpu"))
+        hit = memo["attend_step"] = (params, DecodeStep(table, block_size, start, end, segments=segments))
+    return hit[1]

@@ -93,7 +93,7 @@ class DecodeRows:
         if step is None:
             rows = (self.read(exact[0], num_kv_heads), self.read(exact[1], num_kv_heads)) if e else None
             table, start, end = self.kernel_ranges()
-            step = self.memo[key] = DecodeStep(table, self.block_size, start, end, rows=rows, current=current,
+            step = self.memo[key] = DecodeStep(table, self.block_size, start, end, rows=rows, segments=int(current),
                                                xbias=self.bias(current) if e or current else None)
         return step
 
@@ -182,12 +182,13 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
         chosen = rows.memo[key] = pick_backend(q.device, backend)
     if chosen == "cpu":  # the step's ranges, exact offsets and bias checked once for every layer (same result)
         step = rows.cpu_step(exact, num_kv_heads, current is not None)
-        if step.ne == 0 and not bool((rows.end > rows.start).all()):
+        if step.n_rows + step.segments == 0 and not bool((rows.end > rows.start).all()):
             raise ValueError("a decode row has no token to attend to (seq_lens 0 and no current token)")
         qk = q.to(torch.float32).mul_(scale) if q.dtype != torch.float32 else q * scale
+        segs = () if current is None else ((current[0].unsqueeze(2), current[1].unsqueeze(2)),)
         out = paged_decode_step(qk.reshape(b, num_kv_heads, hq // num_kv_heads, d), key_codec, key_fields,
                                 value_codec, value_fields, step, exact_fields=None if step.rows is None else exact,
-                                current=current)
+                                segments=segs)
         return out.reshape(b, hq, d)
     ex = exact_tokens(exact, rows, num_kv_heads, current)
     if ex is None and not bool((rows.end > rows.start).all()):

@@ -381,12 +381,14 @@ class DecodeStep:
     rows: None, or the exact slots as a (key, value) pair of :class:`qjl.kernels.paged.PagedRows` [B, H, E, D]:
     each call reads these offsets in its own exact fields (``exact_fields``), which must have the rows' fields'
     geometry (offset, strides, dtype, shape; the buffer may differ: another layer's pages).
-    current: each call adds its current token [B, H, D] after the rows (one more exact token per sequence).
-    xbias: None or [B|1, H|1, R|1, n_x] float, additive over the exact tokens (n_x = E + current).
+    segments: how many exact segments of tensors each call passes after the rows (0-2 with the rows' one; e.g.
+    vLLM's current token, or transformers' sinks and window).
+    xbias: None or [B|1, H|1, R|1, n_x] float, additive over the exact tokens (n_x: E + the calls' segments'
+    tokens, checked per call).
     impl: as :func:`paged_decode`'s, resolved here.  The step keeps its tensors alive (the C arguments point at
     them); a call checks the values of the ranges and blocks in C, as :func:`paged_decode` does."""
 
-    def __init__(self, block_table, block_size: int, code_start, code_end, *, rows=None, current: bool = False,
+    def __init__(self, block_table, block_size: int, code_start, code_end, *, rows=None, segments: int = 0,
                  xbias=None, impl: str = "auto"):
         from qjl.kernels.paged import PagedRows, check_table
 
@@ -396,11 +398,12 @@ class DecodeStep:
         check_table(b, block_table, block_size, code_start, code_end)
         if block_table.dtype.is_floating_point:
             raise ValueError(f"block_table must hold ints, got {block_table.dtype}")
-        if not isinstance(current, bool):
-            raise TypeError(f"current must be a bool, got {type(current).__name__}")
+        if isinstance(segments, bool) or not isinstance(segments, int) or not 0 <= segments <= 2 - (rows is not None):
+            raise ValueError(f"segments must be an int in [0, {2 - (rows is not None)}] (at most two exact segments "
+                             f"with the rows), got {segments!r}")
         self.simd, self.mod = _SIMD[_impl_code(impl)], _require()
         ffi = self.mod.ffi
-        self.batch, self.block_size, self.current = b, int(block_size), current
+        self.batch, self.block_size, self.segments = b, int(block_size), segments
         self.block_table, self.code_start, self.code_end = _i32(block_table), _i32(code_start), _i32(code_end)
         self.c_table = ffi.cast("int32_t *", self.block_table.data_ptr())
         self.c_start = ffi.cast("int32_t *", self.code_start.data_ptr())
@@ -419,18 +422,18 @@ class DecodeStep:
             self.offsets = (_i64(kr.offsets), _i64(vr.offsets))
             self.c_offsets = tuple(ffi.cast("int64_t *", t.data_ptr()) for t in self.offsets)
             self.stride_head = (kr.field.stride_head, vr.field.stride_head)
-        self.ne = self.n_rows + int(current)
         self.xbias = None
         if xbias is not None:
-            if (not isinstance(xbias, torch.Tensor) or xbias.ndim != 4 or xbias.shape[-1] != self.ne
-                    or xbias.shape[0] not in (1, b)):
-                raise ValueError(f"xbias must be [{b}|1, H|1, R|1, {self.ne}], got {getattr(xbias, 'shape', xbias)!r}")
+            if not isinstance(xbias, torch.Tensor) or xbias.ndim != 4 or xbias.shape[0] not in (1, b):
+                raise ValueError(f"xbias must be [{b}|1, H|1, R|1, n_x], got {getattr(xbias, 'shape', xbias)!r}")
+            if not segments and xbias.shape[-1] != self.n_rows:
+                raise ValueError(f"xbias must cover the {self.n_rows} exact rows, got {tuple(xbias.shape)}")
             xb = xbias.float()
             self.xbias = xb if xb.stride(3) == 1 else xb.contiguous()
             self.c_xbias = ffi.cast("float *", self.xbias.data_ptr())
             self.xbias_strides = tuple(self.xbias.stride(i) if self.xbias.shape[i] > 1 else 0 for i in range(3))
 
-    def exact(self, exact_fields, current) -> tuple | None:
+    def exact(self, exact_fields, segments) -> tuple | None:
         """The exact tokens of a call as :func:`paged_decode` takes them (``(xk, xv, xbias)``, or None)."""
         from qjl.kernels.paged import PagedRows
 
@@ -438,40 +441,44 @@ class DecodeStep:
         if self.rows is not None:
             ks.append(PagedRows(exact_fields[0], self.offsets[0], self.heads))
             vs.append(PagedRows(exact_fields[1], self.offsets[1], self.heads))
-        if self.current:
-            ks.append(current[0].unsqueeze(2))
-            vs.append(current[1].unsqueeze(2))
+        ks += [k for k, _ in segments]
+        vs += [v for _, v in segments]
         return (tuple(ks), tuple(vs), self.xbias) if ks else None
 
 
 def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, *, exact_fields=None,
-                      current=None, threads: int | None = None) -> torch.Tensor:
+                      segments=(), threads: int | None = None) -> torch.Tensor:
     """:func:`paged_decode` with the step's shared arguments taken from ``step`` (a :class:`DecodeStep`): the
     same C call and result, bit for bit, with only what changes from layer to layer checked and filled here
-    (the layer's query, fields, exact fields and current token).
+    (the layer's query, fields, exact fields and exact tensors).
 
     q [B, H_kv, R, D] float (scale included); exact_fields: the (key, value) PagedFields of the exact slots when
-    ``step.rows`` is set; current: (k, v) [B, H_kv, D] (fp32/fp16/bf16) when ``step.current`` is set.  Key
-    codecs whose query maps the kernel does not apply itself go through :func:`paged_decode` (same result)."""
+    ``step.rows`` is set; segments: ``step.segments`` pairs (k, v) of exact tokens [B, H_kv, n, D] (fp32/fp16/bf16
+    read in place; other floats converted), after the rows.  Key codecs whose query maps the kernel does not apply
+    itself go through :func:`paged_decode` (same result)."""
     if not isinstance(step, DecodeStep):
         raise TypeError(f"step must be a DecodeStep, got {type(step).__name__}")
     if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != step.batch or q.device.type != "cpu":
         raise ValueError(f"q must be a CPU tensor [B={step.batch}, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
     b, h, r, d = q.shape
-    if (step.rows is not None) != (exact_fields is not None) or (current is not None) != step.current:
-        raise ValueError("exact_fields and current must be given exactly when the step has exact rows / a current "
-                         "token")
+    if (step.rows is not None) != (exact_fields is not None):
+        raise ValueError("exact_fields must be given exactly when the step has exact rows")
+    if not isinstance(segments, tuple) or len(segments) != step.segments:
+        raise ValueError(f"segments must be a tuple of the step's {step.segments} (k, v) pairs")
     if step.rows is not None and (h, d) != (step.heads, step.dim):
         raise ValueError(f"q: {h} KV heads of dim {d}, but the step's exact rows have {step.heads} of {step.dim}")
-    if step.xbias is not None and (step.xbias.shape[1] not in (1, h) or step.xbias.shape[2] not in (1, r)):
-        raise ValueError(f"the step's xbias {tuple(step.xbias.shape)} does not broadcast over [B, {h}, {r}, n_x]")
+    segs = [_tensor_segment(i, kv, (b, h, d)) for i, kv in enumerate(segments)]
+    ne = step.n_rows + sum(k.shape[2] for k, _ in segs)
+    xb = step.xbias
+    if xb is not None and (xb.shape[1] not in (1, h) or xb.shape[2] not in (1, r) or xb.shape[3] != ne):
+        raise ValueError(f"the step's xbias {tuple(xb.shape)} does not broadcast over [B, {h}, {r}, {ne}]")
     mod = step.mod
     prep = _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, step.block_table, step.block_size,
                      step.code_start, step.code_end, checked=q.dtype.is_floating_point)
     tpl = prep.tpl
     if not tpl.qmaps:  # per-block query maps (shared fields): the general launcher
         return paged_decode(q, key_codec, key_fields, value_codec, value_fields, step.block_table, step.block_size,
-                            step.code_start, step.code_end, exact=step.exact(exact_fields, current),
+                            step.code_start, step.code_end, exact=step.exact(exact_fields, segs),
                             impl=_IMPL_OF[step.simd], threads=threads)
     a = _Args(mod.ffi)
     c = a.c
@@ -484,15 +491,17 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     c.max_block = min(prep.room[0], 2**62)
     c.code_start, c.code_end = step.c_start, step.c_end
     a.keep.append(step)
-    if step.ne:
-        c.ne, c.dx, c.qx, c.n_xseg = step.ne, d, c.key[0].q, int(step.rows is not None) + int(step.current)
-    seg = 0
+    n_seg = 0
     if step.rows is not None:
         _rows_segment(a, c.xseg[0], step, exact_fields)
-        seg = 1
-    if step.current:
-        _current_segment(a, c.xseg[seg], current, (b, h, d))
-    if step.xbias is not None:
+        n_seg = 1
+    for k, v in segs:
+        if k.shape[2]:
+            _segment(a, c.xseg[n_seg], k, v)
+            n_seg += 1
+    if ne:
+        c.ne, c.dx, c.qx, c.n_xseg = ne, d, c.key[0].q, n_seg
+    if xb is not None:
         c.xbias = step.c_xbias
         c.xbias_sb, c.xbias_sh, c.xbias_sr = step.xbias_strides
     out = torch.empty(b, h, r, d)
@@ -531,22 +540,21 @@ def _rows_segment(a: _Args, e, step: DecodeStep, exact_fields) -> None:
     e.k_room, e.v_room = extent_bytes(kf.buffer), extent_bytes(vf.buffer)
 
 
-def _current_segment(a: _Args, e, current, shape: tuple) -> None:
-    """Fill exact segment ``e`` with the current token (k, v) [B, H, D], read in place."""
-    if not isinstance(current, tuple) or len(current) != 2:
-        raise ValueError("current must be a (k, v) pair of [B, H_kv, D] tensors")
-    k, v = current
-    for name, t in (("current k", k), ("current v", v)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor {list(shape)}, got {getattr(t, 'shape', t)!r}")
+def _tensor_segment(i: int, kv, bhd: tuple) -> tuple:
+    """Segment ``i`` of a call, (k, v) [B, H, n, D], checked and as the kernel reads it in place (fp32/fp16/bf16
+    with contiguous rows; others converted)."""
+    b, h, d = bhd
+    if not isinstance(kv, tuple) or len(kv) != 2:
+        raise ValueError(f"segments[{i}] must be a (k, v) pair of [B, H_kv, n, D] tensors")
+    k, v = kv
+    for name, t in (("k", k), ("v", v)):
+        if (not isinstance(t, torch.Tensor) or t.ndim != 4 or tuple(t.shape) != (b, h, k.shape[2], d)
+                or t.device.type != "cpu" or not t.dtype.is_floating_point):
+            raise ValueError(f"segments[{i}] {name} must be a float CPU tensor [{b}, {h}, n, {d}] (k and v alike), "
+                             f"got {getattr(t, 'shape', t)!r}")
     if k.dtype != v.dtype or k.dtype not in _X_DTYPES:
         k, v = k.float(), v.float()
-    k = k if k.stride(2) == 1 else k.contiguous()
-    v = v if v.stride(2) == 1 else v.contiguous()
-    es = k.element_size()
-    e.n, e.dtype = 1, _X_DTYPES[k.dtype]
-    e.k, e.v = a.ptr(k, "const uint8_t *"), a.ptr(v, "const uint8_t *")
-    e.k_sb, e.k_sh, e.v_sb, e.v_sh = k.stride(0) * es, k.stride(1) * es, v.stride(0) * es, v.stride(1) * es
+    return (k if k.stride(3) == 1 else k.contiguous()), (v if v.stride(3) == 1 else v.contiguous())
 
 
 def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
