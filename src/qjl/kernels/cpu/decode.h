@@ -17,7 +17,7 @@
 
 #define QJL_EXPORT
 #define RW 4     /* query rows per work item (a GQA group of 4, or a chunk of a larger one) */
-#define SUB 256  /* tokens scored per pass: logits and weights stay in L1 */
+#define SUB 512  /* tokens scored per pass: logits, weights and the pass's value codes stay in L1 */
 
 /* cdef begin (read by qjl.kernels.cpu.build: these declarations are the Python-visible interface) */
 typedef struct {
