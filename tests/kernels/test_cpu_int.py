@@ -179,3 +179,16 @@ def test_impl_from_environment(monkeypatch):
     monkeypatch.setenv("QJL_CPU_IMPL", "fast")
     with pytest.raises(ValueError, match="QJL_CPU_IMPL"):
         launch.default_impl()
+
+
+def test_value_sums_at_their_largest_do_not_wrap():
+    """The int32 value sums at their bound: every weight the pass's largest (equal scores: int16 32767), every value
+    code the largest centroid (int8 127), one item over several full passes -- 32767 * 127 per token and lane, which
+    a pass longer than 512 tokens would wrap past 2^31 (decode_vnni.c; tested to fail at 1024): as the reference."""
+    c = Case("tq3-tq2", b=1, h=1, rows=4, d=128, n=2048, masked=False)
+    c.kcodes.fields["codes"].fill_(0x5A)  # every key the same code and norm: equal scores
+    c.kcodes.fields["norm"].fill_(1.0)
+    c.vcodes.fields["codes"].fill_(0xFF)  # every value code 3: the largest 2-bit centroid
+    got = launch.paged_decode(*c.args(), impl="c-int", split_tokens=2048)
+    want = paged_decode_reference(*c.args())
+    close(got, want, 1e-3)
