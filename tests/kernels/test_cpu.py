@@ -203,6 +203,26 @@ def test_exact_segments_bad_input():
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("subnormal", [False, True])
+def test_fp8_norms_every_byte(impl, subnormal):
+    """Key norms and value scales stored as float8 e4m3 taking every finite byte (subnormals, zeros, both signs of
+    the values' scales), or only the subnormal ones (then they alone make the output): contiguous, the kernel's
+    conversion (8 at a time where it can) reads them as torch does."""
+    c = Case("tq3-tq2", b=1, h=2, rows=4, n=254, masked=False)
+    every = torch.tensor([x for x in range(256) if x & 0x7F != 0x7F and not (subnormal and x & 0x78)],
+                         dtype=torch.uint8)  # 254 bytes (NaNs left out), or the 16 with a zero exponent
+    g = torch.Generator().manual_seed(5)
+    for codes, fields, name, magnitude in ((c.kcodes, c.kf, "norm", True), (c.vcodes, c.vf, "norm", False)):
+        byte = every[torch.randint(len(every), (254,), generator=g)].repeat(1, 2, 1)
+        if magnitude:  # key norms are magnitudes: the sign bit cleared
+            byte = byte & 0x7F
+        f8 = byte.view(torch.float8_e4m3fn)
+        codes.fields[name] = f8
+        fields[name] = type(fields[name]).of(f8)
+    close(_run(c, impl), c.reference(), TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_long_items_rescale_online(impl):
     """Items longer than one pass, with the largest logits late (the running max grows: online rescaling)."""
     c = Case("tq4-uni3", b=1, h=2, rows=4, n=3000, masked=False)

@@ -161,7 +161,23 @@ static void read_run(const uint8_t *p, int64_t stride, int dtype, int64_t count,
                 for (int b = 0; b < 256; b++) table[b] = e4m3_to_float((uint8_t)b); /* idempotent: races are benign */
                 __atomic_store_n(&ready, 1, __ATOMIC_RELEASE);
             }
-            for (i = 0; i < count; i++) out[i] = table[p[i * stride]];
+            i = 0;
+#if defined(__AVX2__)
+            if (stride == 1) /* contiguous (the transformers cache's norms): e4m3_to_float's bits, 8 at a time */
+                for (; i + 8 <= count; i += 8) {
+                    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i)));
+                    const __m256i e = _mm256_and_si256(_mm256_srli_epi32(b, 3), _mm256_set1_epi32(0xf));
+                    const __m256i m = _mm256_and_si256(b, _mm256_set1_epi32(7));
+                    const __m256i normal = _mm256_or_si256(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(120)), 23),
+                                                           _mm256_slli_epi32(m, 20));
+                    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(0.001953125f));
+                    const __m256 mag = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub,
+                                                        _mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_setzero_si256())));
+                    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+                    _mm256_storeu_ps(out + i, _mm256_or_ps(mag, _mm256_castsi256_ps(sign)));
+                }
+#endif
+            for (; i < count; i++) out[i] = table[p[i * stride]];
         }
     }
 }
