@@ -151,6 +151,23 @@ def test_decode_step_equals_paged_decode(name, impl):
                                            impl=impl))
 
 
+def test_decode_step_follows_the_impl_setting(monkeypatch):
+    """A kept step with impl="auto" follows $QJL_CPU_IMPL at each call, as paged_decode does (the bench switches it
+    between rows; a step kept across calls must not pin the first call's path)."""
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=300, masked=False)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    step = launch.DecodeStep(bt, bs, start, end)
+    impls = ("c", "c-portable") + (("c-int",) if launch.has_int_path() else ())
+    outs = {}
+    for impl in impls + impls:
+        monkeypatch.setenv("QJL_CPU_IMPL", impl)
+        got = launch.paged_decode_step(q, kc, kf, vc, vf, step)
+        assert torch.equal(got, launch.paged_decode(*c.args()))
+        outs.setdefault(impl, got)
+    if "c-int" in outs:  # the integer path's rounding: a different result, so the switch is seen
+        assert not torch.equal(outs["c-int"], outs["c"])
+
+
 def test_decode_step_bad_input():
     from qjl.kernels.paged import PagedField
 

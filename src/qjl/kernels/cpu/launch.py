@@ -25,7 +25,6 @@ __all__ = ["available", "implementation", "simd_path", "has_int_path", "default_
 
 IMPLS = ("c", "c-int", "c-portable")
 _SIMD = {"c": 1, "c-int": 2, "c-portable": 0}
-_IMPL_OF = {v: k for k, v in _SIMD.items()}
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 
 
@@ -385,7 +384,7 @@ class DecodeStep:
     vLLM's current token, or transformers' sinks and window).
     xbias: None or [B|1, H|1, R|1, n_x] float, additive over the exact tokens (n_x: E + the calls' segments'
     tokens, checked per call).
-    impl: as :func:`paged_decode`'s, resolved here.  The step keeps its tensors alive (the C arguments point at
+    impl: as :func:`paged_decode`'s (checked here, resolved at each call).  The step keeps its tensors alive (the C arguments point at
     them); a call checks the values of the ranges and blocks in C, as :func:`paged_decode` does."""
 
     def __init__(self, block_table, block_size: int, code_start, code_end, *, rows=None, segments: int = 0,
@@ -401,7 +400,8 @@ class DecodeStep:
         if isinstance(segments, bool) or not isinstance(segments, int) or not 0 <= segments <= 2 - (rows is not None):
             raise ValueError(f"segments must be an int in [0, {2 - (rows is not None)}] (at most two exact segments "
                              f"with the rows), got {segments!r}")
-        self.simd, self.mod = _SIMD[_impl_code(impl)], _require()
+        _impl_code(impl)  # checked here; resolved per call ("auto" follows $QJL_CPU_IMPL, as paged_decode does)
+        self.impl, self.mod = impl, _require()
         ffi = self.mod.ffi
         self.batch, self.block_size, self.segments = b, int(block_size), segments
         self.block_table, self.code_start, self.code_end = _i32(block_table), _i32(code_start), _i32(code_end)
@@ -479,7 +479,7 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     if not tpl.qmaps:  # per-block query maps (shared fields): the general launcher
         return paged_decode(q, key_codec, key_fields, value_codec, value_fields, step.block_table, step.block_size,
                             step.code_start, step.code_end, exact=step.exact(exact_fields, segs),
-                            impl=_IMPL_OF[step.simd], threads=threads)
+                            impl=step.impl, threads=threads)
     a = _Args(mod.ffi)
     c = a.c
     mod.ffi.memmove(c, tpl.c, mod.ffi.sizeof("qjl_decode_args"))
@@ -508,7 +508,7 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     c.out = a.ptr(out)
     a.keep.append(tpl)
     c.threads = int(threads or torch.get_num_threads())
-    c.simd = step.simd
+    c.simd = _SIMD[_impl_code(step.impl)]
     rc = mod.lib.qjl_paged_decode(c)
     if rc < -1:  # a range or a block out of bounds (nothing was read): the full check names it
         from qjl.kernels.paged import check_paged
