@@ -3,11 +3,13 @@
     python benchmarks/vllm_layer_profile.py --threads 1 --context 1024
     python benchmarks/vllm_layer_profile.py --threads 2 --context 1024
 
-One layer of the embedded model's shape (3 KV heads, 9 query heads, head_dim 64, 16-token blocks) in a page pool
+One layer of the embedded model's shape (3 KV heads, 9 query heads, head_dim 64, ``--block-size``-token pages) in a
+page pool
 written as the backend writes it (one prefill of ``--context`` tokens), then the pieces of a one-sequence decode
 step timed separately (median of ``--repeats`` calls, milliseconds): the step's index plan, the code write
-(quantization included, one C call), the decode (the exact slots as rows read in place +
-:func:`qjl.kernels.paged_decode`), the exact-copy
+(quantization included, one C call), the decode as the backend runs it (``decode``; within it ``decode.kernel``:
+the C call through :func:`qjl.kernels.cpu.launch.paged_decode_step` with the step's arguments kept, and
+``decode.exact_rows``: the exact slots as rows read in place, as the Triton path takes them), the exact-copy
 write, and beside them a dense bf16 ``scaled_dot_product_attention`` over the same context (what one attention
 call of a native layer costs, roughly).  Prints a JSON object.
 """
@@ -48,7 +50,8 @@ def main(argv=None) -> dict:
     from qjl.integrations.vllm.settings import VLLMSettings
     from qjl.integrations.vllm.step import StepPlan, forward_batch
     from qjl.integrations.vllm.writes import write_codes, write_exact
-    from qjl.kernels.paged import paged_decode
+    from qjl.kernels.cpu.launch import paged_decode_step
+    from qjl.kernels.paged import role_fields
 
     hkv, hq, d, bs, n = 3, 9, 64, args.block_size, args.context
     s = VLLMSettings(preset=args.preset)
@@ -67,14 +70,14 @@ def main(argv=None) -> dict:
     q, k, v = x(1, hq, d), x(1, hkv, d), x(1, hkv, d)
     qsl, lens = torch.tensor([0, 1]), torch.tensor([n + 1])
     plan = StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window)
-    kf = {f[4:]: fl for f, fl in fields.items() if f.startswith("key.")}
-    vf = {f[6:]: fl for f, fl in fields.items() if f.startswith("value.")}
+    kf, vf = role_fields(fields, "key"), role_fields(fields, "value")  # the backend's FieldMaps (checks kept)
     ex = (fields["exact.key"], fields["exact.value"]) if lay.sinks + lay.window else None
     dec = decode_function(s)
     kw = dict(key_codec=lay.key_codec, value_codec=lay.value_codec, scale=d ** -0.5, num_kv_heads=hkv, exact=ex,
               sinks=lay.sinks, window=lay.window, current=(k, v), rows=plan.decode)
-    xt = exact_tokens(ex, plan.decode, hkv, (k, v))
+    step = plan.decode.cpu_step(ex, hkv, True)
     qk = (q.float() * d ** -0.5).reshape(1, hkv, hq // hkv, d)
+    cur = ((k.unsqueeze(1).transpose(1, 2), v.unsqueeze(1).transpose(1, 2)),)  # [1, H, 1, D]
     kk, qq = x(1, hq, n + 1, d), x(1, hq, 1, d)
     r = args.repeats
     res = {"preset": args.preset, "layer": args.layer, "context": n, "block_size": bs, "threads": args.threads, "ms": {
@@ -82,9 +85,8 @@ def main(argv=None) -> dict:
         "write_codes": _median_ms(lambda: write_codes(lay, fields, k, v, None, plan=plan), r),
         "decode": _median_ms(lambda: dec(q, kf, vf, plan.decode.block_table, lens - 1, bs, **kw), r),
         "decode.exact_rows": _median_ms(lambda: exact_tokens(ex, plan.decode, hkv, (k, v)), r),
-        "decode.kernel": _median_ms(lambda: paged_decode(qk, lay.key_codec, kf, lay.value_codec, vf,
-                                                         plan.decode.block_table, bs, plan.decode.start,
-                                                         plan.decode.end, exact=xt), r),
+        "decode.kernel": _median_ms(lambda: paged_decode_step(qk, lay.key_codec, kf, lay.value_codec, vf, step,
+                                                              exact_fields=ex, segments=cur), r),
         "write_exact": _median_ms(lambda: write_exact(plan, fields, k, v), r),
         "dense_sdpa_bf16": _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, kk), r)}}
     ms = res["ms"]
