@@ -51,7 +51,7 @@ class Pool:
     def _x(self, *shape):
         return (torch.randn(*shape, generator=self.gen) * 2).bfloat16().to(self.device)
 
-    def step(self, chunks: dict, decode=paged_decode_reference, compare=None):
+    def step(self, chunks: dict, decode=paged_decode_reference, compare=None, out_dtype=None):
         """Run one step of {seq: new tokens}; ``compare(decode args, kw)`` is called on the decode rows
         between the code writes and the attention (what the backend's forward does)."""
         ids = list(chunks)
@@ -84,7 +84,12 @@ class Pool:
             compare(args, kw)
             write_exact(plan, self.fields, k, v)
             return None
-        return forward_batch(lay, self.fields, q, k, v, table, qsl, lens, D ** -0.5, decode, plan=plan)
+        if out_dtype is None:
+            return forward_batch(lay, self.fields, q, k, v, table, qsl, lens, D ** -0.5, decode, plan=plan)
+        out = torch.full((t, self.hq, D), 7.0, dtype=out_dtype, device=self.device)  # as vLLM's output buffer
+        got = forward_batch(lay, self.fields, q, k, v, table, qsl, lens, D ** -0.5, decode, plan=plan, out=out)
+        assert got is out
+        return out
 
 
 def _close(a, b):
@@ -145,6 +150,20 @@ def test_forward_batch_with_the_kernel_equals_the_reference_run():
         got = a.step(chunks, decode=decode_function(s))
         ref = b.step(chunks, decode=paged_decode_reference)
         _close(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("decode", ["kernel", "reference"])
+def test_forward_batch_writes_the_output_buffer(dtype, decode):
+    """forward_batch(out=...) (vLLM's output buffer, the model's dtype): decode-only steps written in place by the C
+    kernel, mixed steps row by row; equal bit for bit to the float32 result converted with ``.to()``."""
+    s = VLLMSettings(preset="tq-k45v3", sinks=2, window=4)
+    fn = decode_function(s) if decode == "kernel" else paged_decode_reference
+    a, b = Pool(s, 2, 6, 16, seed=4), Pool(s, 2, 6, 16, seed=4)
+    for chunks in ({"x": 20, "y": 1}, {"x": 1, "y": 1}, {"x": 1, "y": 1, "z": 7}, {"x": 1, "y": 1, "z": 1}):
+        got = a.step(chunks, decode=fn, out_dtype=dtype)
+        ref = b.step(chunks, decode=fn)
+        assert got.dtype == dtype and torch.equal(got, ref.to(dtype)), chunks
 
 
 def test_code_ranges_and_exact_rows():

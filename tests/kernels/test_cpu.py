@@ -151,6 +151,43 @@ def test_decode_step_equals_paged_decode(name, impl):
                                            impl=impl))
 
 
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("odtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_step_raw_query_and_output_dtype(qdtype, odtype):
+    """The query given raw with its scale (converted and scaled inside the call) and the output written in place in
+    another dtype, with the current token as a [B, H, D] segment: equal bit for bit to scaling in torch, the fp32
+    result and ``.to(dtype)``."""
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=77, n_exact=5, seed=3, masked=False)
+    rows, fields, cur = _paged_exact(c)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    qr = (q * 3).to(qdtype)
+    step = launch.DecodeStep(bt, bs, start, end, rows=rows, segments=1, xbias=c.exact[2])
+    want = launch.paged_decode_step(qr.float() * 0.37, kc, kf, vc, vf, step, exact_fields=fields, segments=(cur,))
+    out = torch.full((2, 2, 4, 64), 7.0, dtype=odtype)
+    one = (cur[0][:, :, 0], cur[1][:, :, 0])  # [B, H, D]
+    got = launch.paged_decode_step(qr, kc, kf, vc, vf, step, exact_fields=fields, segments=(one,), q_scale=0.37,
+                                   out=out)
+    assert got is out and torch.equal(got, want.to(odtype))
+    with pytest.raises(ValueError, match="out must be"):
+        launch.paged_decode_step(qr, kc, kf, vc, vf, step, exact_fields=fields, segments=(one,), out=out[:1])
+
+
+def test_half_rounding_matches_torch():
+    """The C kernel's rounding of fp32 results into an fp16 / bf16 ``out`` (decode.c's float_to_half and
+    float_to_bf16) is torch's ``.to()``, bit for bit: subnormals, the largest fp16, overflow to inf, ties to even,
+    NaN, signed zeros and inf, and random values over 15 decades."""
+    corners = torch.tensor([0.0, -0.0, 1e-8, 6e-8, 3e-8, 5.96e-8, 6.1e-5, 6.5e-5, 65504.0, 65519.0, 65520.0, 1e6,
+                            -1e6, float("inf"), float("-inf"), 1.0 + 2 ** -11, 1.0 + 3 * 2 ** -11, 3.14159,
+                            1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 3e38, -3e38, 1e-40, float("nan"), -float("nan")])
+    g = torch.Generator().manual_seed(0)
+    n = 4096 - len(corners)
+    vals = torch.cat([corners, torch.randn(n, generator=g) * torch.logspace(-9, 6, n)])
+    for dtype in (torch.float16, torch.bfloat16):
+        assert torch.equal(launch.half_rounding(vals, dtype).view(torch.int16), vals.to(dtype).view(torch.int16))
+    with pytest.raises(ValueError, match="dtype"):
+        launch.half_rounding(vals, torch.float32)
+
+
 def test_decode_step_follows_the_impl_setting(monkeypatch):
     """A kept step with impl="auto" follows $QJL_CPU_IMPL at each call, as paged_decode does (the bench switches it
     between rows; a step kept across calls must not pin the first call's path)."""

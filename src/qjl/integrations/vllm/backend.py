@@ -190,8 +190,13 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         n = m.num_actual_tokens
         lay, fields = self._layout(layer, kv_cache), self._page_fields(layer, kv_cache)
         plan = m.plan(lay.block_size, lay.sinks, lay.window, lay.sliding_window)
-        write_codes(lay, fields, key[:n], value[:n], None, plan=plan)
-        out = forward_batch(lay, fields, query[:n], key[:n], value[:n], m.block_table, m.query_start_loc, m.seq_lens,
-                            self.scale, self._decode, plan=plan)
-        output[:n].copy_(out)  # (converted to the output's dtype in the copy)
+        if query.shape[0] != n:  # padded batch: its real tokens (no view per layer when there is no padding)
+            query, key, value = query[:n], key[:n], value[:n]
+        write_codes(lay, fields, key, value, None, plan=plan)
+        dst = output if output.shape[0] == n else output[:n]
+        contiguous = dst.is_contiguous()
+        out = forward_batch(lay, fields, query, key, value, m.block_table, m.query_start_loc, m.seq_lens,
+                            self.scale, self._decode, plan=plan, out=dst if contiguous else None)
+        if out is not dst:
+            dst.copy_(out)  # (converted to the output's dtype in the copy)
         return output

@@ -29,6 +29,9 @@ from ...kernels import pick_backend
 from ...kernels.cpu.launch import DecodeStep, paged_decode_step
 from ...kernels.paged import PagedRows, extent_bytes, kernel_readable, paged_decode
 from .layout import check_sliding_window, exact_slot
+from .paged import check_output
+
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # written in place by the C kernel
 
 __all__ = ["DecodeRows", "decode_rows", "code_ranges", "exact_tokens", "paged_decode_kernel", "decode_function"]
 
@@ -155,7 +158,7 @@ def exact_tokens(exact, rows: DecodeRows, num_kv_heads: int, current=None):
 def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, block_size, *, key_codec, value_codec,
                         scale: float, num_kv_heads: int, exact=None, sinks: int = 0, window: int = 0, current=None,
                         rows: DecodeRows | None = None, backend: str = "auto",
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`.paged.paged_decode_reference`'s signature and result, computed by :func:`qjl.kernels.paged_decode`.
 
     q [B, H_q, D]; fields {codec field name: PagedField}; block_table [B, max_blocks]; seq_lens [B] tokens
@@ -163,8 +166,11 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
     :class:`DecodeRows` of these arguments (built here when None).  Returns [B, H_q, D] float32.
     ``backend``: "auto" (C on CPU, Triton on CUDA), "cpu", "triton" or "torch" (the kernels' reference).
     Codecs that declare no kernel views (:func:`qjl.kernels.supports`) are served by the backend's reference.
+    ``out``: None, or a contiguous float tensor of B * H_q * D elements the result is written into (the C kernel
+    writes fp32/fp16/bf16 in place, rounded as ``.to()``; others are copied into), returned as [B, H_q, D].
     """
     b, hq, d = q.shape
+    check_output(out, b, hq, d)
     if hq % num_kv_heads:
         raise ValueError(f"num_kv_heads={num_kv_heads} must divide the {hq} query heads")
     if not kernel_readable(key_codec, value_codec):  # codecs without kernel views: the backend's reference
@@ -173,7 +179,7 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
         return paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size,
                                       key_codec=key_codec, value_codec=value_codec, scale=scale,
                                       num_kv_heads=num_kv_heads, exact=exact, sinks=sinks, window=window,
-                                      current=current, sliding_window=sliding_window)
+                                      current=current, sliding_window=sliding_window, out=out)
     if rows is None:
         rows = decode_rows(block_table.to(q.device), seq_lens, block_size, sinks, window, sliding_window)
     key = ("backend", q.device, backend)
@@ -184,20 +190,20 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
         step = rows.cpu_step(exact, num_kv_heads, current is not None)
         if step.n_rows + step.segments == 0 and not bool((rows.end > rows.start).all()):
             raise ValueError("a decode row has no token to attend to (seq_lens 0 and no current token)")
-        qk = q.to(torch.float32).mul_(scale) if q.dtype != torch.float32 else q * scale
-        segs = () if current is None else ((current[0].unsqueeze(2), current[1].unsqueeze(2)),)
-        out = paged_decode_step(qk.reshape(b, num_kv_heads, hq // num_kv_heads, d), key_codec, key_fields,
-                                value_codec, value_fields, step, exact_fields=None if step.rows is None else exact,
-                                segments=segs)
-        return out.reshape(b, hq, d)
+        g = hq // num_kv_heads  # the query converted and scaled in the call, the result written in out's dtype
+        dst = out.view(b, num_kv_heads, g, d) if out is not None and out.dtype in _OUT_DTYPES else None
+        got = paged_decode_step(q.reshape(b, num_kv_heads, g, d), key_codec, key_fields, value_codec, value_fields,
+                                step, exact_fields=None if step.rows is None else exact,
+                                segments=() if current is None else (current,), q_scale=scale, out=dst)
+        return got.view(b, hq, d) if out is None or dst is not None else out.view(b, hq, d).copy_(got.view(b, hq, d))
     ex = exact_tokens(exact, rows, num_kv_heads, current)
     if ex is None and not bool((rows.end > rows.start).all()):
         raise ValueError("a decode row has no token to attend to (seq_lens 0 and no current token)")
     qk = (q.float() * scale).reshape(b, num_kv_heads, hq // num_kv_heads, d)
     table, start, end = rows.kernel_ranges()
-    out = paged_decode(qk, key_codec, key_fields, value_codec, value_fields, table, block_size, start, end, exact=ex,
-                       backend=chosen)
-    return out.reshape(b, hq, d)
+    got = paged_decode(qk, key_codec, key_fields, value_codec, value_fields, table, block_size, start, end, exact=ex,
+                       backend=chosen).reshape(b, hq, d)
+    return got if out is None else out.view(b, hq, d).copy_(got)
 
 
 def decode_function(settings):

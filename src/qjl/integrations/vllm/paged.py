@@ -43,8 +43,8 @@ from ...kernels.paged import FieldMap, extent_bytes, role_fields
 from ...kernels.paged import PagedField as KernelPagedField
 from .layout import PageLayout, check_sliding_window, exact_slot
 
-__all__ = ["PagedField", "page_fields", "paged_decode_reference", "paged_attention_reference", "gather_history",
-           "history_codes"]
+__all__ = ["PagedField", "page_fields", "paged_decode_reference", "check_output", "paged_attention_reference",
+           "gather_history", "history_codes"]
 
 
 class PagedField(KernelPagedField):
@@ -174,14 +174,27 @@ def _split(n: int, sinks: int, window: int, sliding_window: int | None = None):
     return torch.arange(0, s), (c0, w0), torch.arange(w0, n)
 
 
+def check_output(out, b: int, hq: int, d: int):
+    """``out`` checked as a decode function's destination: None, or a contiguous float tensor of B * H_q * D
+    elements."""
+    if out is not None and (not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point
+                            or out.numel() != b * hq * d or not out.is_contiguous()):
+        raise ValueError(f"out must be None or a contiguous float tensor of {b} x {hq} x {d} elements, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+    return out
+
+
 def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, block_size, *, key_codec,
                            value_codec, scale: float, num_kv_heads: int, exact=None, sinks: int = 0,
                            window: int = 0, current=None, rows=None,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The paged decode attention of the module docstring (plain torch, one sequence at a time; ``rows``, the
     step's precomputed indices that :func:`.decode.paged_decode_kernel` takes, is ignored).  ``sliding_window``:
-    the layer's window W: the current token sees the W - 1 tokens before it (no sinks; ``window < W``)."""
+    the layer's window W: the current token sees the W - 1 tokens before it (no sinks; ``window < W``).
+    ``out``: None, or a float tensor of B * H_q * D elements the result is copied into (converted to its dtype)
+    and returned as [B, H_q, D]."""
     b, hq, d = q.shape
+    dst = check_output(out, b, hq, d)
     check_sliding_window(sliding_window)
     if exact is None and sinks + window:
         raise ValueError("exact must be given when sinks or window is non-zero")
@@ -211,7 +224,7 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
             raise ValueError(f"sequence {i} has no token to attend to (seq_lens 0 and no current token)")
         p = torch.softmax(torch.cat(logits, dim=-1) * scale, dim=-1)
         out[i] = (p @ torch.cat(vs, dim=-2)).reshape(hq, d)
-    return out
+    return out if dst is None else dst.view(b, hq, d).copy_(out)
 
 
 def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_loc, seq_lens, layout: PageLayout,

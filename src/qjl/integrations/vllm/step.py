@@ -19,7 +19,7 @@ import torch
 from ...kernels.paged import role_fields
 from .decode import DecodeRows, decode_rows
 from .layout import PageLayout
-from .paged import paged_attention_reference, paged_decode_reference
+from .paged import check_output, paged_attention_reference, paged_decode_reference
 from .writes import exact_writes, write_exact
 
 __all__ = ["StepPlan", "forward_batch", "token_positions"]
@@ -118,14 +118,15 @@ class StepPlan:
 
 
 def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_start_loc, seq_lens, scale: float,
-                  decode=None, plan: StepPlan | None = None) -> torch.Tensor:
+                  decode=None, plan: StepPlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """One attention layer over a mixed batch whose codes are already written (:func:`.writes.write_codes`).
 
     q [T, H_q, D], k/v [T, H_kv, D] the batch's own tokens; query_start_loc [B + 1] and seq_lens [B]
     (tokens after this step) on the CPU.  One-token rows go through ``decode`` (the paged contract of
     :mod:`.paged`, default :func:`.paged.paged_decode_reference`) in one call, the others through
     :func:`.paged.paged_attention_reference`; then the exact copies are written.  ``plan``: the step's
-    :class:`StepPlan` (built here when None).  Returns [T, H_q, D] float32.
+    :class:`StepPlan` (built here when None).  Returns [T, H_q, D] float32, or ``out`` (None, or a contiguous
+    float tensor of T * H_q * D elements, e.g. vLLM's output buffer) with the result written into it in its dtype.
     """
     decode = paged_decode_reference if decode is None else decode
     if plan is None:
@@ -135,8 +136,10 @@ def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_
             layout.block_size, layout.sinks, layout.window, layout.sliding_window):
         raise ValueError("plan: built for another block size, sinks, window or sliding window than this layout's")
     t, hq, d = q.shape
+    target = out
+    dst = None if out is None else check_output(out, t, hq, d).view(t, hq, d)
     every = plan.decode is not None and not plan.prefill and len(plan.decode_seqs) == t  # rows 0..T-1 decode
-    out = None if every else torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
+    out = None if every else dst if dst is not None else torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
     if plan.decode is not None:
         ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
         rows = None if every else plan.decode_token_rows.to(q.device)
@@ -145,13 +148,13 @@ def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_
                      plan.decode_history, layout.block_size, key_codec=layout.key_codec,
                      value_codec=layout.value_codec, scale=scale, num_kv_heads=k.shape[1], exact=ex,
                      sinks=layout.sinks, window=layout.window, current=(sel(k), sel(v)), rows=plan.decode,
-                     sliding_window=layout.sliding_window)
+                     sliding_window=layout.sliding_window, out=dst if every else None)
         if every:
             out = got
         else:
-            out[rows] = got
+            out[rows] = got.to(out.dtype)  # (index_put converts nothing itself)
     for i, r0, r1 in plan.prefill:  # prefill / chunk rows, one sequence at a time
         out[r0:r1] = paged_attention_reference(q[r0:r1], k[r0:r1], v[r0:r1], fields, block_table[i:i + 1],
                                                torch.tensor([0, r1 - r0]), plan.seq_lens[i:i + 1], layout, scale)
     write_exact(plan, fields, k, v)
-    return out
+    return out if dst is None else target  # (with ``out``: every row written into it)

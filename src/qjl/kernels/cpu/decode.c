@@ -291,6 +291,46 @@ static int check_args(const qjl_decode_args *a) {
     return 0;
 }
 
+/* float -> bf16 / fp16 bits as torch's .to() on CPU tensors rounds them (nearest even; NaN: bf16 0xffff, as its
+ * vectorized conversion writes every NaN, fp16 sign | 0x7e00) */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+static inline uint16_t float_to_half(float f) { /* fp16_ieee_from_fp32_value's arithmetic (no F16C needed) */
+    uint32_t w, shl1, sign, bias;
+    memcpy(&w, &f, 4);
+    shl1 = w + w;
+    sign = w & 0x80000000u;
+    bias = shl1 & 0xff000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    float base = fabsf(f) * 0x1.0p+112f * 0x1.0p-110f, t;
+    const uint32_t bb = (bias >> 1) + 0x07800000u;
+    memcpy(&t, &bb, 4);
+    base = t + base;
+    uint32_t bits;
+    memcpy(&bits, &base, 4);
+    const uint32_t exp_bits = (bits >> 13) & 0x00007c00u, man_bits = bits & 0x00000fffu;
+    const uint32_t nonsign = exp_bits + man_bits;
+    return (uint16_t)((sign >> 16) | (shl1 > 0xff000000u ? 0x7e00u : nonsign));
+}
+static void store_half_row(const float *y, int64_t n, int dtype, uint8_t *dst) {
+    for (int64_t c = 0; c < n; c++) {
+        const uint16_t h = dtype == 2 ? float_to_bf16(y[c]) : float_to_half(y[c]);
+        memcpy(dst + 2 * c, &h, 2);
+    }
+}
+
+/* x [n] rounded into fp16 (dtype 1) or bf16 (dtype 2) as the kernel writes an out_raw row (the tests compare it
+ * with torch's .to()); -1 for another dtype */
+QJL_EXPORT int qjl_half_rounding(const float *x, int64_t n, int32_t dtype, uint8_t *out) {
+    if (dtype < 1 || dtype > 2 || n < 0) return -1;
+    store_half_row(x, n, dtype, out);
+    return 0;
+}
+
 typedef struct {
     const qjl_decode_args *a;
     int mode; /* run_item's */
@@ -332,6 +372,7 @@ static void finish_unit(const qjl_job *j, int64_t u) {
         free(xk);
     }
     const int64_t od = a->value.out_dim;
+    float *yrow = a->out ? NULL : malloc(sizeof(float) * (size_t)od); /* a row before out_raw's conversion */
     for (int r = 0; r < RW; r++) {
         const int64_t row = rc * RW + r, dst = (b * H + h) * a->rows + row;
         if (row >= a->rows) break;
@@ -339,8 +380,8 @@ static void finish_unit(const qjl_job *j, int64_t u) {
         if (a->out_l) a->out_l[dst] = l[r];
         if (a->out_o) memcpy(a->out_o + dst * nv, o + r * nv, sizeof(float) * (size_t)nv);
         if (ox && a->out_ox) memcpy(a->out_ox + dst * a->dx, ox + r * a->dx, sizeof(float) * (size_t)a->dx);
-        if (a->out) { /* (unmix(o) + ox) / l; a row that saw nothing gets 0 / 0 */
-            float *y = a->out + dst * od;
+        if (a->out || a->out_raw) { /* (unmix(o) + ox) / l; a row that saw nothing gets 0 / 0 */
+            float *y = a->out ? a->out + dst * od : yrow;
             const float *orow = o + r * nv, *U = a->value.unmix;
             if (U) {
                 memset(y, 0, sizeof(float) * (size_t)od);
@@ -354,9 +395,10 @@ static void finish_unit(const qjl_job *j, int64_t u) {
                 for (int64_t c = 0; c < od; c++) y[c] += ox[r * a->dx + c];
             const float inv = 1.0f / l[r];
             for (int64_t c = 0; c < od; c++) y[c] = l[r] == 0.0f ? y[c] / l[r] : y[c] * inv;
+            if (!a->out) store_half_row(y, od, a->out_dtype, a->out_raw + dst * od * 2);
         }
     }
-    free(ox), free(s);
+    free(ox), free(s), free(yrow);
 }
 
 /* one item; the thread finishing a unit's last item finishes the unit (no barrier between the phases) */
@@ -386,8 +428,34 @@ static int check_ranges(const qjl_decode_args *a) {
 
 /* Returns 0, -1 for arguments outside what the kernel reads (the launcher checks them first), or
  * check_ranges' code (nothing read). */
+static int decode_checked(const qjl_decode_args *a);
+
+/* the query given raw (q_raw): converted and scaled once into a float buffer every key term and qx then read */
 QJL_EXPORT int qjl_paged_decode(const qjl_decode_args *a) {
+    if (!a->q_raw) return decode_checked(a);
+    if (a->q_dtype < 0 || a->q_dtype > 2 || a->n_terms < 1 || a->n_terms > 2 || a->batch < 0 || a->heads < 1 ||
+        a->rows < 1)
+        return -1;
+    const int64_t qd = a->key[0].qdim;
+    for (int k = 0; k < a->n_terms; k++)
+        if (!a->key[k].qmap || a->key[k].qdim != qd || qd < 1) return -1;
+    if (a->ne > 0 && a->dx != qd) return -1;
+    const int64_t n = a->batch * a->heads * a->rows * qd;
+    float *qb = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    read_row(a->q_raw, a->q_dtype, n, qb);
+    for (int64_t i = 0; i < n; i++) qb[i] *= a->q_scale;
+    qjl_decode_args local = *a;
+    for (int k = 0; k < local.n_terms; k++) local.key[k].q = qb;
+    local.qx = qb;
+    local.q_raw = NULL;
+    const int rc = decode_checked(&local);
+    free(qb);
+    return rc;
+}
+
+static int decode_checked(const qjl_decode_args *a) {
     if (check_args(a)) return -1;
+    if (a->out_raw && (a->out_dtype < 1 || a->out_dtype > 2)) return -1;
     const int bad = check_ranges(a);
     if (bad) return bad;
     const int avx2 = a->simd && QJL_HAVE_AVX2 && cpu_has_avx2();

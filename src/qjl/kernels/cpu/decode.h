@@ -75,6 +75,14 @@ typedef struct {
     const float *xbias;                   /* additive, or NULL: xbias[b * sb + h * sh + r * sr + j] */
     int64_t xbias_sb, xbias_sh, xbias_sr; /* element strides (0: the same for every head / row) */
     float *out;                           /* [B, H, R, value.out_dim]: the attention output, or NULL */
+    uint8_t *out_raw;                     /* or NULL: the output written here instead, in out_dtype (1 fp16, 2 bf16;
+                                             rounded to nearest even, NaN as torch writes it) */
+    int32_t out_dtype;
+    const uint8_t *q_raw;                 /* or NULL: the query [B, H, R, qdim] dense in q_dtype (0 fp32, 1 fp16,
+                                             2 bf16), times q_scale, converted once: every key term's q (each term
+                                             with its qmap) and qx */
+    int32_t q_dtype;
+    float q_scale;
     float *out_m, *out_l;                 /* [B, H, R] the partial softmax (m, l), or NULL */
     float *out_o;                         /* [B, H, R, value.n] codes' values (the value codec's basis), or NULL */
     float *out_ox;                        /* [B, H, R, dx] exact values, at the same max (if ne > 0), or NULL */

@@ -20,7 +20,7 @@ import weakref
 import torch
 
 __all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "DecodeStep",
-           "paged_decode_step", "bucket_norms",
+           "paged_decode_step", "half_rounding", "bucket_norms",
            "EncodeStore", "cell_moments", "store_bounds", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-portable")
@@ -447,19 +447,24 @@ class DecodeStep:
 
 
 def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, *, exact_fields=None,
-                      segments=(), threads: int | None = None) -> torch.Tensor:
+                      segments=(), q_scale: float = 1.0, out: torch.Tensor | None = None,
+                      threads: int | None = None) -> torch.Tensor:
     """:func:`paged_decode` with the step's shared arguments taken from ``step`` (a :class:`DecodeStep`): the
     same C call and result, bit for bit, with only what changes from layer to layer checked and filled here
     (the layer's query, fields, exact fields and exact tensors).
 
-    q [B, H_kv, R, D] float (scale included); exact_fields: the (key, value) PagedFields of the exact slots when
-    ``step.rows`` is set; segments: ``step.segments`` pairs (k, v) of exact tokens [B, H_kv, n, D] (fp32/fp16/bf16
-    read in place; other floats converted), after the rows.  Key codecs whose query maps the kernel does not apply
-    itself go through :func:`paged_decode` (same result)."""
+    q [B, H_kv, R, D] float, multiplied by ``q_scale`` (the softmax scale; fp32/fp16/bf16 queries are converted
+    and scaled inside the call, as ``q.float() * q_scale`` rounds); exact_fields: the (key, value) PagedFields of
+    the exact slots when ``step.rows`` is set; segments: ``step.segments`` pairs (k, v) of exact tokens
+    [B, H_kv, n, D], or [B, H_kv, D] for one token (fp32/fp16/bf16 read in place; other floats converted), after
+    the rows; out: None, or a contiguous [B, H_kv, R, D] fp32/fp16/bf16 tensor the result is written into (fp16 /
+    bf16 rounded to nearest even, as ``.to()`` rounds), returned.  Key codecs whose query maps the kernel does not
+    apply itself go through :func:`paged_decode` (same result)."""
     if not isinstance(step, DecodeStep):
         raise TypeError(f"step must be a DecodeStep, got {type(step).__name__}")
-    if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != step.batch or q.device.type != "cpu":
-        raise ValueError(f"q must be a CPU tensor [B={step.batch}, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
+    if (not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != step.batch or q.device.type != "cpu"
+            or not q.dtype.is_floating_point):
+        raise ValueError(f"q must be a float CPU tensor [B={step.batch}, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
     b, h, r, d = q.shape
     if (step.rows is not None) != (exact_fields is not None):
         raise ValueError("exact_fields must be given exactly when the step has exact rows")
@@ -467,25 +472,36 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
         raise ValueError(f"segments must be a tuple of the step's {step.segments} (k, v) pairs")
     if step.rows is not None and (h, d) != (step.heads, step.dim):
         raise ValueError(f"q: {h} KV heads of dim {d}, but the step's exact rows have {step.heads} of {step.dim}")
+    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (b, h, r, d)
+                            or out.dtype not in _X_DTYPES or not out.is_contiguous() or out.device.type != "cpu"):
+        raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
     segs = [_tensor_segment(i, kv, (b, h, d)) for i, kv in enumerate(segments)]
-    ne = step.n_rows + sum(k.shape[2] for k, _ in segs)
+    ne = step.n_rows + sum(n for _, _, n in segs)
     xb = step.xbias
     if xb is not None and (xb.shape[1] not in (1, h) or xb.shape[2] not in (1, r) or xb.shape[3] != ne):
         raise ValueError(f"the step's xbias {tuple(xb.shape)} does not broadcast over [B, {h}, {r}, {ne}]")
     mod = step.mod
     prep = _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, step.block_table, step.block_size,
-                     step.code_start, step.code_end, checked=q.dtype.is_floating_point)
+                     step.code_start, step.code_end, checked=True)
     tpl = prep.tpl
     if not tpl.qmaps:  # per-block query maps (shared fields): the general launcher
-        return paged_decode(q, key_codec, key_fields, value_codec, value_fields, step.block_table, step.block_size,
-                            step.code_start, step.code_end, exact=step.exact(exact_fields, segs),
-                            impl=step.impl, threads=threads)
+        got = paged_decode(q.float() * q_scale, key_codec, key_fields, value_codec, value_fields, step.block_table,
+                           step.block_size, step.code_start, step.code_end,
+                           exact=step.exact(exact_fields, [(k if k.ndim == 4 else k.unsqueeze(2),
+                                                           v if v.ndim == 4 else v.unsqueeze(2)) for k, v, _ in segs]),
+                           impl=step.impl, threads=threads)
+        return got if out is None else out.copy_(got)
     a = _Args(mod.ffi)
     c = a.c
     mod.ffi.memmove(c, tpl.c, mod.ffi.sizeof("qjl_decode_args"))
-    q32 = _f32(q)
+    if q.dtype in _X_DTYPES and q.is_contiguous():  # converted and scaled in the call
+        c.q_raw, c.q_dtype, c.q_scale = a.ptr(q, "const uint8_t *"), _X_DTYPES[q.dtype], float(q_scale)
+        qf = mod.ffi.NULL
+    else:
+        qf = a.ptr(_f32(q.float() * q_scale))
     for i in range(c.n_terms):
-        c.key[i].q = a.ptr(q32)
+        c.key[i].q = qf
     c.batch, c.heads, c.rows = b, h, r
     c.block_table, c.max_blocks, c.block_size = step.c_table, step.block_table.shape[1], step.block_size
     c.max_block = min(prep.room[0], 2**62)
@@ -495,17 +511,26 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     if step.rows is not None:
         _rows_segment(a, c.xseg[0], step, exact_fields)
         n_seg = 1
-    for k, v in segs:
-        if k.shape[2]:
-            _segment(a, c.xseg[n_seg], k, v)
+    for k, v, n in segs:
+        if n:
+            e = c.xseg[n_seg]
+            es = k.element_size()
+            e.n, e.dtype = n, _X_DTYPES[k.dtype]
+            e.k, e.v = a.ptr(k, "const uint8_t *"), a.ptr(v, "const uint8_t *")
+            e.k_sb, e.k_sh, e.v_sb, e.v_sh = k.stride(0) * es, k.stride(1) * es, v.stride(0) * es, v.stride(1) * es
+            e.k_st, e.v_st = (k.stride(2) * es, v.stride(2) * es) if k.ndim == 4 else (0, 0)
             n_seg += 1
     if ne:
-        c.ne, c.dx, c.qx, c.n_xseg = ne, d, c.key[0].q, n_seg
+        c.ne, c.dx, c.qx, c.n_xseg = ne, d, qf, n_seg
     if xb is not None:
         c.xbias = step.c_xbias
         c.xbias_sb, c.xbias_sh, c.xbias_sr = step.xbias_strides
-    out = torch.empty(b, h, r, d)
-    c.out = a.ptr(out)
+    if out is None:
+        out = torch.empty(b, h, r, d)
+    if out.dtype == torch.float32:
+        c.out = a.ptr(out)
+    else:
+        c.out_raw, c.out_dtype = a.ptr(out, "uint8_t *"), _X_DTYPES[out.dtype]
     a.keep.append(tpl)
     c.threads = int(threads or torch.get_num_threads())
     c.simd = _SIMD[_impl_code(step.impl)]
@@ -541,20 +566,38 @@ def _rows_segment(a: _Args, e, step: DecodeStep, exact_fields) -> None:
 
 
 def _tensor_segment(i: int, kv, bhd: tuple) -> tuple:
-    """Segment ``i`` of a call, (k, v) [B, H, n, D], checked and as the kernel reads it in place (fp32/fp16/bf16
-    with contiguous rows; others converted)."""
+    """Segment ``i`` of a call, (k, v) [B, H, n, D] or [B, H, D] (one token), checked and as the kernel reads it in
+    place (fp32/fp16/bf16 with contiguous rows; others converted): (k, v, n)."""
     b, h, d = bhd
     if not isinstance(kv, tuple) or len(kv) != 2:
-        raise ValueError(f"segments[{i}] must be a (k, v) pair of [B, H_kv, n, D] tensors")
+        raise ValueError(f"segments[{i}] must be a (k, v) pair of [B, H_kv, n, D] or [B, H_kv, D] tensors")
     k, v = kv
     for name, t in (("k", k), ("v", v)):
-        if (not isinstance(t, torch.Tensor) or t.ndim != 4 or tuple(t.shape) != (b, h, k.shape[2], d)
+        if (not isinstance(t, torch.Tensor) or t.ndim not in (3, 4) or t.ndim != k.ndim
+                or tuple(t.shape) != (b, h) + tuple(k.shape[2:-1]) + (d,)
                 or t.device.type != "cpu" or not t.dtype.is_floating_point):
-            raise ValueError(f"segments[{i}] {name} must be a float CPU tensor [{b}, {h}, n, {d}] (k and v alike), "
-                             f"got {getattr(t, 'shape', t)!r}")
+            raise ValueError(f"segments[{i}] {name} must be a float CPU tensor [{b}, {h}, n, {d}] or [{b}, {h}, {d}] "
+                             f"(k and v alike), got {getattr(t, 'shape', t)!r}")
     if k.dtype != v.dtype or k.dtype not in _X_DTYPES:
         k, v = k.float(), v.float()
-    return (k if k.stride(3) == 1 else k.contiguous()), (v if v.stride(3) == 1 else v.contiguous())
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    return k, v, (k.shape[2] if k.ndim == 4 else 1)
+
+
+def half_rounding(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (float32, CPU) rounded to ``dtype`` (fp16 or bf16) by the C kernel's own conversion, the one it writes an
+    fp16 / bf16 ``out`` of :func:`paged_decode_step` with (round to nearest even; meant to equal ``x.to(dtype)``)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    mod = _require()
+    xf = _f32(x.reshape(-1))
+    out = torch.empty(xf.numel(), dtype=dtype)
+    rc = mod.lib.qjl_half_rounding(mod.ffi.cast("float *", xf.data_ptr()), xf.numel(), _X_DTYPES[dtype],
+                                   mod.ffi.cast("uint8_t *", out.data_ptr()))
+    if rc:
+        raise ValueError("half_rounding: refused by the C kernel")
+    return out.reshape(x.shape)
 
 
 def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
