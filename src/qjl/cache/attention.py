@@ -143,8 +143,8 @@ def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: 
         from qjl.kernels.cpu.launch import paged_decode_step
 
         step = _cpu_step(key_fields, b, n_codes, max(capacity, 1), len(keys))
-        out = paged_decode_step(qg * scaling, store.key_codec, key_fields, store.value_codec, value_fields, step,
-                                segments=tuple(zip(keys, values)))
+        out = paged_decode_step(qg, store.key_codec, key_fields, store.value_codec, value_fields, step,
+                                segments=tuple(zip(keys, values)), q_scale=scaling)  # (scaled in the call)
         return out.reshape(b, hq, t, d).transpose(1, 2)
     block_table, start, end = _ranges(b, n_codes, qg.device)
     out = kernels.paged_decode(qg * scaling, store.key_codec, key_fields, store.value_codec, value_fields,
