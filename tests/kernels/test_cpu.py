@@ -219,6 +219,9 @@ def test_decode_step_bad_input():
         run(q[:1], kc, kf, vc, vf, step, exact_fields=fields, segments=(cur,))
     with pytest.raises(ValueError, match="exact_fields must be given"):
         run(q, kc, kf, vc, vf, step, segments=(cur,))
+    for bad in (float("nan"), float("inf"), "0.1", True):
+        with pytest.raises(ValueError, match="q_scale"):
+            run(q, kc, kf, vc, vf, step, exact_fields=fields, segments=(cur,), q_scale=bad)
     with pytest.raises(ValueError, match="segments must be"):
         run(q, kc, kf, vc, vf, step, exact_fields=fields)
     with pytest.raises(ValueError, match=r"segments\[0\] v"):

@@ -466,6 +466,8 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
             or not q.dtype.is_floating_point):
         raise ValueError(f"q must be a float CPU tensor [B={step.batch}, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
     b, h, r, d = q.shape
+    if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not abs(q_scale) < float("inf"):
+        raise ValueError(f"q_scale must be a finite float, got {q_scale!r}")
     if (step.rows is not None) != (exact_fields is not None):
         raise ValueError("exact_fields must be given exactly when the step has exact rows")
     if not isinstance(segments, tuple) or len(segments) != step.segments:
