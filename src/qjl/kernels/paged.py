@@ -23,7 +23,8 @@ import torch
 
 __all__ = ["PagedField", "FieldMap", "PagedRows", "role_fields", "paged_decode", "check_paged", "views",
            "kernel_readable", "view_fields", "term_queries", "query_maps", "unmix_matrix", "check_exact",
-           "joined_exact", "check_static", "check_args", "check_table", "fields_signature", "extent_bytes"]
+           "joined_exact", "check_static", "check_args", "check_table", "fields_signature", "extent_bytes",
+           "field_geometry"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
 
@@ -221,6 +222,12 @@ class PagedRows:
         idx = (self.offsets[:, None, :] + heads).unsqueeze(-1) + torch.arange(f.entry_bytes, device=heads.device)
         raw = f.raw_bytes().index_select(0, idx.reshape(-1))
         return raw.view(f.dtype).reshape(*self.shape)
+
+
+def field_geometry(f: PagedField) -> tuple:
+    """What fixes where a PagedField's entries are, apart from its buffer's address: offset, strides, entry size,
+    dtype and shape (rows read at the same byte offsets in two fields of equal geometry are alike)."""
+    return (f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, f.dtype, tuple(f.shape))
 
 
 def view_fields(key_codec, value_codec) -> tuple:

@@ -27,7 +27,7 @@ import torch
 
 from ...kernels import pick_backend
 from ...kernels.cpu.launch import DecodeStep, paged_decode_step
-from ...kernels.paged import PagedRows, extent_bytes, kernel_readable, paged_decode
+from ...kernels.paged import PagedRows, extent_bytes, field_geometry, kernel_readable, paged_decode
 from .layout import check_sliding_window, exact_slot
 from .paged import check_output
 
@@ -89,8 +89,7 @@ class DecodeRows:
         e = self.valid.shape[1]
         if e and exact is None:
             raise ValueError("exact must be given when sinks or window is non-zero")
-        geom = tuple((f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, f.dtype, f.shape)
-                     for f in exact) if e else None
+        geom = tuple(field_geometry(f) for f in exact) if e else None
         key = ("cpu_step", geom, num_kv_heads, current)
         step = self.memo.get(key)
         if step is None:
@@ -103,8 +102,7 @@ class DecodeRows:
     def read(self, f, num_heads: int) -> PagedRows:
         """The exact slots of PagedField ``f`` as :class:`qjl.kernels.paged.PagedRows` [B, H, E, D] (read in place
         by the CPU kernel; ``.gather()`` copies them out)."""
-        key = ("read", f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, f.dtype, f.shape,
-               num_heads, extent_bytes(f.buffer))
+        key = ("read", field_geometry(f), num_heads, extent_bytes(f.buffer))
         rows = self.memo.get(key)
         if rows is None:  # the offsets and their bounds check, once per field geometry (layers share them)
             rows = self.memo[key] = PagedRows.at(f, self.blocks[:, 0, :], self.slots[:, 0, :], num_heads)

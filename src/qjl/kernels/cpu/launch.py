@@ -349,13 +349,15 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
 
 
 def _segment(a: _Args, e, k, v) -> None:
-    """Fill the C exact segment ``e`` from a (key, value) pair of :func:`_exact_segments`."""
-    e.n, e.dtype = k.shape[2], _X_DTYPES[k.dtype]
+    """Fill the C exact segment ``e`` from a (key, value) pair: tensors [B, H, n, D] (or [B, H, D], one token) with
+    contiguous rows, or :class:`qjl.kernels.paged.PagedRows`."""
+    e.n, e.dtype = (k.shape[2] if len(k.shape) == 4 else 1), _X_DTYPES[k.dtype]
     if isinstance(k, torch.Tensor):
         es = k.element_size()
         e.k, e.v = a.ptr(k, "const uint8_t *"), a.ptr(v, "const uint8_t *")
-        (sb, sh, st, _), (vb, vh, vt, _) = k.stride(), v.stride()
-        e.k_sb, e.k_sh, e.k_st, e.v_sb, e.v_sh, e.v_st = sb * es, sh * es, st * es, vb * es, vh * es, vt * es
+        e.k_sb, e.k_sh, e.v_sb, e.v_sh = k.stride(0) * es, k.stride(1) * es, v.stride(0) * es, v.stride(1) * es
+        if k.ndim == 4:
+            e.k_st, e.v_st = k.stride(2) * es, v.stride(2) * es
     else:  # PagedRows: the pages' bytes from each buffer's start, one offset per sequence and token (the kernel
         # checks every offset against the buffer's extent before it reads anything)
         from qjl.kernels.paged import extent_bytes
@@ -364,11 +366,6 @@ def _segment(a: _Args, e, k, v) -> None:
         e.k_sh, e.v_sh = k.field.stride_head, v.field.stride_head
         e.k_off, e.v_off = a.ptr(_i64(k.offsets), "int64_t *"), a.ptr(_i64(v.offsets), "int64_t *")
         e.k_room, e.v_room = extent_bytes(k.field.buffer), extent_bytes(v.field.buffer)
-
-
-def _geometry(f) -> tuple:
-    """What fixes where a PagedField's rows are, apart from its buffer's address."""
-    return (f.offset, f.stride_block, f.stride_head, f.stride_token, f.entry_bytes, f.dtype, tuple(f.shape))
 
 
 class DecodeStep:
@@ -389,7 +386,7 @@ class DecodeStep:
 
     def __init__(self, block_table, block_size: int, code_start, code_end, *, rows=None, segments: int = 0,
                  xbias=None, impl: str = "auto"):
-        from qjl.kernels.paged import PagedRows, check_table
+        from qjl.kernels.paged import PagedRows, check_table, field_geometry
 
         if not isinstance(block_table, torch.Tensor):
             raise ValueError(f"block_table must be a [B, max_blocks] int tensor, got {type(block_table).__name__}")
@@ -418,10 +415,8 @@ class DecodeStep:
                 raise ValueError(f"rows: key and value rows must both be [B={b}, H, E, D] of one float dtype "
                                  f"(fp32, fp16, bf16), got {kr.shape} {kr.dtype} and {vr.shape} {vr.dtype}")
             self.n_rows, self.heads, self.dim = kr.shape[2], kr.shape[1], kr.shape[3]
-            self.geometry = (_geometry(kr.field), _geometry(vr.field))
+            self.geometry = (field_geometry(kr.field), field_geometry(vr.field))
             self.offsets = (_i64(kr.offsets), _i64(vr.offsets))
-            self.c_offsets = tuple(ffi.cast("int64_t *", t.data_ptr()) for t in self.offsets)
-            self.stride_head = (kr.field.stride_head, vr.field.stride_head)
         self.xbias = None
         if xbias is not None:
             if not isinstance(xbias, torch.Tensor) or xbias.ndim != 4 or xbias.shape[0] not in (1, b):
@@ -433,14 +428,29 @@ class DecodeStep:
             self.c_xbias = ffi.cast("float *", self.xbias.data_ptr())
             self.xbias_strides = tuple(self.xbias.stride(i) if self.xbias.shape[i] > 1 else 0 for i in range(3))
 
+    def rows_in(self, exact_fields) -> tuple:
+        """The step's exact rows read in a layer's exact fields: (key, value) :class:`qjl.kernels.paged.PagedRows`.
+        ValueError unless the fields are a CPU (key, value) pair with the geometry the rows were built for (the
+        kernel checks every offset against the buffers' extent before reading)."""
+        from qjl.kernels.paged import PagedRows, field_geometry
+
+        if not isinstance(exact_fields, tuple) or len(exact_fields) != 2:
+            raise ValueError("exact_fields must be a (key, value) pair of PagedFields")
+        kf, vf = exact_fields
+        if (field_geometry(kf), field_geometry(vf)) != self.geometry:
+            raise ValueError("exact_fields: their offset, strides, dtype or shape differ from those the step's rows "
+                             "were built for")
+        if kf.buffer.device.type != "cpu" or vf.buffer.device.type != "cpu":
+            raise ValueError("exact_fields must live in CPU memory")
+        return PagedRows(kf, self.offsets[0], self.heads), PagedRows(vf, self.offsets[1], self.heads)
+
     def exact(self, exact_fields, segments) -> tuple | None:
         """The exact tokens of a call as :func:`paged_decode` takes them (``(xk, xv, xbias)``, or None)."""
-        from qjl.kernels.paged import PagedRows
-
         ks, vs = [], []
         if self.rows is not None:
-            ks.append(PagedRows(exact_fields[0], self.offsets[0], self.heads))
-            vs.append(PagedRows(exact_fields[1], self.offsets[1], self.heads))
+            kr, vr = self.rows_in(exact_fields)
+            ks.append(kr)
+            vs.append(vr)
         ks += [k for k, _ in segments]
         vs += [v for _, v in segments]
         return (tuple(ks), tuple(vs), self.xbias) if ks else None
@@ -509,19 +519,10 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     c.max_block = min(prep.room[0], 2**62)
     c.code_start, c.code_end = step.c_start, step.c_end
     a.keep.append(step)
-    n_seg = 0
-    if step.rows is not None:
-        _rows_segment(a, c.xseg[0], step, exact_fields)
-        n_seg = 1
-    for k, v, n in segs:
-        if n:
-            e = c.xseg[n_seg]
-            es = k.element_size()
-            e.n, e.dtype = n, _X_DTYPES[k.dtype]
-            e.k, e.v = a.ptr(k, "const uint8_t *"), a.ptr(v, "const uint8_t *")
-            e.k_sb, e.k_sh, e.v_sb, e.v_sh = k.stride(0) * es, k.stride(1) * es, v.stride(0) * es, v.stride(1) * es
-            e.k_st, e.v_st = (k.stride(2) * es, v.stride(2) * es) if k.ndim == 4 else (0, 0)
-            n_seg += 1
+    filled = ([step.rows_in(exact_fields)] if step.rows is not None else []) + [(k, v) for k, v, n in segs if n]
+    for e, (k, v) in zip(c.xseg, filled):
+        _segment(a, e, k, v)
+    n_seg = len(filled)
     if ne:
         c.ne, c.dx, c.qx, c.n_xseg = ne, d, qf, n_seg
     if xb is not None:
@@ -546,25 +547,6 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
         raise ValueError("the C kernel refused its arguments (code widths, lengths, group sizes, ranges, blocks or "
                          "exact rows beyond their buffers)")
     return out
-
-
-def _rows_segment(a: _Args, e, step: DecodeStep, exact_fields) -> None:
-    """Fill exact segment ``e`` with the step's rows read in this layer's exact fields."""
-    from qjl.kernels.paged import extent_bytes
-
-    if not isinstance(exact_fields, tuple) or len(exact_fields) != 2:
-        raise ValueError("exact_fields must be a (key, value) pair of PagedFields")
-    kf, vf = exact_fields
-    if (_geometry(kf), _geometry(vf)) != step.geometry:
-        raise ValueError("exact_fields: their offset, strides, dtype or shape differ from those the step's rows "
-                         "were built for")
-    if kf.buffer.device.type != "cpu" or vf.buffer.device.type != "cpu":
-        raise ValueError("exact_fields must live in CPU memory")
-    e.n, e.dtype = step.n_rows, _X_DTYPES[kf.dtype]
-    e.k, e.v = a.ptr(kf.buffer, "const uint8_t *"), a.ptr(vf.buffer, "const uint8_t *")
-    e.k_sh, e.v_sh = step.stride_head
-    e.k_off, e.v_off = step.c_offsets
-    e.k_room, e.v_room = extent_bytes(kf.buffer), extent_bytes(vf.buffer)
 
 
 def _tensor_segment(i: int, kv, bhd: tuple) -> tuple:
