@@ -186,6 +186,9 @@ def test_half_rounding_matches_torch():
         assert torch.equal(launch.half_rounding(vals, dtype).view(torch.int16), vals.to(dtype).view(torch.int16))
     with pytest.raises(ValueError, match="dtype"):
         launch.half_rounding(vals, torch.float32)
+    for bad in ([1.0, 2.0], vals.to(torch.int32)):
+        with pytest.raises(TypeError, match="x must be"):
+            launch.half_rounding(bad, torch.float16)
 
 
 def test_decode_step_follows_the_impl_setting(monkeypatch):

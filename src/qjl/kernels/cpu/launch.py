@@ -572,6 +572,8 @@ def _tensor_segment(i: int, kv, bhd: tuple) -> tuple:
 def half_rounding(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x (float32, CPU) rounded to ``dtype`` (fp16 or bf16) by the C kernel's own conversion, the one it writes an
     fp16 / bf16 ``out`` of :func:`paged_decode_step` with (round to nearest even; meant to equal ``x.to(dtype)``)."""
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.device.type != "cpu":
+        raise TypeError(f"x must be a float CPU tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     mod = _require()
