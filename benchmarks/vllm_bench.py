@@ -3,6 +3,7 @@
     python benchmarks/vllm_bench.py                       # native, tq-k45v3, tq-k3v2
     python benchmarks/vllm_bench.py --configs native,tq-k45v3,tq-k45v3:sinks=0:window=0 --no-speed
     python benchmarks/vllm_bench.py --no-quality --no-speed --throughput 24 --chunk 512   # concurrent requests
+    python benchmarks/vllm_bench.py --no-quality --no-speed --throughput fit --chunk 512  # as many as each cache fits
 
 Every configuration runs in its own process (the plugin is switched on by the environment) with the
 same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager``, 2 threads, a fixed
@@ -22,7 +23,9 @@ same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager
   that prefills the prompt (then re-read from the prefix cache): N / (engine timestamp of the last token -
   that of the first) of a request generating 1 + N tokens (vLLM's per-request stats: decode steps only, no
   prefill), the median of ``--repeats`` requests; ``diff`` beside it is the older estimate N / (wall time of
-  1 + N tokens - wall time of 1 token), which also drops the prefill but is noisier.  The load average before
+  1 + N tokens - wall time of 1 token), which also drops the prefill but is noisier.
+* **prefill tokens/s** at the same contexts: ctx / wall time of one fresh request (nothing cached) generating
+  one token, in ``--chunk``-token chunks (the time to first token of a request alone).  The load average before
   and after each configuration is recorded (configurations run one after the other, not interleaved).
 
 * **throughput** (``--throughput N``): the same workload for every configuration at the same cache space: N
@@ -31,6 +34,8 @@ same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager
   holds fewer tokens runs the requests in waves (vLLM queues what does not fit), one that holds more runs
   them together: that difference is the point of a compressed cache in a server.  ``max_num_seqs`` is raised
   to N so the cache space, not the scheduler, is the limit; the engine's "Maximum concurrency" line is kept.
+  ``--throughput fit``: each configuration gets as many requests as its own cache holds at once (its KV blocks
+  over the blocks of one request), so a larger cache serves more requests in the same run.
 
 Writes ``results.json``, ``table.md`` and each configuration's engine log to ``--out``.
 """
@@ -50,6 +55,23 @@ from pathlib import Path
 
 TEXTS = ["/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0",
          "/usr/share/common-licenses/MPL-2.0", "argparse"]
+
+
+def _requests(v: str):
+    if v == "fit":
+        return v
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--throughput takes a number of requests or 'fit', got {v!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"--throughput must be >= 0, got {n}")
+    return n
+
+
+def _max_seqs(throughput) -> int:
+    """The engine's max_num_seqs: the scheduler must never be the limit of a throughput run."""
+    return 256 if throughput == "fit" else max(16, throughput)
 
 
 def _text(name: str) -> str:
@@ -77,7 +99,7 @@ def worker(args) -> None:
     from qjl.integrations.vllm.convert import vllm_model_dir
 
     llm = LLM(model=vllm_model_dir(), enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=args.max_len,
-              max_num_batched_tokens=args.chunk, max_num_seqs=max(16, args.throughput), max_logprobs=args.topk,
+              max_num_batched_tokens=args.chunk, max_num_seqs=_max_seqs(args.throughput), max_logprobs=args.topk,
               enable_prefix_caching=True,  # decode timing re-reads its prompt from the prefix cache
               disable_log_stats=False)  # per-request engine timestamps (first / last token) for decode speed
     tok = llm.get_tokenizer()
@@ -118,15 +140,21 @@ def _quality(llm, tok, args) -> dict:
 
 def _decode_speed(llm, tok, args) -> dict:
     """One stream: after a warm-up that prefills the prompt (kept in the prefix cache), the time of
-    1 + N generated tokens minus the time of 1, both re-reading the cached prompt."""
+    1 + N generated tokens minus the time of 1, both re-reading the cached prompt.  Beside it, the prefill
+    speed: ctx / wall time of one request of ctx fresh tokens (its first token differs: nothing cached)
+    generating one token."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     long_ids = []
     for name in TEXTS:
         long_ids += tok(_text(name))["input_ids"]
-    out, samples = {}, {}
+    out, samples, prefill = {}, {}, {}
     for ctx in (int(c) for c in args.contexts.split(",")):
+        first = 99 if long_ids[0] != 99 else 98
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=[first] + long_ids[1:ctx])], SamplingParams(max_tokens=1))
+        prefill[str(ctx)] = ctx / (time.perf_counter() - t0)
         p = TokensPrompt(prompt_token_ids=long_ids[:ctx])
         llm.generate([p], SamplingParams(max_tokens=1, temperature=0))
         rates, diffs = [], []
@@ -144,6 +172,7 @@ def _decode_speed(llm, tok, args) -> dict:
         out[str(ctx)] = med(rates) if rates else med(diffs)
         samples[str(ctx)] = {"engine_ts": rates, "diff": diffs, "diff_median": med(diffs)}
     out["samples"] = samples
+    out["prefill_tps"] = prefill
     return out
 
 
@@ -156,6 +185,12 @@ def _throughput(llm, tok, args) -> dict:
     for name in TEXTS:
         ids += tok(_text(name))["input_ids"]
     n, p, g = args.throughput, args.tp_prompt, args.tp_gen
+    if n == "fit":  # as many as this configuration's cache holds at once
+        cc = llm.llm_engine.vllm_config.cache_config
+        n = cc.num_gpu_blocks // -(-(p + g) // cc.block_size)
+        if n > _max_seqs("fit"):
+            raise SystemExit(f"the cache holds {n} requests, more than --throughput fit allows ({_max_seqs('fit')})")
+    n = int(n)
     if len(ids) < p:
         raise SystemExit(f"the texts hold {len(ids)} tokens, fewer than --tp-prompt {p}")
     prompts = []
@@ -226,7 +261,8 @@ def main(argv=None) -> None:
     ap.add_argument("--contexts", default="1024,8000", help="decode-speed context lengths, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="decode-speed repetitions per context (median)")
     ap.add_argument("--no-speed", dest="speed", action="store_false")
-    ap.add_argument("--throughput", type=int, default=0, help="N concurrent requests (0: skip)")
+    ap.add_argument("--throughput", type=_requests, default=0,
+                    help="N concurrent requests (0: skip), or 'fit': as many as each configuration's cache holds")
     ap.add_argument("--tp-prompt", type=int, default=4096, help="prompt tokens per throughput request")
     ap.add_argument("--tp-gen", type=int, default=128, help="generated tokens per throughput request")
     ap.add_argument("--no-quality", dest="quality", action="store_false", help="skip KL and greedy agreement")
@@ -293,27 +329,32 @@ def main(argv=None) -> None:
     meta = {"argv": sys.argv, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "versions": _versions(), "args": vars(args)}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    ctxs = args.contexts.split(",")
     lines = ["| config | KL vs native (lower bound) | ppl vs native | greedy same / prefix (of 64) | KV tokens | x native "
-             + "".join(f"| decode tok/s {c} " for c in args.contexts.split(",")) + "|",
-             "|---|---|---|---|---|---|" + "---|" * len(args.contexts.split(","))]
+             + "".join(f"| decode tok/s {c} " for c in ctxs) + "".join(f"| prefill tok/s {c} " for c in ctxs) + "|",
+             "|---|---|---|---|---|---|" + "---|" * 2 * len(ctxs)]
     for row in rows:
         tps = row.get("decode_tps") or {}
-        speed = "".join(f" {tps[c]:.1f} |" if c in tps else " - |" for c in args.contexts.split(","))
+        pre = tps.get("prefill_tps") or {}
+        speed = "".join(f" {tps[c]:.1f} |" if c in tps else " - |" for c in ctxs)
+        speed += "".join(f" {pre[c]:.0f} |" if c in pre else " - |" for c in ctxs)
         kl = f"{row['kl']:.4f}" if "kl" in row else "-"
         agree = f"{row['greedy_same']:.1%} / {row['greedy_prefix']:.1f}" if "greedy_same" in row else "-"
         ppl = f"{row['ppl_change_pct']:+.2f}%" if "ppl_change_pct" in row else "-"
         kv = f"{row['kv_tokens']:,}" if row["kv_tokens"] else "-"
         lines.append(f"| {row['config']} | {kl} | {ppl} | {agree} | {kv} | {row.get('kv_x') or 1:.2f}x |{speed}")
     if args.throughput:
-        lines += ["", f"| config | {args.throughput} requests x ({args.tp_prompt} prompt + {args.tp_gen} generated): "
-                      "seconds | generated tok/s | x native | requests that fit at once |", "|---|---|---|---|---|"]
+        lines += ["", f"| config | requests x ({args.tp_prompt} prompt + {args.tp_gen} generated) | seconds | "
+                      "generated tok/s | total tok/s | x native (generated tok/s) | requests that fit at once |",
+                  "|---|---|---|---|---|---|---|"]
         nat = (base or {}).get("throughput")
         for row in rows:
             t = row.get("throughput")
             if t:
                 fit = row["kv_tokens"] // (args.tp_prompt + args.tp_gen) if row["kv_tokens"] else None
                 x = f"{t['generated_tps'] / nat['generated_tps']:.2f}x" if nat else "-"
-                lines.append(f"| {row['config']} | {t['seconds']:.1f} | {t['generated_tps']:.1f} | {x} | {fit} |")
+                lines.append(f"| {row['config']} | {t['requests']} | {t['seconds']:.1f} | {t['generated_tps']:.1f} | "
+                             f"{t['total_tps']:.1f} | {x} | {fit} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results in {out}")
