@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from .layout import PageLayout, content_bytes, layer_layout
 from .decode import decode_function
 from .paged import page_fields
+from .smoothing import smooth_keys
 from .step import StepPlan, forward_batch
 from .writes import write_codes
 from .settings import VLLMSettings, load_settings
@@ -159,6 +160,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         self._decode = decode_function(self.settings)
         s = self.settings
         logger.info_once(f"qjl backend: preset {s.preset}, {s.sink_tokens} exact sinks, exact window {s.window_tokens}, "
+                         f"key smoothing {'on' if s.config.smooth_keys else 'off'}, "
                          f"decode {self._decode.__module__}.{self._decode.__name__}")
 
     def _layout(self, layer, kv_cache: torch.Tensor) -> PageLayout:
@@ -192,6 +194,8 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         plan = m.plan(lay.block_size, lay.sinks, lay.window, lay.sliding_window)
         if query.shape[0] != n:  # padded batch: its real tokens (no view per layer when there is no padding)
             query, key, value = query[:n], key[:n], value[:n]
+        if lay.smooth_keys:  # every key of a sequence less its mean, before anything is stored or attended
+            key = smooth_keys(fields, plan, key)
         write_codes(lay, fields, key, value, None, plan=plan)
         dst = output if output.shape[0] == n else output[:n]
         contiguous = dst.is_contiguous()

@@ -6,7 +6,7 @@ vLLM hands an attention layer one page per block: ``[num_blocks, H_kv, block_siz
 
     head region = [ key field 0 : block_size records ] [ key field 1 ] ... [ value fields ]
                   [ exact keys : E slots ] [ exact values : E slots ]
-                  [ per-block shared fields (QJL outlier channels) ]      [ zero padding ]
+                  [ per-block shared fields (QJL outlier channels; key smoothing's mean) ]  [ zero padding ]
 
 Every field ``f`` of token ``t`` of a sequence, KV head ``h``, is at the byte address
 
@@ -18,8 +18,9 @@ Every field ``f`` of token ``t`` of a sequence, KV head ``h``, is at the byte ad
 sequence.  Exact copies (the model's keys and values in ``exact_dtype``) sit in ``E = sinks +
 window`` slots per head region; token ``t`` uses slot ``t`` if ``t < sinks`` (block 0 only),
 else ``sinks + t % window`` (a ring: the last ``window`` tokens of a sequence always sit in the
-rings of its last one or two blocks).  ``C`` is rounded up to an even number of bytes (vLLM
-views pages in the model dtype) and padded to the widest layer, so every layer has one size.
+rings of its last one or two blocks).  With key smoothing, ``smooth.key`` [D] (``exact_dtype``) is a per-block
+field of which each sequence uses its block 0's (:mod:`.smoothing`).  ``C`` is rounded up to an even number of
+bytes (vLLM views pages in the model dtype) and padded to the widest layer, so every layer has one size.
 """
 
 from __future__ import annotations
@@ -90,12 +91,16 @@ class PageLayout:
         sliding_window: None, or the layer's sliding window W (a query at position p sees the keys at p - W + 1
             ... p, as vLLM and transformers define it): such a layer keeps no sinks (the model never sees a token
             that far back) and at most W - 1 exact window tokens.
+        smooth_keys: keep each sequence's key mean (``smooth.key``, read from its block 0; :mod:`.smoothing`).
+            Not in a sliding-window layer (vLLM frees the blocks that leave the window, block 0 among them).
     """
 
     def __init__(self, key_codec, value_codec, head_dim: int, block_size: int, exact_dtype: torch.dtype,
-                 sinks: int, window: int, content_bytes: int | None = None, sliding_window: int | None = None):
+                 sinks: int, window: int, content_bytes: int | None = None, sliding_window: int | None = None,
+                 smooth_keys: bool = False):
         if check_sliding_window(sliding_window) is not None:
-            sinks, window = 0, min(window, sliding_window - 1)
+            sinks, window, smooth_keys = 0, min(window, sliding_window - 1), False
+        self.smooth_keys = bool(smooth_keys)
         self.key_codec, self.value_codec = key_codec, value_codec
         self.head_dim, self.block_size = head_dim, block_size
         self.exact_dtype, self.sinks, self.window = exact_dtype, sinks, window
@@ -113,6 +118,8 @@ class PageLayout:
             arrays += [("exact.key", exact_dtype, (head_dim,), n_exact, False),
                        ("exact.value", exact_dtype, (head_dim,), n_exact, False)]
         arrays += [(f"key.{n}", dt, sh, 1, True) for n, (dt, sh) in kshared.items()]
+        if self.smooth_keys:
+            arrays.append(("smooth.key", exact_dtype, (head_dim,), 1, True))
         for name, dt, shape, count, shared in arrays:
             item = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
             off = -(-off // _ALIGN) * _ALIGN
@@ -153,7 +160,8 @@ def content_bytes(settings, head_dim: int, block_size: int, model_dtype: torch.d
     kinds = [(cfg.key, cfg.value)] + ([(cfg.late_key, cfg.value)] if cfg.late_key is not None else [])
     kinds += [(o.get("key", cfg.key), o.get("value", cfg.value)) for o in cfg.layer_overrides.values()]
     return max(PageLayout(k.build(head_dim, cfg.seed), v.build(head_dim, cfg.seed), head_dim, block_size, exact,
-                          settings.sink_tokens, settings.window_tokens).content_bytes for k, v in kinds)
+                          settings.sink_tokens, settings.window_tokens, smooth_keys=cfg.smooth_keys).content_bytes
+               for k, v in kinds)
 
 
 def layer_layout(settings, layer: int, num_layers: int, head_dim: int, block_size: int,
@@ -166,4 +174,4 @@ def layer_layout(settings, layer: int, num_layers: int, head_dim: int, block_siz
     return PageLayout(k.build(head_dim, seed), v.build(head_dim, seed + 1), head_dim, block_size,
                       _DTYPES.get(cfg.exact_dtype, model_dtype), settings.sink_tokens, settings.window_tokens,
                       content_bytes=content_bytes(settings, head_dim, block_size, model_dtype),
-                      sliding_window=sliding_window)
+                      sliding_window=sliding_window, smooth_keys=cfg.smooth_keys)

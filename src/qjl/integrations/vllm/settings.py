@@ -5,12 +5,15 @@ worker processes, which inherit the environment):
 
 * ``QJL_VLLM_PRESET=<preset>``: a :data:`qjl.PRESETS` name, e.g. ``tq-k45v3``;
 * ``QJL_VLLM_CONFIG=<file.json>``: ``{"preset": ..., "sinks": ..., "window": ..., "seed": ...,
-  "decode": ...}`` (every key optional; ``preset`` defaults to :data:`qjl.config.DEFAULT_PRESET`).
+  "smooth_keys": ..., "decode": ...}`` (every key optional; ``preset`` defaults to
+  :data:`qjl.config.DEFAULT_PRESET`).
 
 When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides both.  Keys:
 
-* ``preset``: the codecs (per-layer widths included) and the seed come from this preset (its key and value smoothing,
-  on in the TurboQuant presets for transformers, is turned off: the paged backend does not implement it);
+* ``preset``: the codecs (per-layer widths included), the seed and key smoothing come from this preset (its value
+  smoothing and heavy tokens, on in some presets for transformers, are turned off: the paged backend does not
+  implement them);
+* ``smooth_keys``: true / false (or 1 / 0): key smoothing (:mod:`.smoothing`); default: the preset's;
 * ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
 * ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
   ``tq-k3v2``; docs/vllm.md measures what it costs and buys);
@@ -40,8 +43,8 @@ PRESET_WINDOWS = {"tq-k3v2": 0}
 SERVABLE_KEYS = ("turboquant_mse", "qjl")
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
 # QJLConfig options fitted per sequence to its prompt, which the paged backend does not implement (turned off)
-UNSERVED_OPTIONS = {"smooth_keys": False, "smooth_values": False, "heavy_tokens": 0}  # name: its off value
-_KEYS = ("preset", "sinks", "window", "seed", "decode")
+UNSERVED_OPTIONS = {"smooth_values": False, "heavy_tokens": 0}  # name: its off value
+_KEYS = ("preset", "sinks", "window", "seed", "smooth_keys", "decode")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class VLLMSettings:
     sinks: int | None = None
     window: int | None = None
     seed: int | None = None
+    smooth_keys: bool | None = None
     decode: str = "auto"
 
     def __post_init__(self):
@@ -62,17 +66,20 @@ class VLLMSettings:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"qjl setting {name!r} must be a non-negative int, got {v!r}")
+        if self.smooth_keys is not None and (self.smooth_keys not in (0, 1) or isinstance(self.smooth_keys, float)):
+            raise ValueError(f"qjl setting 'smooth_keys' must be true, false, 1, 0 or null, got {self.smooth_keys!r}")
         if self.decode not in ("auto", "torch"):
             raise ValueError(f"qjl setting 'decode' must be 'auto' or 'torch', got {self.decode!r}")
         check_servable(self.config)
 
     @property
     def config(self) -> QJLConfig:
-        # the preset's codecs and seed without the prompt-fitted options, which the paged backend does not implement
-        # (the cache's smoothing subtracts a per-sequence mean fitted on the prompt; vLLM's pages are shared)
+        # the preset's codecs, seed and key smoothing without the options the paged backend does not implement
         over = dict(UNSERVED_OPTIONS)
         if self.seed is not None:
             over["seed"] = self.seed
+        if self.smooth_keys is not None:
+            over["smooth_keys"] = bool(self.smooth_keys)
         return QJLConfig.preset(self.preset, **over)
 
     @property

@@ -1,0 +1,124 @@
+"""Key smoothing in the vLLM backend's pages, without vLLM (default suite): a sequence's steps run as the backend
+runs them (smooth, write the codes, attend) on its page layout, against exact attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qjl.integrations.vllm.decode import decode_function
+from qjl.integrations.vllm.layout import layer_layout
+from qjl.integrations.vllm.paged import page_fields
+from qjl.integrations.vllm.settings import VLLMSettings
+from qjl.integrations.vllm.smoothing import MIN_TOKENS, smooth_keys
+from qjl.integrations.vllm.step import StepPlan, forward_batch
+from qjl.integrations.vllm.writes import write_codes
+
+HKV, HQ, D, BS = 2, 4, 64, 16
+
+
+def _pages(settings, dtype=torch.float32, nblocks=12, sliding_window=None):
+    lay = layer_layout(settings, 3, 8, D, BS, dtype, sliding_window=sliding_window)
+    pages = torch.zeros(nblocks, HKV, BS, lay.content_bytes // torch.empty(0, dtype=dtype).element_size(),
+                        dtype=dtype)
+    return lay, page_fields(lay, pages)
+
+
+def _run(lay, fields, table, q, k, v, cuts, decode):
+    """One sequence through steps [cuts[i], cuts[i + 1]) as the backend does: -> outputs [T, H_q, D]."""
+    outs = []
+    for s0, s1 in zip(cuts[:-1], cuts[1:]):
+        qsl, lens = torch.tensor([0, s1 - s0]), torch.tensor([s1])
+        plan = StepPlan.build(qsl, lens, table, BS, lay.sinks, lay.window)
+        kk = smooth_keys(fields, plan, k[s0:s1]) if lay.smooth_keys else k[s0:s1]
+        write_codes(lay, fields, kk, v[s0:s1], None, plan=plan)
+        outs.append(forward_batch(lay, fields, q[s0:s1], kk, v[s0:s1], table, qsl, lens, D ** -0.5, decode,
+                                  plan=plan))
+    return torch.cat(outs)
+
+
+def _exact(q, k, v):
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True, enable_gqa=True, scale=D ** -0.5)
+    return o[0].transpose(0, 1)
+
+
+def _data(n, offset, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(HKV, D, generator=g) * offset  # the component every key of a head shares
+    k = torch.randn(n, HKV, D, generator=g) + common
+    return torch.randn(n, HQ, D, generator=g), k, torch.randn(n, HKV, D, generator=g)
+
+
+def test_layout_keeps_one_mean_per_block_and_head_counted_in_the_bytes():
+    on, _ = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=True))
+    off, _ = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=False))
+    f = on.fields["smooth.key"]
+    assert f.shared and f.shape == (D,) and "smooth.key" not in off.fields
+    assert on.used_bytes >= off.used_bytes + f.nbytes
+    slide, fields = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=True), sliding_window=32)
+    assert not slide.smooth_keys and "smooth.key" not in fields  # vLLM frees the blocks that leave the window
+
+
+@pytest.mark.parametrize("decode", ["torch", "auto"])
+def test_smoothing_cuts_the_error_of_keys_with_a_shared_offset(decode):
+    """3-bit keys with a large common component: smoothing removes it before quantization (a mean added instead
+    of subtracted, or not applied to the current token, would not)."""
+    n, cuts = 96, [0, 64] + list(range(65, 97))  # a 64-token prompt, then 32 one-token decode steps
+    q, k, v = _data(n, offset=6.0)
+    ref = _exact(q, k, v)[64:]
+    errs = {}
+    for smooth in (False, True):
+        s = VLLMSettings(preset="tq-k3v2", smooth_keys=smooth, decode=decode)
+        lay, fields = _pages(s)
+        table = torch.randperm(12, generator=torch.Generator().manual_seed(1))[None, :]
+        out = _run(lay, fields, table, q, k, v, cuts, decode_function(s))[64:]
+        errs[smooth] = float((out - ref).norm() / ref.norm())
+    assert errs[True] < 0.5 * errs[False], errs
+
+
+def test_smoothing_is_exact_where_every_token_is_kept_exactly():
+    """Sinks and window cover the whole sequence: smoothing only shifts each query's scores by q . mu."""
+    n, cuts = 40, [0, 24] + list(range(25, 41))
+    q, k, v = _data(n, offset=3.0, seed=2)
+    outs = []
+    for smooth in (False, True):
+        s = VLLMSettings(preset="tq-k45v3", smooth_keys=smooth, sinks=4, window=48, decode="torch")
+        lay, fields = _pages(s)
+        outs.append(_run(lay, fields, torch.arange(12)[None, :], q, k, v, cuts, decode_function(s)))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(outs[0], _exact(q, k, v), atol=2e-5, rtol=2e-5)
+
+
+def test_the_mean_comes_from_the_first_step_and_is_read_back_from_block_0():
+    lay, fields = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=True))
+    q, k, v = _data(48, offset=4.0, seed=3)
+    table = torch.tensor([[5, 2, 7, 9]])
+    _run(lay, fields, table, q, k, v, [0, 32, 48], decode_function(VLLMSettings(decode="torch")))
+    mu = fields["smooth.key"].gather(torch.tensor(5), torch.arange(HKV), torch.tensor(0))
+    assert torch.equal(mu, k[:32].mean(0).to(mu.dtype))  # the first step's keys (not the second's), stored rounded
+    # another request reusing block 0 through the prefix cache: its keys get the same mean
+    other = torch.tensor([[5, 11]])
+    plan = StepPlan.build(torch.tensor([0, 1]), torch.tensor([BS + 1]), other, BS, lay.sinks, lay.window)
+    x = torch.randn(1, HKV, D)
+    assert torch.equal(smooth_keys(fields, plan, x), x - mu.float())  # what is stored is what every step uses
+
+
+def test_a_short_first_step_keeps_a_zero_mean():
+    lay, fields = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=True))
+    k = torch.randn(MIN_TOKENS - 1, HKV, D) + 5
+    plan = StepPlan.build(torch.tensor([0, len(k)]), torch.tensor([len(k)]), torch.arange(4)[None, :], BS,
+                          lay.sinks, lay.window)
+    assert torch.equal(smooth_keys(fields, plan, k), k)
+
+
+def test_non_finite_first_keys_are_refused_and_no_mean_is_stored():
+    lay, fields = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=True))
+    k = torch.randn(2 * MIN_TOKENS, HKV, D)
+    k[MIN_TOKENS + 3, 1, 5] = float("nan")  # in the second sequence
+    table = torch.tensor([[1, 2], [3, 4]])
+    plan = StepPlan.build(torch.tensor([0, MIN_TOKENS, 2 * MIN_TOKENS]), torch.tensor([MIN_TOKENS, MIN_TOKENS]),
+                          table, BS, lay.sinks, lay.window)
+    before = fields["smooth.key"].buffer.clone()
+    with pytest.raises(ValueError, match="key: sequence 1"):
+        smooth_keys(fields, plan, k)
+    assert torch.equal(fields["smooth.key"].buffer, before)
