@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_bench.py                       # native, tq-k45v3, tq-k3v2
     python benchmarks/vllm_bench.py --configs native,tq-k45v3,tq-k45v3:sinks=0:window=0 --no-speed
+    python benchmarks/vllm_bench.py --configs native,tq-k45v3,tq-k45v3:smooth_keys=0 --no-speed --kl-tokens 384
     python benchmarks/vllm_bench.py --no-quality --no-speed --throughput 24 --chunk 512   # concurrent requests
     python benchmarks/vllm_bench.py --no-quality --no-speed --throughput fit --chunk 512  # as many as each cache fits
 

@@ -1,11 +1,13 @@
 """Key smoothing in the vLLM backend's pages, without vLLM (default suite): a sequence's steps run as the backend
 runs them (smooth, write the codes, attend) on its page layout, against exact attention."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from qjl.integrations.vllm.decode import decode_function
+from qjl.integrations.vllm.decode import decode_function, paged_decode_kernel
 from qjl.integrations.vllm.layout import layer_layout
 from qjl.integrations.vllm.paged import page_fields
 from qjl.integrations.vllm.settings import VLLMSettings
@@ -59,19 +61,21 @@ def test_layout_keeps_one_mean_per_block_and_head_counted_in_the_bytes():
     assert not slide.smooth_keys and "smooth.key" not in fields  # vLLM frees the blocks that leave the window
 
 
-@pytest.mark.parametrize("decode", ["torch", "auto"])
+@pytest.mark.parametrize("decode", ["torch", "auto", "kernels-torch"])
 def test_smoothing_cuts_the_error_of_keys_with_a_shared_offset(decode):
     """3-bit keys with a large common component: smoothing removes it before quantization (a mean added instead
-    of subtracted, or not applied to the current token, would not)."""
+    of subtracted, or not applied to the current token, would not).  ``kernels-torch``: the kernels' torch
+    reference, which joins the exact slots (fp16) and the smoothed current token (fp32) as the Triton path does."""
     n, cuts = 96, [0, 64] + list(range(65, 97))  # a 64-token prompt, then 32 one-token decode steps
     q, k, v = _data(n, offset=6.0)
     ref = _exact(q, k, v)[64:]
     errs = {}
     for smooth in (False, True):
-        s = VLLMSettings(preset="tq-k3v2", smooth_keys=smooth, decode=decode)
+        s = VLLMSettings(preset="tq-k3v2", smooth_keys=smooth, decode="torch" if decode == "torch" else "auto")
         lay, fields = _pages(s)
         table = torch.randperm(12, generator=torch.Generator().manual_seed(1))[None, :]
-        out = _run(lay, fields, table, q, k, v, cuts, decode_function(s))[64:]
+        fn = partial(paged_decode_kernel, backend="torch") if decode == "kernels-torch" else decode_function(s)
+        out = _run(lay, fields, table, q, k, v, cuts, fn)[64:]
         errs[smooth] = float((out - ref).norm() / ref.norm())
     assert errs[True] < 0.5 * errs[False], errs
 
