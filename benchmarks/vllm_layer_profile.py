@@ -2,16 +2,19 @@
 
     python benchmarks/vllm_layer_profile.py --threads 1 --context 1024
     python benchmarks/vllm_layer_profile.py --threads 2 --context 1024
+    python benchmarks/vllm_layer_profile.py --preset tq-k3v2 --threads 2 --context 3584 --chunk 512
 
 One layer of the embedded model's shape (3 KV heads, 9 query heads, head_dim 64, ``--block-size``-token pages) in a
 page pool
 written as the backend writes it (one prefill of ``--context`` tokens), then the pieces of a one-sequence decode
-step timed separately (median of ``--repeats`` calls, milliseconds): the step's index plan, the code write
-(quantization included, one C call), the decode as the backend runs it (``decode``; within it ``decode.kernel``:
+step timed separately (median of ``--repeats`` calls, milliseconds): the step's index plan, key smoothing (where the
+preset has it: the mean read back and subtracted), the code write (quantization included, one C call), the decode as the backend runs it (``decode``; within it ``decode.kernel``:
 the C call through :func:`qjl.kernels.cpu.launch.paged_decode_step` with the step's arguments kept, and
 ``decode.exact_rows``: the exact slots as rows read in place, as the Triton path takes them), the exact-copy
 write, and beside them a dense bf16 ``scaled_dot_product_attention`` over the same context (what one attention
-call of a native layer costs, roughly).  Prints a JSON object.
+call of a native layer costs, roughly).  With ``--chunk C``: ``prefill_chunk``, the attention of a C-token prefill
+chunk over the ``--context`` tokens before it (the backend's ``forward_batch``: history dequantized, torch's fused
+SDPA; its codes written once before).  Prints a JSON object.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--block-size", type=int, default=128, help="tokens per page (vLLM's CPU default: 128)")
+    ap.add_argument("--chunk", type=int, default=0, help="also time a prefill chunk of this many tokens (0: no)")
     ap.add_argument("--layer", type=int, default=20, help="layer index of 30 (the default preset's keys: 4 bits "
                     "below 15, 5 bits from 15 on)")
     args = ap.parse_args(argv)
@@ -48,6 +52,7 @@ def main(argv=None) -> dict:
     from qjl.integrations.vllm.layout import layer_layout
     from qjl.integrations.vllm.paged import page_fields
     from qjl.integrations.vllm.settings import VLLMSettings
+    from qjl.integrations.vllm.smoothing import smooth_keys
     from qjl.integrations.vllm.step import StepPlan, forward_batch
     from qjl.integrations.vllm.writes import write_codes, write_exact
     from qjl.kernels.cpu.launch import paged_decode_step
@@ -56,7 +61,7 @@ def main(argv=None) -> dict:
     hkv, hq, d, bs, n = 3, 9, 64, args.block_size, args.context
     s = VLLMSettings(preset=args.preset)
     lay = layer_layout(s, args.layer, 30, d, bs, torch.bfloat16)
-    nblocks = n // bs + 2
+    nblocks = (n + args.chunk) // bs + 2
     pages = torch.zeros(nblocks, hkv, bs, lay.content_bytes // 2, dtype=torch.bfloat16)
     fields = page_fields(lay, pages)
     g = torch.Generator().manual_seed(0)
@@ -65,6 +70,8 @@ def main(argv=None) -> dict:
     q, k, v = x(n, hq, d), x(n, hkv, d), x(n, hkv, d)
     qsl, lens = torch.tensor([0, n]), torch.tensor([n])
     plan = StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window)
+    smooth = (lambda p, kk: smooth_keys(fields, p, kk)) if lay.smooth_keys else (lambda p, kk: kk)  # noqa: E731
+    k = smooth(plan, k)  # as the backend: the mean stored, every key less it
     write_codes(lay, fields, k, v, None, plan=plan)
     forward_batch(lay, fields, q, k, v, table, qsl, lens, d ** -0.5, plan=plan)  # prefill: exact copies written
     q, k, v = x(1, hq, d), x(1, hkv, d), x(1, hkv, d)
@@ -82,6 +89,7 @@ def main(argv=None) -> dict:
     r = args.repeats
     res = {"preset": args.preset, "layer": args.layer, "context": n, "block_size": bs, "threads": args.threads, "ms": {
         "plan": _median_ms(lambda: StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window), r),
+        "smooth_keys": _median_ms(lambda: smooth(plan, k), r),
         "write_codes": _median_ms(lambda: write_codes(lay, fields, k, v, None, plan=plan), r),
         "decode": _median_ms(lambda: dec(q, kf, vf, plan.decode.block_table, lens - 1, bs, **kw), r),
         "decode.exact_rows": _median_ms(lambda: exact_tokens(ex, plan.decode, hkv, (k, v)), r),
@@ -89,8 +97,17 @@ def main(argv=None) -> dict:
                                                               exact_fields=ex, segments=cur), r),
         "write_exact": _median_ms(lambda: write_exact(plan, fields, k, v), r),
         "dense_sdpa_bf16": _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, kk), r)}}
+    if args.chunk:
+        c = args.chunk
+        q, k, v = x(c, hq, d), x(c, hkv, d), x(c, hkv, d)
+        qsl, lens = torch.tensor([0, c]), torch.tensor([n + c])
+        plan = StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window)
+        k = smooth(plan, k)
+        write_codes(lay, fields, k, v, None, plan=plan)
+        res["ms"]["prefill_chunk"] = _median_ms(
+            lambda: forward_batch(lay, fields, q, k, v, table, qsl, lens, d ** -0.5, plan=plan), max(3, r // 5))
     ms = res["ms"]
-    res["ms"]["qjl_layer_total"] = ms["write_codes"] + ms["decode"] + ms["write_exact"]
+    res["ms"]["qjl_layer_total"] = ms["smooth_keys"] + ms["write_codes"] + ms["decode"] + ms["write_exact"]
     print(json.dumps(res, indent=1))
     return res
 
