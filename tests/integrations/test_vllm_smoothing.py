@@ -126,3 +126,20 @@ def test_non_finite_first_keys_are_refused_and_no_mean_is_stored():
     with pytest.raises(ValueError, match="key: sequence 1"):
         smooth_keys(fields, plan, k)
     assert torch.equal(fields["smooth.key"].buffer, before)
+
+
+def test_bad_arguments_are_refused_by_name():
+    lay, fields = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=True))
+    plan = StepPlan.build(torch.tensor([0, 20]), torch.tensor([20]), torch.arange(4)[None, :], BS, lay.sinks,
+                          lay.window)
+    before = fields["smooth.key"].buffer.clone()
+    with pytest.raises(ValueError, match="key must be"):
+        smooth_keys(fields, plan, torch.randn(19, HKV, D))  # not the step's 20 tokens
+    with pytest.raises(ValueError, match="key must be"):
+        smooth_keys(fields, plan, torch.randn(20, HKV, D + 1))
+    with pytest.raises(TypeError, match="key must be a float tensor"):
+        smooth_keys(fields, plan, torch.zeros(20, HKV, D, dtype=torch.int32))
+    _, plain = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=False))
+    with pytest.raises(ValueError, match="fields: no 'smooth.key'"):
+        smooth_keys(plain, plan, torch.randn(20, HKV, D))
+    assert torch.equal(fields["smooth.key"].buffer, before)

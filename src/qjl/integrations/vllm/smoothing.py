@@ -37,15 +37,21 @@ def _step(plan: StepPlan, device) -> tuple:
         starts = [(i, int(qsl[i]), int(qsl[i + 1])) for i in first]
         seq_of = None if bool((qlen == 1).all()) else torch.repeat_interleave(torch.arange(b), qlen).to(device)
         blocks = plan.block_table[:b, 0].long().to(device)
-        hit = plan.memo["smooth"] = (blocks, torch.zeros_like(blocks), seq_of, starts)
+        hit = plan.memo["smooth"] = (blocks, torch.zeros_like(blocks), seq_of, starts, int(qsl[-1]))
     return hit
 
 
 def smooth_keys(fields: dict, plan: StepPlan, key: torch.Tensor) -> torch.Tensor:
     """The step's keys [T, H_kv, D] (padding removed) -> ``key - mu[sequence]`` float32, storing ``mu`` for the
     sequences that start in this step (see the module docstring).  ``fields`` must hold ``smooth.key``."""
-    f = fields["smooth.key"]
-    blocks, zeros, seq_of, starts = _step(plan, key.device)
+    f = fields.get("smooth.key") if hasattr(fields, "get") else None
+    if f is None:
+        raise ValueError("fields: no 'smooth.key' field (pages of a layout built with smooth_keys=True)")
+    if not isinstance(key, torch.Tensor) or not key.dtype.is_floating_point:
+        raise TypeError(f"key must be a float tensor, got {getattr(key, 'dtype', type(key).__name__)}")
+    blocks, zeros, seq_of, starts, t = _step(plan, key.device)
+    if key.ndim != 3 or key.shape[0] != t or key.shape[2:] != f.shape:
+        raise ValueError(f"key must be [{t}, H_kv, {f.shape[0]}] (the step's tokens), got {tuple(key.shape)}")
     h = key.shape[1]
     if starts:
         means = []
