@@ -35,7 +35,7 @@ def _step(plan: StepPlan, device) -> tuple:
         qlen = qsl[1:] - qsl[:-1]
         first = ((lens == qlen) & (qlen > 0)).nonzero().flatten().tolist()  # all its tokens are in this step
         starts = [(i, int(qsl[i]), int(qsl[i + 1])) for i in first]
-        seq_of = None if bool((qlen == 1).all()) else torch.repeat_interleave(torch.arange(b), qlen).to(device)
+        seq_of = None if bool((qlen == 1).all()) else plan.token_seqs.to(device)
         blocks = plan.block_table[:b, 0].long().to(device)
         hit = plan.memo["smooth"] = (blocks, torch.zeros_like(blocks), seq_of, starts, int(qsl[-1]))
     return hit

@@ -44,7 +44,7 @@ class StepPlan:
     ``decode_seqs`` / ``decode_token_rows`` / ``decode_history`` (their tokens before this one) and ``decode``:
     the one-token rows and their :class:`DecodeRows`;
     ``prefill``: (sequence, first row, end row) of the other sequences; ``exact_*``: the tokens whose exact
-    copies are stored (rows, block, exact slot).
+    copies are stored (rows, block, exact slot); ``token_seqs``: each token's sequence.
     """
 
     block_size: int
@@ -66,6 +66,7 @@ class StepPlan:
     exact_blocks: torch.Tensor
     exact_slots: torch.Tensor
     memo: dict = field(default_factory=dict)
+    token_seqs: torch.Tensor | None = None  # [T] (CPU): the sequence of each of the step's tokens
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, block_table, block_size: int, sinks: int, window: int,
@@ -95,7 +96,7 @@ class StepPlan:
         return cls(block_size, sinks, window, sliding_window, qsl, lens, block_table, rows,
                    (kept // block_size).to(dev),
                    (kept % block_size).to(dev), dec, qsl[dec], history, drows, prefill, erows, eblocks.to(dev),
-                   eslots.to(dev))
+                   eslots.to(dev), token_seqs=seq_of)
 
     def store_bounds(self) -> tuple:
         """:func:`qjl.kernels.cpu.launch.store_bounds` of the step's code writes (``write_blocks``,
