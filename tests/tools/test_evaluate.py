@@ -40,6 +40,41 @@ def test_quality_math():
         evaluate.quality(logp, targets[:3])
 
 
+def test_block_standard_error_matches_the_spread_of_the_mean():
+    """Over many independent samples, the estimated standard error of a mean matches the mean's actual spread --
+    also for values correlated within a block, where the per-value formula would understate it 4x."""
+    g = torch.Generator().manual_seed(0)
+    iid = torch.randn(4000, 512, generator=g, dtype=torch.float64)
+    blocky = torch.randn(4000, 32, generator=g, dtype=torch.float64).repeat_interleave(16, 1) + 0.1 * iid
+    for x in (iid, blocky):
+        true_sd = x.mean(1).std().item()
+        est = torch.tensor([evaluate.block_standard_error(r) for r in x[:400]])
+        assert abs(est.mean().item() / true_sd - 1) < 0.05
+    naive = (blocky.std(1) / 512 ** 0.5).mean().item()
+    assert naive < 0.3 * blocky.mean(1).std().item()  # why blocks: the per-token formula is far too small
+    assert evaluate.block_standard_error(torch.ones(64)) == 0.0
+    import math
+    assert math.isnan(evaluate.block_standard_error(torch.randn(31)))
+    with pytest.raises(ValueError, match="x must be 1-d"):
+        evaluate.block_standard_error(torch.randn(4, 16))
+    with pytest.raises(ValueError, match="block"):
+        evaluate.block_standard_error(torch.randn(64), block=0)
+
+
+def test_quality_reports_the_paired_standard_error():
+    g = torch.Generator().manual_seed(1)
+    ref = torch.log_softmax(torch.randn(64, 11, generator=g), -1)
+    targets = torch.randint(0, 11, (64,), generator=g)
+    assert evaluate.quality(ref, targets, ref)["dnll_se"] == 0.0  # paired: the same log-probs differ by nothing
+    shifted = torch.log_softmax(ref + 0.3 * torch.randn(64, 11, generator=g), -1)
+    q = evaluate.quality(shifted, targets, ref)
+    d = -shifted[torch.arange(64), targets] + ref[torch.arange(64), targets]
+    assert q["dnll_se"] == pytest.approx(evaluate.block_standard_error(d), rel=1e-9) and q["dnll_se"] > 0
+    assert "dnll_se" not in evaluate.quality(shifted, targets)
+    with pytest.raises(ValueError, match="reference has shape"):
+        evaluate.quality(shifted, targets, ref[:32])
+
+
 def test_chunked_scoring_with_the_full_cache_equals_one_forward(lm):
     model, _ = lm
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
@@ -96,11 +131,30 @@ def test_a_whole_run(lm, text_file, tmp_path):
         worst = res[name]["worst"]["300"]
         assert worst["kl"]["value"] == max(per[t]["300"]["kl"] for t in per)
         assert worst["top1"]["value"] == min(per[t]["300"]["top1"] for t in per)
+        worst_text = per[worst["dppl"]["text"]]["300"]
+        assert worst["dppl"]["se"] == worst_text["dppl_se"] > 0
+        assert worst_text["dppl_se"] == pytest.approx(100 * worst_text["ppl"] / res["full precision"]["texts"][
+            worst["dppl"]["text"]]["300"]["ppl"] * worst_text["dnll_se"], rel=1e-12)
         assert res[name]["passkey"]["96"]["trials"] == 2
         assert res[name]["memory_at"]["tokens"] == 400 and res[name]["memory_at"]["x_vs_fp16"] > 0.5
     assert res["tq-k2v2"]["worst"]["300"]["kl"]["value"] > res["tq-k45v3"]["worst"]["300"]["kl"]["value"]
     table = eval_tables(metrics)
     assert "KL@300" in table and "KL@600" in table and "skipped" in table and "tq-k2v2" in table
+    assert f"±{res['tq-k2v2']['worst']['300']['dppl']['se']:.2f}" in table
+    held = saved["held_out"]
+    for name in ("tq-k45v3", "tq-k2v2"):
+        per, mean = res[name]["texts"], res[name]["held_mean"]["300"]
+        assert mean["texts"] == len(held) == 2
+        assert mean["dppl"] == pytest.approx(sum(per[t]["300"]["dppl"] for t in held) / 2, rel=1e-12)
+        assert mean["se"] == pytest.approx((sum(per[t]["300"]["dppl_se"] ** 2 for t in held)) ** 0.5 / 2, rel=1e-12)
+    assert "mean dppl@300" in table
+
+
+def test_mean_over_texts():
+    per = {"a": {"dppl": 2.0, "dppl_se": 0.6}, "b": {"dppl": -1.0, "dppl_se": 0.8}, "c": {"dppl": 9.0, "dppl_se": 1.0}}
+    m = evalrun.mean_over(per, ["a", "b"])
+    assert m == {"dppl": 0.5, "se": pytest.approx(0.5), "texts": 2}
+    assert evalrun.mean_over(per, []) == {} and evalrun.mean_over({"a": {"dppl": 1.0}}, ["a"]) == {}
 
 
 def test_plan_is_validated():

@@ -10,6 +10,7 @@ another; ``benchmarks/thread_tolerance.py`` measures the spread).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,7 +58,8 @@ class EvalPlan:
 
 
 def worst_over(per_text: dict, texts: list) -> dict:
-    """{text: {kl, dppl, top1}} -> the worst value of each metric over ``texts``, with the text it came from."""
+    """{text: {kl, dppl, top1}} -> the worst value of each metric over ``texts``, with the text it came from (and
+    the perplexity change's standard error ``se`` where the text has one)."""
     rows = [(t, per_text[t]) for t in texts if t in per_text]
     if not rows:
         return {}
@@ -65,7 +67,20 @@ def worst_over(per_text: dict, texts: list) -> dict:
     for metric, pick in (("kl", max), ("dppl", max), ("top1", min)):
         t, m = pick(rows, key=lambda r: r[1][metric])
         out[metric] = {"value": m[metric], "text": t}
+        if metric == "dppl" and m.get("dppl_se") is not None:
+            out[metric]["se"] = m["dppl_se"]
     return out
+
+
+def mean_over(per_text: dict, texts: list) -> dict:
+    """{text: {dppl, dppl_se}} -> the perplexity change averaged over ``texts`` with its standard error
+    (``sqrt(sum se^2) / n``: the texts are independent samples), {} where a text lacks a standard error."""
+    rows = [per_text[t] for t in texts if t in per_text]
+    if not rows or any(m.get("dppl_se") is None for m in rows):
+        return {}
+    n = len(rows)
+    return {"dppl": sum(m["dppl"] for m in rows) / n, "se": math.sqrt(sum(m["dppl_se"] ** 2 for m in rows)) / n,
+            "texts": n}
 
 
 def _head_dim(config) -> int:
@@ -192,10 +207,15 @@ def _summarize(results: dict, held: list) -> None:
     for r in results.values():
         for text, per_ctx in r["texts"].items():
             for ctx, m in per_ctx.items():
-                m["dppl"] = 100 * (m["ppl"] / ref["texts"][text][ctx]["ppl"] - 1)
+                ratio = m["ppl"] / ref["texts"][text][ctx]["ppl"]
+                m["dppl"] = 100 * (ratio - 1)
+                if "dnll_se" in m:  # the reference against itself has none
+                    m["dppl_se"] = 100 * ratio * m["dnll_se"]
         ctxs = {c for per in r["texts"].values() for c in per}
         r["worst"] = {c: worst_over({t: per[c] for t, per in r["texts"].items() if c in per}, held)
                       for c in sorted(ctxs, key=int)}
+        r["held_mean"] = {c: mean_over({t: per[c] for t, per in r["texts"].items() if c in per}, held)
+                          for c in sorted(ctxs, key=int)}
 
 
 def _record(r: dict, text: str, ctx: int, m: dict) -> None:

@@ -31,7 +31,7 @@ from qjl.integrations.transformers.layer import QJLCacheLayer
 from qjl.tools.methods import cache_memory, make_cache, prefill_groups
 
 __all__ = ["EvalSetup", "load_text_ids", "prefill_methods", "score_prefilled", "score_method", "quality", "measure",
-           "evaluate_method", "capture_kv", "held_kv", "tile_kv", "memory_at", "DEFAULT_TEXT"]
+           "evaluate_method", "block_standard_error", "SE_BLOCK", "capture_kv", "held_kv", "tile_kv", "memory_at", "DEFAULT_TEXT"]
 
 DEFAULT_TEXT = "gpl-3"
 
@@ -129,18 +129,43 @@ def score_method(model, ids: torch.Tensor, setup: EvalSetup, cfg) -> tuple:
     return logp, cache, secs
 
 
+SE_BLOCK = 16  # tokens per block of the perplexity change's standard error (neighbouring tokens correlate)
+
+
+def block_standard_error(x: torch.Tensor, block: int = SE_BLOCK) -> float:
+    """Standard error of ``x.mean()`` (x: [n]) from the means of consecutive blocks of ``block`` values
+    (batch means: errors of neighbouring tokens correlate, so per-token variance would understate it); the tail
+    that fills no block is dropped from the blocks only.  NaN when fewer than two blocks fit."""
+    if x.dim() != 1:
+        raise ValueError(f"x must be 1-d, got shape {tuple(x.shape)}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    nb = x.numel() // block
+    if nb < 2:
+        return float("nan")
+    means = x[: nb * block].double().view(nb, block).mean(1)
+    return (means.std() / math.sqrt(nb)).item()
+
+
 def quality(logp: torch.Tensor, targets: torch.Tensor, reference: torch.Tensor | None = None) -> dict:
     """logp, reference: [n, V] log-probs; targets: [n] true next tokens.
 
-    -> {ppl, nll} and, against ``reference``: {kl (mean KL(ref || logp), nats), top1 (argmax agreement)}.
+    -> {ppl, nll} and, against ``reference``: {kl (mean KL(ref || logp), nats), top1 (argmax agreement),
+    dnll_se (standard error, in nats, of the mean per-token NLL change against ``reference``: the paired
+    difference, blocks of :data:`SE_BLOCK` tokens, :func:`block_standard_error`)}.  The perplexity change's
+    standard error in percent is ``100 * ppl / ppl_ref * dnll_se`` (first order).
     """
     if logp.shape[0] != targets.shape[0]:
         raise ValueError(f"logp has {logp.shape[0]} rows, targets {targets.shape[0]}")
-    nll = -logp.gather(1, targets.unsqueeze(1)).mean().item()
+    token_nll = -logp.gather(1, targets.unsqueeze(1))[:, 0]
+    nll = token_nll.mean().item()
     m = {"nll": nll, "ppl": math.exp(nll)}
     if reference is not None:
+        if reference.shape != logp.shape:
+            raise ValueError(f"reference has shape {tuple(reference.shape)}, logp {tuple(logp.shape)}")
         m["kl"] = (reference.exp() * (reference - logp)).sum(-1).mean().item()
         m["top1"] = (reference.argmax(-1) == logp.argmax(-1)).float().mean().item()
+        m["dnll_se"] = block_standard_error(token_nll + reference.gather(1, targets.unsqueeze(1))[:, 0])
     return m
 
 

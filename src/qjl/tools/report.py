@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import json
 import os
 import platform
@@ -99,6 +101,12 @@ def _f(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def _dppl(value, se) -> str:
+    """A perplexity change in percent, with its standard error where there is one: ``+2.08% ±0.85``."""
+    text = _f(value, "+.2f") + "%"
+    return text if se is None or value is None or math.isnan(se) else f"{text} ±{se:.2f}"
+
+
 def eval_tables(metrics: dict) -> str:
     """The summary (one row per method) and, for several texts, the per-text detail of a ``qjl eval`` run."""
     results, held = metrics["results"], metrics["held_out"]
@@ -106,7 +114,7 @@ def eval_tables(metrics: dict) -> str:
     many = len({t for r in results.values() for t in r["texts"]}) > 1
     headers = ["method", "key", "value", "K+V", "exact"]
     for c in ctxs:
-        headers += [f"KL@{c}", f"dppl@{c}", f"top1@{c}"]
+        headers += [f"KL@{c}", f"dppl@{c}", f"top1@{c}"] + ([f"mean dppl@{c}"] if many else [])
     lengths = sorted({n for r in results.values() for n in r.get("passkey", {})}, key=int)
     headers += [f"passkey@{n}" for n in lengths]
     mem_tokens = next((r["memory_at"]["tokens"] for r in results.values() if "memory_at" in r), None)
@@ -120,8 +128,11 @@ def eval_tables(metrics: dict) -> str:
                _f(b.get("exact_bits"), ".0f")]
         for c in ctxs:
             w = r["worst"].get(c, {})
-            row += [_f(w.get("kl", {}).get("value"), ".4f"), _f(w.get("dppl", {}).get("value"), "+.2f") + "%",
+            row += [_f(w.get("kl", {}).get("value"), ".4f"), _dppl(w.get("dppl", {}).get("value"), w.get("dppl", {}).get("se")),
                     _f(100 * w["top1"]["value"] if "top1" in w else None, ".1f")]
+            if many:
+                a = r.get("held_mean", {}).get(c, {})
+                row.append(_dppl(a.get("dppl"), a.get("se")) if a else "-")
         row += [f"{r['passkey'][n]['hits']}/{r['passkey'][n]['trials']}" if n in r.get("passkey", {}) else "-"
                 for n in lengths]
         if mem_tokens:
@@ -138,7 +149,7 @@ def eval_tables(metrics: dict) -> str:
                     if c in per:
                         m = per[c]
                         detail.append([name, text + ("" if text in held else " (tuning)"), f"{m['kl']:.4f}",
-                                       f"{m['ppl']:.3f}", f"{m['dppl']:+.2f}%", f"{100 * m['top1']:.1f}"])
+                                       f"{m['ppl']:.3f}", _dppl(m["dppl"], m.get("dppl_se")), f"{100 * m['top1']:.1f}"])
             parts += ["", f"context {c}, each text:",
                       format_table(["method", "text", "KL", "ppl", "dppl", "top1%"], detail)]
     for name, r in results.items():  # per-layer codecs chosen from the prompt (auto-*), where reported
@@ -159,7 +170,11 @@ def _legend(many: bool, held: list, mem_tokens) -> str:
     lines = ["key/value/K+V: bits per value of the compressed tokens (codes, norms, scales, zero points, outlier "
              "indices); exact: bits per value of the exact sinks, heavy tokens and window (their dtype)."]
     if many:
-        lines.append(f"KL/dppl/top1: the WORST over the held-out texts ({', '.join(held)}); each text below.")
+        lines.append(f"KL/dppl/top1: the WORST over the held-out texts ({', '.join(held)}); each text below. "
+                     "mean dppl: the average over them, ± its standard error.")
+    lines.append("dppl: perplexity change against full precision, ± its standard error (paired per-token NLL "
+                 "differences, means of 16-token blocks): over 512 scored tokens a few copied tokens can move it by "
+                 "a point.")
     if mem_tokens:
         lines.append(f"bits@{mem_tokens}: every byte held for {mem_tokens} tokens (window included) per value; "
                      f"x@{mem_tokens}: fp16 bytes of those tokens / bytes held; MiB: bytes held.")
