@@ -8,7 +8,9 @@ One layer of the embedded model's shape (3 KV heads, 9 query heads, head_dim 64,
 page pool
 written as the backend writes it (one prefill of ``--context`` tokens), then the pieces of a one-sequence decode
 step timed separately (median of ``--repeats`` calls, milliseconds): the step's index plan, key smoothing (where the
-preset has it: the mean read back and subtracted), the code write (quantization included, one C call), the decode as the backend runs it (``decode``; within it ``decode.kernel``:
+preset has it: the mean read back and subtracted), value smoothing (``smooth_values``: the value mean read back,
+subtracted, and added to the output; ``smooth_values.first``, not in the total: its first step's attention-weighted
+mean over the ``--context`` prompt tokens, once per sequence and layer), the code write (quantization included, one C call), the decode as the backend runs it (``decode``; within it ``decode.kernel``:
 the C call through :func:`qjl.kernels.cpu.launch.paged_decode_step` with the step's arguments kept, and
 ``decode.exact_rows``: the exact slots as rows read in place, as the Triton path takes them), the exact-copy
 write, and beside them a dense bf16 ``scaled_dot_product_attention`` over the same context (what one attention
@@ -52,7 +54,7 @@ def main(argv=None) -> dict:
     from qjl.integrations.vllm.layout import layer_layout
     from qjl.integrations.vllm.paged import page_fields
     from qjl.integrations.vllm.settings import VLLMSettings
-    from qjl.integrations.vllm.smoothing import smooth_keys
+    from qjl.integrations.vllm.smoothing import add_value_mean, smooth_keys, smooth_values
     from qjl.integrations.vllm.step import StepPlan, forward_batch
     from qjl.integrations.vllm.writes import write_codes, write_exact
     from qjl.kernels.cpu.launch import paged_decode_step
@@ -72,6 +74,10 @@ def main(argv=None) -> dict:
     plan = StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window)
     smooth = (lambda p, kk: smooth_keys(fields, p, kk)) if lay.smooth_keys else (lambda p, kk: kk)  # noqa: E731
     k = smooth(plan, k)  # as the backend: the mean stored, every key less it
+    first_plan, first = plan, (q, k, v)
+    vsmooth = ((lambda p, qq_, kk, vv: smooth_values(fields, p, qq_, kk, vv, d ** -0.5)) if lay.smooth_values
+               else (lambda p, qq_, kk, vv: (vv, None)))  # noqa: E731
+    v, _ = vsmooth(plan, q, k, v)
     write_codes(lay, fields, k, v, None, plan=plan)
     forward_batch(lay, fields, q, k, v, table, qsl, lens, d ** -0.5, plan=plan)  # prefill: exact copies written
     q, k, v = x(1, hq, d), x(1, hkv, d), x(1, hkv, d)
@@ -86,10 +92,17 @@ def main(argv=None) -> dict:
     qk = (q.float() * d ** -0.5).reshape(1, hkv, hq // hkv, d)
     cur = ((k.unsqueeze(1).transpose(1, 2), v.unsqueeze(1).transpose(1, 2)),)  # [1, H, 1, D]
     kk, qq = x(1, hq, n + 1, d), x(1, hq, 1, d)
+
+    def value_step():  # the decode step's value smoothing: mean read back, subtracted, added to the output
+        _, mu = vsmooth(plan, q, k, v)
+        if mu is not None:
+            add_value_mean(torch.zeros(1, hq, d), mu)
+
     r = args.repeats
     res = {"preset": args.preset, "layer": args.layer, "context": n, "block_size": bs, "threads": args.threads, "ms": {
         "plan": _median_ms(lambda: StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window), r),
         "smooth_keys": _median_ms(lambda: smooth(plan, k), r),
+        "smooth_values": _median_ms(value_step, r),
         "write_codes": _median_ms(lambda: write_codes(lay, fields, k, v, None, plan=plan), r),
         "decode": _median_ms(lambda: dec(q, kf, vf, plan.decode.block_table, lens - 1, bs, **kw), r),
         "decode.exact_rows": _median_ms(lambda: exact_tokens(ex, plan.decode, hkv, (k, v)), r),
@@ -103,11 +116,15 @@ def main(argv=None) -> dict:
         qsl, lens = torch.tensor([0, c]), torch.tensor([n + c])
         plan = StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window)
         k = smooth(plan, k)
+        v, _ = vsmooth(plan, q, k, v)
         write_codes(lay, fields, k, v, None, plan=plan)
         res["ms"]["prefill_chunk"] = _median_ms(
             lambda: forward_batch(lay, fields, q, k, v, table, qsl, lens, d ** -0.5, plan=plan), max(3, r // 5))
     ms = res["ms"]
-    res["ms"]["qjl_layer_total"] = ms["smooth_keys"] + ms["write_codes"] + ms["decode"] + ms["write_exact"]
+    if lay.smooth_values:
+        ms["smooth_values.first"] = _median_ms(lambda: vsmooth(first_plan, *first), max(3, r // 5))
+    res["ms"]["qjl_layer_total"] = (ms["smooth_keys"] + ms["smooth_values"] + ms["write_codes"] + ms["decode"]
+                                    + ms["write_exact"])
     print(json.dumps(res, indent=1))
     return res
 

@@ -27,7 +27,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from .layout import PageLayout, content_bytes, layer_layout
 from .decode import decode_function
 from .paged import page_fields
-from .smoothing import smooth_keys
+from .smoothing import add_value_mean, smooth_keys, smooth_values
 from .step import StepPlan, forward_batch
 from .writes import write_codes
 from .settings import VLLMSettings, load_settings
@@ -161,6 +161,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         s = self.settings
         logger.info_once(f"qjl backend: preset {s.preset}, {s.sink_tokens} exact sinks, exact window {s.window_tokens}, "
                          f"key smoothing {'on' if s.config.smooth_keys else 'off'}, "
+                         f"value smoothing {'on' if s.config.smooth_values else 'off'}, "
                          f"decode {self._decode.__module__}.{self._decode.__name__}")
 
     def _layout(self, layer, kv_cache: torch.Tensor) -> PageLayout:
@@ -196,11 +197,16 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
             query, key, value = query[:n], key[:n], value[:n]
         if lay.smooth_keys:  # every key of a sequence less its mean, before anything is stored or attended
             key = smooth_keys(fields, plan, key)
+        mu_v = None
+        if lay.smooth_values:  # the same for values, with their mean added back to the output below
+            value, mu_v = smooth_values(fields, plan, query, key, value, self.scale)
         write_codes(lay, fields, key, value, None, plan=plan)
         dst = output if output.shape[0] == n else output[:n]
-        contiguous = dst.is_contiguous()
+        direct = mu_v is None and dst.is_contiguous()
         out = forward_batch(lay, fields, query, key, value, m.block_table, m.query_start_loc, m.seq_lens,
-                            self.scale, self._decode, plan=plan, out=dst if contiguous else None)
+                            self.scale, self._decode, plan=plan, out=dst if direct else None)
+        if mu_v is not None:
+            add_value_mean(out, mu_v)  # float32, before the output's dtype
         if out is not dst:
             dst.copy_(out)  # (converted to the output's dtype in the copy)
         return output

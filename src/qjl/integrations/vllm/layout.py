@@ -6,7 +6,7 @@ vLLM hands an attention layer one page per block: ``[num_blocks, H_kv, block_siz
 
     head region = [ key field 0 : block_size records ] [ key field 1 ] ... [ value fields ]
                   [ exact keys : E slots ] [ exact values : E slots ]
-                  [ per-block shared fields (QJL outlier channels; key smoothing's mean) ]  [ zero padding ]
+                  [ per-block shared fields (QJL outlier channels; the key and value means) ]  [ zero padding ]
 
 Every field ``f`` of token ``t`` of a sequence, KV head ``h``, is at the byte address
 
@@ -19,8 +19,9 @@ sequence.  Exact copies (the model's keys and values in ``exact_dtype``) sit in 
 window`` slots per head region; token ``t`` uses slot ``t`` if ``t < sinks`` (block 0 only),
 else ``sinks + t % window`` (a ring: the last ``window`` tokens of a sequence always sit in the
 rings of its last one or two blocks).  With key smoothing, ``smooth.key`` [D] (``exact_dtype``) is a per-block
-field of which each sequence uses its block 0's (:mod:`.smoothing`).  ``C`` is rounded up to an even number of
-bytes (vLLM views pages in the model dtype) and padded to the widest layer, so every layer has one size.
+field of which each sequence uses its block 0's (:mod:`.smoothing`); value smoothing's ``smooth.value`` likewise.
+``C`` is rounded up to an even number of bytes (vLLM views pages in the model dtype) and padded to the widest
+layer, so every layer has one size.
 """
 
 from __future__ import annotations
@@ -93,14 +94,15 @@ class PageLayout:
             that far back) and at most W - 1 exact window tokens.
         smooth_keys: keep each sequence's key mean (``smooth.key``, read from its block 0; :mod:`.smoothing`).
             Not in a sliding-window layer (vLLM frees the blocks that leave the window, block 0 among them).
+        smooth_values: the same for the values' attention-weighted mean (``smooth.value``).
     """
 
     def __init__(self, key_codec, value_codec, head_dim: int, block_size: int, exact_dtype: torch.dtype,
                  sinks: int, window: int, content_bytes: int | None = None, sliding_window: int | None = None,
-                 smooth_keys: bool = False):
+                 smooth_keys: bool = False, smooth_values: bool = False):
         if check_sliding_window(sliding_window) is not None:
-            sinks, window, smooth_keys = 0, min(window, sliding_window - 1), False
-        self.smooth_keys = bool(smooth_keys)
+            sinks, window, smooth_keys, smooth_values = 0, min(window, sliding_window - 1), False, False
+        self.smooth_keys, self.smooth_values = bool(smooth_keys), bool(smooth_values)
         self.key_codec, self.value_codec = key_codec, value_codec
         self.head_dim, self.block_size = head_dim, block_size
         self.exact_dtype, self.sinks, self.window = exact_dtype, sinks, window
@@ -120,6 +122,8 @@ class PageLayout:
         arrays += [(f"key.{n}", dt, sh, 1, True) for n, (dt, sh) in kshared.items()]
         if self.smooth_keys:
             arrays.append(("smooth.key", exact_dtype, (head_dim,), 1, True))
+        if self.smooth_values:
+            arrays.append(("smooth.value", exact_dtype, (head_dim,), 1, True))
         for name, dt, shape, count, shared in arrays:
             item = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
             off = -(-off // _ALIGN) * _ALIGN
@@ -160,7 +164,8 @@ def content_bytes(settings, head_dim: int, block_size: int, model_dtype: torch.d
     kinds = [(cfg.key, cfg.value)] + ([(cfg.late_key, cfg.value)] if cfg.late_key is not None else [])
     kinds += [(o.get("key", cfg.key), o.get("value", cfg.value)) for o in cfg.layer_overrides.values()]
     return max(PageLayout(k.build(head_dim, cfg.seed), v.build(head_dim, cfg.seed), head_dim, block_size, exact,
-                          settings.sink_tokens, settings.window_tokens, smooth_keys=cfg.smooth_keys).content_bytes
+                          settings.sink_tokens, settings.window_tokens, smooth_keys=cfg.smooth_keys,
+                          smooth_values=cfg.smooth_values).content_bytes
                for k, v in kinds)
 
 
@@ -174,4 +179,4 @@ def layer_layout(settings, layer: int, num_layers: int, head_dim: int, block_siz
     return PageLayout(k.build(head_dim, seed), v.build(head_dim, seed + 1), head_dim, block_size,
                       _DTYPES.get(cfg.exact_dtype, model_dtype), settings.sink_tokens, settings.window_tokens,
                       content_bytes=content_bytes(settings, head_dim, block_size, model_dtype),
-                      sliding_window=sliding_window, smooth_keys=cfg.smooth_keys)
+                      sliding_window=sliding_window, smooth_keys=cfg.smooth_keys, smooth_values=cfg.smooth_values)

@@ -5,15 +5,16 @@ worker processes, which inherit the environment):
 
 * ``QJL_VLLM_PRESET=<preset>``: a :data:`qjl.PRESETS` name, e.g. ``tq-k45v3``;
 * ``QJL_VLLM_CONFIG=<file.json>``: ``{"preset": ..., "sinks": ..., "window": ..., "seed": ...,
-  "smooth_keys": ..., "decode": ...}`` (every key optional; ``preset`` defaults to
+  "smooth_keys": ..., "smooth_values": ..., "decode": ...}`` (every key optional; ``preset`` defaults to
   :data:`qjl.config.DEFAULT_PRESET`).
 
 When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides both.  Keys:
 
-* ``preset``: the codecs (per-layer widths included), the seed and key smoothing come from this preset (its value
-  smoothing and heavy tokens, on in some presets for transformers, are turned off: the paged backend does not
-  implement them);
-* ``smooth_keys``: true / false (or 1 / 0): key smoothing (:mod:`.smoothing`); default: the preset's;
+* ``preset``: the codecs (per-layer widths included), the seed and key and value smoothing come from this preset
+  (its heavy tokens, on in some presets for transformers, are turned off: the paged backend does not implement
+  them);
+* ``smooth_keys``, ``smooth_values``: true / false (or 1 / 0): key / value smoothing (:mod:`.smoothing`);
+  default: the preset's;
 * ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
 * ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
   ``tq-k3v2``; docs/vllm.md measures what it costs and buys);
@@ -43,8 +44,8 @@ PRESET_WINDOWS = {"tq-k3v2": 0}
 SERVABLE_KEYS = ("turboquant_mse", "qjl")
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
 # QJLConfig options fitted per sequence to its prompt, which the paged backend does not implement (turned off)
-UNSERVED_OPTIONS = {"smooth_values": False, "heavy_tokens": 0}  # name: its off value
-_KEYS = ("preset", "sinks", "window", "seed", "smooth_keys", "decode")
+UNSERVED_OPTIONS = {"heavy_tokens": 0}  # name: its off value
+_KEYS = ("preset", "sinks", "window", "seed", "smooth_keys", "smooth_values", "decode")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class VLLMSettings:
     window: int | None = None
     seed: int | None = None
     smooth_keys: bool | None = None
+    smooth_values: bool | None = None
     decode: str = "auto"
 
     def __post_init__(self):
@@ -66,20 +68,23 @@ class VLLMSettings:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"qjl setting {name!r} must be a non-negative int, got {v!r}")
-        if self.smooth_keys is not None and (self.smooth_keys not in (0, 1) or isinstance(self.smooth_keys, float)):
-            raise ValueError(f"qjl setting 'smooth_keys' must be true, false, 1, 0 or null, got {self.smooth_keys!r}")
+        for name in ("smooth_keys", "smooth_values"):
+            v = getattr(self, name)
+            if v is not None and (v not in (0, 1) or isinstance(v, float)):
+                raise ValueError(f"qjl setting {name!r} must be true, false, 1, 0 or null, got {v!r}")
         if self.decode not in ("auto", "torch"):
             raise ValueError(f"qjl setting 'decode' must be 'auto' or 'torch', got {self.decode!r}")
         check_servable(self.config)
 
     @property
     def config(self) -> QJLConfig:
-        # the preset's codecs, seed and key smoothing without the options the paged backend does not implement
+        # the preset's codecs, seed and smoothing without the options the paged backend does not implement
         over = dict(UNSERVED_OPTIONS)
         if self.seed is not None:
             over["seed"] = self.seed
-        if self.smooth_keys is not None:
-            over["smooth_keys"] = bool(self.smooth_keys)
+        for name in ("smooth_keys", "smooth_values"):
+            if getattr(self, name) is not None:
+                over[name] = bool(getattr(self, name))
         return QJLConfig.preset(self.preset, **over)
 
     @property

@@ -12,15 +12,24 @@ there (rounded to the field's dtype; what is stored is what every later step rea
 uses one ``mu`` throughout).  A request that reuses block 0 through vLLM's prefix cache reads the ``mu``
 that its codes were written with.  Sliding-window layers keep no ``mu`` (vLLM frees the blocks that leave
 the window): they are not smoothed.
+
+Value smoothing (:func:`smooth_values`, :func:`add_value_mean`), as :mod:`qjl.cache.smoothing` does it: every
+value of a sequence becomes ``v - mu_v`` before anything is stored or attended, and ``mu_v`` is added back to
+the attention output, which is exact for any softmax (its weights sum to 1).  ``mu_v`` [H_kv, D] is the mean of
+the first step's values weighted by the attention that step's last :data:`VALUE_MEAN_ROWS` queries (and the GQA
+group of each KV head) pay them, over the tokens after the sinks and before the exact window
+(:func:`qjl.cache.smoothing.attention_weighted_mean`; the plain mean measured worse there), kept in ``smooth.value``
+of block 0 like ``mu``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...cache.smoothing import VALUE_MEAN_ROWS, attention_weighted_mean
 from .step import StepPlan
 
-__all__ = ["MIN_TOKENS", "smooth_keys"]
+__all__ = ["MIN_TOKENS", "smooth_keys", "first_step_weights", "smooth_values", "add_value_mean"]
 
 MIN_TOKENS = 16  # a first step with fewer tokens stores mu = 0 (the mean of a few keys is a poor centre)
 
@@ -68,3 +77,81 @@ def smooth_keys(fields: dict, plan: StepPlan, key: torch.Tensor) -> torch.Tensor
     if seq_of is not None:
         mu = mu.index_select(0, seq_of)
     return key.to(torch.float32, copy=True).sub_(mu)  # (a copy: the caller's keys are left as they are)
+
+
+def first_step_weights(query: torch.Tensor, key: torch.Tensor, scale: float,
+                       rows: int = VALUE_MEAN_ROWS) -> torch.Tensor:
+    """The attention a sequence's first step pays its tokens -> w [H_kv, n] float32: query [n, H_q, D] and key
+    [n, H_kv, D] of the step; its last ``rows`` queries attend causally (scores scaled by ``scale``), and each
+    token's softmax weight is averaged over those rows and the GQA group of its KV head, as
+    :func:`qjl.cache.smoothing.attention_weights` computes it.  The scores are computed in the query's dtype
+    (the model's, bf16 in vLLM: about 4x faster than float32 here; the weights only choose the centre that is
+    subtracted, which is exact whatever it is) and the softmax in float32, without the full [n, n] mask."""
+    n, hq, d = query.shape
+    h = key.shape[1]
+    g, r = hq // h, min(rows, n)
+    q = query[n - r:].permute(1, 0, 2).reshape(h, g * r, d)  # [H, g r, D]: heads of a group
+    k = key.to(query.dtype).permute(1, 2, 0)  # [H, D, n]
+    logits = torch.bmm(q, k).float().mul_(scale)  # [H, g r, n]
+    tail = torch.ones(r, r, dtype=torch.bool, device=query.device).triu(1)  # row i sees keys up to n - r + i
+    logits[:, :, n - r:].masked_fill_(tail.repeat(g, 1), float("-inf"))
+    logits.sub_(logits.amax(-1, keepdim=True)).exp_()
+    inv = logits.sum(-1).reciprocal_()  # [H, g r]
+    return torch.bmm(inv.unsqueeze(1), logits).squeeze(1).div_(g * r)
+
+
+def smooth_values(fields: dict, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scale: float) -> tuple:
+    """The step's values [T, H_kv, D] -> (``value - mu_v[sequence]`` float32, ``mu_v`` per token [T, H_kv, D]
+    float32, to give :func:`add_value_mean`), storing ``mu_v`` for the sequences that start in this step (module
+    docstring).  query [T, H_q, D] and key [T, H_kv, D] (as attended: smoothed keys give the same weights) weigh
+    the first step's values; ``scale``: the attention's.  ``fields`` must hold ``smooth.value``."""
+    f = fields.get("smooth.value") if hasattr(fields, "get") else None
+    if f is None:
+        raise ValueError("fields: no 'smooth.value' field (pages of a layout built with smooth_values=True)")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a float tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    blocks, zeros, seq_of, starts, t = _step(plan, value.device)
+    if value.ndim != 3 or value.shape[0] != t or value.shape[2:] != f.shape:
+        raise ValueError(f"value must be [{t}, H_kv, {f.shape[0]}] (the step's tokens), got {tuple(value.shape)}")
+    h = value.shape[1]
+    if key.shape != value.shape:
+        raise ValueError(f"key must have the values' shape {tuple(value.shape)}, got {tuple(key.shape)}")
+    if query.ndim != 3 or query.shape[0] != t or query.shape[2] != key.shape[2] or query.shape[1] % h:
+        raise ValueError(f"query must be [{t}, a multiple of {h} heads, {key.shape[2]}], got {tuple(query.shape)}")
+    if starts:
+        means = []
+        for i, r0, r1 in starts:  # every mean checked before any is stored
+            n = r1 - r0
+            if n < MIN_TOKENS:
+                mu = torch.zeros(h, f.shape[0], dtype=torch.float32, device=value.device)
+            else:
+                w = first_step_weights(query[r0:r1], key[r0:r1], scale)
+                mu = attention_weighted_mean(value[r0:r1].transpose(0, 1)[None], skip_first=plan.sinks,
+                                             skip_last=plan.window, weights=w[None])[0]
+            if not bool(torch.isfinite(mu).all()):
+                raise ValueError(f"value: sequence {i}'s first values (or their attention) are not finite; its "
+                                 "value mean cannot be kept")
+            means.append((i, mu))
+        heads = torch.arange(h, device=value.device)
+        for i, mu in means:
+            f.scatter(blocks[i], heads, zeros[i], mu)
+    mu = f.read(plan.addresses("smooth.value", f, h, blocks, zeros)).float()  # [B, H, D], as stored
+    if seq_of is not None:
+        mu = mu.index_select(0, seq_of)
+    return value.to(torch.float32, copy=True).sub_(mu), mu
+
+
+def add_value_mean(out: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+    """out [T, H_q, D] float32 (attention over smoothed values) += mu [T, H_kv, D] of each query head's KV head
+    (head ``j`` reads KV head ``j // (H_q / H_kv)``), in place; returns ``out``."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.ndim != 3:
+        raise TypeError(f"out must be a float32 tensor [T, H_q, D], got {getattr(out, 'dtype', type(out).__name__)} "
+                        f"{tuple(getattr(out, 'shape', ()))}")
+    t, hq, d = out.shape
+    if mu.ndim != 3 or mu.shape[0] != t or mu.shape[2] != d or hq % mu.shape[1]:
+        raise ValueError(f"mu must be [{t}, H_kv dividing {hq}, {d}], got {tuple(mu.shape)}")
+    h = mu.shape[1]
+    out.view(t, h, hq // h, d).add_(mu.unsqueeze(2))
+    return out
