@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from qjl.cache.presets import PRESETS
-from qjl.integrations.vllm.settings import check_servable, load_settings
+from qjl.integrations.vllm.settings import PRESET_VALUE_SMOOTHING, check_servable, load_settings
 
 
 @pytest.mark.parametrize("preset", ["tq-k45v3", "tq-k3v3", "tq-k3v2", "tq-k5v4", "qjl-paper"])
@@ -13,8 +13,10 @@ def test_served_presets_keep_their_smoothing_without_heavy_tokens(preset):
     """The paged backend serves a preset's codecs and its key and value smoothing; heavy tokens are off."""
     s = load_settings(environ={"QJL_VLLM_PRESET": preset})
     base = PRESETS[preset]
-    assert s.config.smooth_keys == base.smooth_keys and s.config.smooth_values == base.smooth_values
-    assert not s.config.heavy_tokens
+    assert s.config.smooth_keys == base.smooth_keys and not s.config.heavy_tokens
+    # value smoothing: the preset's, except where the paged backend's default differs (tq-k3v2: its capacity)
+    assert s.config.smooth_values == PRESET_VALUE_SMOOTHING.get(preset, base.smooth_values)
+    assert s.config.smooth_values == (preset in ("tq-k45v3", "tq-k3v3"))
     check_servable(s.config)
     assert s.config.key == base.key and s.config.value == base.value and s.config.seed == base.seed
 
@@ -27,6 +29,12 @@ def test_smoothing_settings(name, value, tmp_path):
     s = load_settings(environ={"QJL_VLLM_CONFIG": str(cfg)})
     other = "smooth_values" if name == "smooth_keys" else "smooth_keys"
     assert getattr(s.config, name) is bool(value) and getattr(s.config, other) is True  # the other: the preset's
+
+
+def test_tq_k3v2_smooths_values_only_when_asked():
+    assert not load_settings(environ={"QJL_VLLM_PRESET": "tq-k3v2"}).config.smooth_values
+    s = load_settings(additional_config={"qjl": {"smooth_values": True}}, environ={"QJL_VLLM_PRESET": "tq-k3v2"})
+    assert s.config.smooth_values
 
 
 @pytest.mark.parametrize("name", ["smooth_keys", "smooth_values"])

@@ -14,7 +14,7 @@ When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides 
   (its heavy tokens, on in some presets for transformers, are turned off: the paged backend does not implement
   them);
 * ``smooth_keys``, ``smooth_values``: true / false (or 1 / 0): key / value smoothing (:mod:`.smoothing`);
-  default: the preset's;
+  default: the preset's (value smoothing: off for ``tq-k3v2``, :data:`PRESET_VALUE_SMOOTHING`);
 * ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
 * ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
   ``tq-k3v2``; docs/vllm.md measures what it costs and buys);
@@ -34,13 +34,16 @@ from ...cache.config import QJLConfig
 from ...cache.presets import DEFAULT_PRESET, PRESETS
 
 __all__ = ["VLLMSettings", "ENV_PRESET", "ENV_CONFIG", "DEFAULT_WINDOW", "enabled", "load_settings",
-           "SERVABLE_KEYS", "SERVABLE_VALUES", "PRESET_WINDOWS"]
+           "SERVABLE_KEYS", "SERVABLE_VALUES", "PRESET_WINDOWS", "PRESET_VALUE_SMOOTHING"]
 
 ENV_PRESET = "QJL_VLLM_PRESET"
 ENV_CONFIG = "QJL_VLLM_CONFIG"
 DEFAULT_WINDOW = 4  # exact recent tokens per sequence; docs/vllm.md measures what they cost and buy
 # presets whose point is memory: the 5x preset keeps >= 4x native's tokens only without a window (block 128)
 PRESET_WINDOWS = {"tq-k3v2": 0}
+# ... and without value smoothing: its mean does not fit the 5x preset's page padding beside the key mean (3% fewer
+# tokens), for no lower KL against native (README, "Value smoothing in pages"); the other presets keep theirs
+PRESET_VALUE_SMOOTHING = {"tq-k3v2": False}
 SERVABLE_KEYS = ("turboquant_mse", "qjl")
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
 # QJLConfig options fitted per sequence to its prompt, which the paged backend does not implement (turned off)
@@ -82,6 +85,8 @@ class VLLMSettings:
         over = dict(UNSERVED_OPTIONS)
         if self.seed is not None:
             over["seed"] = self.seed
+        if self.preset in PRESET_VALUE_SMOOTHING:
+            over["smooth_values"] = PRESET_VALUE_SMOOTHING[self.preset]
         for name in ("smooth_keys", "smooth_values"):
             if getattr(self, name) is not None:
                 over[name] = bool(getattr(self, name))
