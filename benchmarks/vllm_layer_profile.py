@@ -14,9 +14,11 @@ mean over the ``--context`` prompt tokens, once per sequence and layer), the cod
 the C call through :func:`qjl.kernels.cpu.launch.paged_decode_step` with the step's arguments kept, and
 ``decode.exact_rows``: the exact slots as rows read in place, as the Triton path takes them), the exact-copy
 write, and beside them a dense bf16 ``scaled_dot_product_attention`` over the same context (what one attention
-call of a native layer costs, roughly).  With ``--chunk C``: ``prefill_chunk``, the attention of a C-token prefill
-chunk over the ``--context`` tokens before it (the backend's ``forward_batch``: history dequantized, torch's fused
-SDPA; its codes written once before).  Prints a JSON object.
+call of a native layer costs, roughly).  With ``--chunk C``: the attention of a C-token prefill chunk over the
+``--context`` tokens before it (the backend's ``forward_batch``, its codes written once before; the history
+dequantized), ``prefill_chunk`` through vLLM's CPU kernel as the backend runs it (:class:`.prefill.VLLMPrefill`;
+the torch path where vLLM's ops do not load) and ``prefill_chunk.sdpa`` through torch's fused float32 SDPA (the
+reference), timed alternately.  Prints a JSON object.
 """
 
 from __future__ import annotations
@@ -118,8 +120,18 @@ def main(argv=None) -> dict:
         k = smooth(plan, k)
         v, _ = vsmooth(plan, q, k, v)
         write_codes(lay, fields, k, v, None, plan=plan)
-        res["ms"]["prefill_chunk"] = _median_ms(
-            lambda: forward_batch(lay, fields, q, k, v, table, qsl, lens, d ** -0.5, plan=plan), max(3, r // 5))
+        from qjl.integrations.vllm.prefill import VLLMPrefill
+
+        pre = VLLMPrefill()
+        paths = {"prefill_chunk": pre, "prefill_chunk.sdpa": None}
+        runs = {name: [] for name in paths}
+        for _ in range(max(3, r // 5)):  # alternately, so that both see the same machine
+            for name, fn in paths.items():
+                runs[name].append(_median_ms(lambda: forward_batch(lay, fields, q, k, v, table, qsl, lens, d ** -0.5,
+                                                                   plan=plan, prefill=fn), 1))
+        for name, ts in runs.items():
+            res["ms"][name] = sorted(ts)[len(ts) // 2]
+        res["prefill_kernel"] = "vllm" if pre.ran else "torch"
     ms = res["ms"]
     if lay.smooth_values:
         ms["smooth_values.first"] = _median_ms(lambda: vsmooth(first_plan, *first), max(3, r // 5))

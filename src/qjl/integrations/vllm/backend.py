@@ -1,4 +1,4 @@
-"""The vLLM attention backend: compressed pages, exact current chunk, plain-torch reference attention.
+"""The vLLM attention backend: compressed pages, exact current chunk, paged decode kernel.
 
 Imported only inside vLLM processes (it imports vLLM).  Per layer and step:
 
@@ -6,7 +6,8 @@ Imported only inside vLLM processes (it imports vLLM).  Per layer and step:
 new keys and values into their pages (codes for every token, :mod:`.layout`), attends -- decode rows
 in one call of :func:`.decode.decode_function`'s choice (the paged kernel of :mod:`qjl.kernels`: sinks and window exact,
 codes in between, the current token exact from ``forward``'s own key/value), prefill and chunk rows
-through :func:`.paged.paged_attention_reference` (the chunk attended exactly and causally) -- then
+over their decoded history and their own tokens (attended exactly and causally) through vLLM's CPU attention
+kernel on the CPU (:class:`.prefill.VLLMPrefill`), else :func:`.paged.paged_attention_reference` -- then
 writes the exact copies of the sinks and of the last ``window`` tokens (after the attention, so a
 chunk never overwrites ring slots it still reads).  The step's indices are a :class:`.step.StepPlan`
 built once per step and cached on the metadata, which every layer shares.
@@ -27,6 +28,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from .layout import PageLayout, content_bytes, layer_layout
 from .decode import decode_function
 from .paged import page_fields
+from .prefill import VLLMPrefill
 from .smoothing import add_value_mean, smooth_keys, smooth_values
 from .step import StepPlan, forward_batch
 from .writes import write_codes
@@ -158,6 +160,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         self.layout = None
         self._fields_key = self._fields = None
         self._decode = decode_function(self.settings)
+        self._prefill = VLLMPrefill()  # on the CPU, vLLM's own kernel over the decoded history
         s = self.settings
         logger.info_once(f"qjl backend: preset {s.preset}, {s.sink_tokens} exact sinks, exact window {s.window_tokens}, "
                          f"key smoothing {'on' if s.config.smooth_keys else 'off'}, "
@@ -204,7 +207,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         dst = output if output.shape[0] == n else output[:n]
         direct = mu_v is None and dst.is_contiguous()
         out = forward_batch(lay, fields, query, key, value, m.block_table, m.query_start_loc, m.seq_lens,
-                            self.scale, self._decode, plan=plan, out=dst if direct else None)
+                            self.scale, self._decode, plan=plan, out=dst if direct else None, prefill=self._prefill)
         if mu_v is not None:
             add_value_mean(out, mu_v)  # float32, before the output's dtype
         if out is not dst:

@@ -44,7 +44,7 @@ from ...kernels.paged import PagedField as KernelPagedField
 from .layout import PageLayout, check_sliding_window, exact_slot
 
 __all__ = ["PagedField", "page_fields", "paged_decode_reference", "check_output", "paged_attention_reference",
-           "gather_history", "history_codes"]
+           "sequence_kv", "gather_history", "history_codes"]
 
 
 class PagedField(KernelPagedField):
@@ -227,6 +227,29 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
     return out if dst is None else dst.view(b, hq, d).copy_(out)
 
 
+def sequence_kv(k, v, fields: dict, row, c: int, n: int, layout: PageLayout, heads) -> tuple:
+    """What one prefill / chunk sequence attends to: its history (exact sinks, decoded codes, exact window, from the
+    pages through ``row``, its block-table row) and its own ``c`` new tokens ``k``/``v`` [c, H_kv, D] after the
+    ``n`` of its history -> (keys, values [H_kv, L, D] float32, their positions [L]), in position order."""
+    sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window, layout.sliding_window)
+    ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
+    ks, vs = [], []
+    xpos = torch.cat([sink_pos, win_pos])
+    if len(xpos):
+        xk, xv = _exact(ex, row, xpos, layout.block_size, layout.sinks, layout.window, heads)
+    if len(sink_pos):
+        ks.append(xk[:, :len(sink_pos)]), vs.append(xv[:, :len(sink_pos)])
+    if c1 > c0:
+        dk, dv = gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size,
+                                len(heads))
+        ks.append(dk), vs.append(dv)
+    if len(win_pos):
+        ks.append(xk[:, len(sink_pos):]), vs.append(xv[:, len(sink_pos):])
+    ks.append(k.float().transpose(0, 1)), vs.append(v.float().transpose(0, 1))
+    pos = torch.cat([sink_pos, torch.arange(c0, c1), win_pos, torch.arange(n, n + c)]).to(k.device)
+    return torch.cat(ks, dim=1), torch.cat(vs, dim=1), pos
+
+
 def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_loc, seq_lens, layout: PageLayout,
                               scale: float) -> torch.Tensor:
     """Attention of a mixed batch: q [T, H_q, D], the batch's own k/v [T, H_kv, D] (attended
@@ -247,28 +270,11 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
         if c == 0:
             continue
         n = int(seq_lens[i]) - c
-        row = block_table[i].long()
-        sliding = layout.sliding_window
-        sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window, sliding)
-        ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
-        ks, vs = [], []
-        xpos = torch.cat([sink_pos, win_pos])
-        if len(xpos):
-            xk, xv = _exact(ex, row, xpos, layout.block_size, layout.sinks, layout.window, heads)
-        if len(sink_pos):
-            ks.append(xk[:, :len(sink_pos)]), vs.append(xv[:, :len(sink_pos)])
-        if c1 > c0:
-            dk, dv = gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size, hkv)
-            ks.append(dk), vs.append(dv)
-        if len(win_pos):
-            ks.append(xk[:, len(sink_pos):]), vs.append(xv[:, len(sink_pos):])
-        ks.append(k[r0:r1].float().transpose(0, 1)), vs.append(v[r0:r1].float().transpose(0, 1))
-        kk, vv = torch.cat(ks, dim=1), torch.cat(vs, dim=1)
-        pos = torch.cat([sink_pos, torch.arange(c0, c1), win_pos, torch.arange(n, n + c)]).to(q.device)
+        kk, vv, pos = sequence_kv(k[r0:r1], v[r0:r1], fields, block_table[i].long(), c, n, layout, heads)
         qpos = torch.arange(n, n + c, device=q.device)[:, None]
         mask = pos[None, :] <= qpos  # causal over [sinks, codes, window, this chunk]
-        if sliding is not None:
-            mask &= pos[None, :] > qpos - sliding
+        if layout.sliding_window is not None:
+            mask &= pos[None, :] > qpos - layout.sliding_window
         qq = q[r0:r1].float().transpose(0, 1)
         if q.is_cuda and hq != hkv:
             # CUDA's fused kernels take no enable_gqa with a mask: the math fallback would hold [H_q, c, L] logits

@@ -119,17 +119,20 @@ class StepPlan:
 
 
 def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_start_loc, seq_lens, scale: float,
-                  decode=None, plan: StepPlan | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  decode=None, plan: StepPlan | None = None, out: torch.Tensor | None = None,
+                  prefill=None) -> torch.Tensor:
     """One attention layer over a mixed batch whose codes are already written (:func:`.writes.write_codes`).
 
     q [T, H_q, D], k/v [T, H_kv, D] the batch's own tokens; query_start_loc [B + 1] and seq_lens [B]
     (tokens after this step) on the CPU.  One-token rows go through ``decode`` (the paged contract of
-    :mod:`.paged`, default :func:`.paged.paged_decode_reference`) in one call, the others through
-    :func:`.paged.paged_attention_reference`; then the exact copies are written.  ``plan``: the step's
+    :mod:`.paged`, default :func:`.paged.paged_decode_reference`) in one call, the others through ``prefill``
+    (:func:`.paged.paged_attention_reference`'s signature, and the default; the backend passes
+    :class:`.prefill.VLLMPrefill` on the CPU); then the exact copies are written.  ``plan``: the step's
     :class:`StepPlan` (built here when None).  Returns [T, H_q, D] float32, or ``out`` (None, or a contiguous
     float tensor of T * H_q * D elements, e.g. vLLM's output buffer) with the result written into it in its dtype.
     """
     decode = paged_decode_reference if decode is None else decode
+    prefill = paged_attention_reference if prefill is None else prefill
     if plan is None:
         plan = StepPlan.build(query_start_loc, seq_lens, block_table, layout.block_size, layout.sinks, layout.window,
                               sliding_window=layout.sliding_window)
@@ -155,7 +158,7 @@ def forward_batch(layout: PageLayout, fields: dict, q, k, v, block_table, query_
         else:
             out[rows] = got.to(out.dtype)  # (index_put converts nothing itself)
     for i, r0, r1 in plan.prefill:  # prefill / chunk rows, one sequence at a time
-        out[r0:r1] = paged_attention_reference(q[r0:r1], k[r0:r1], v[r0:r1], fields, block_table[i:i + 1],
-                                               torch.tensor([0, r1 - r0]), plan.seq_lens[i:i + 1], layout, scale)
+        out[r0:r1] = prefill(q[r0:r1], k[r0:r1], v[r0:r1], fields, block_table[i:i + 1], torch.tensor([0, r1 - r0]),
+                             plan.seq_lens[i:i + 1], layout, scale)
     write_exact(plan, fields, k, v)
     return out if dst is None else target  # (with ``out``: every row written into it)

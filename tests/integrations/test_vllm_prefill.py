@@ -1,0 +1,65 @@
+"""Prefill rows through vLLM's CPU attention kernel against the torch reference (needs vLLM: ``pytest -m vllm``)."""
+
+import pytest
+import torch
+
+from qjl.integrations.vllm.layout import layer_layout
+from qjl.integrations.vllm.paged import page_fields, paged_attention_reference
+from qjl.integrations.vllm.settings import VLLMSettings
+from qjl.integrations.vllm.smoothing import smooth_keys
+from qjl.integrations.vllm.step import StepPlan, forward_batch
+from qjl.integrations.vllm.writes import write_codes
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+HKV, HQ, BS = 3, 9, 16
+
+
+def _filled(preset, d, n, dtype=torch.bfloat16, sliding_window=None, seed=0):
+    """A one-sequence page pool holding ``n`` tokens written as the backend writes them -> (layout, fields, table)."""
+    lay = layer_layout(VLLMSettings(preset=preset), 5, 30, d, BS, dtype, sliding_window=sliding_window)
+    nblocks = (n + 600) // BS + 2
+    pages = torch.zeros(nblocks, HKV, BS, lay.content_bytes // 2, dtype=dtype)
+    fields = page_fields(lay, pages)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randperm(nblocks, generator=g)[None, :]
+    q, k, v = (torch.randn(n, h, d, generator=g).to(dtype) for h in (HQ, HKV, HKV))
+    plan = StepPlan.build(torch.tensor([0, n]), torch.tensor([n]), table, BS, lay.sinks, lay.window,
+                          sliding_window=sliding_window)
+    if lay.smooth_keys:
+        k = smooth_keys(fields, plan, k)
+    write_codes(lay, fields, k, v, None, plan=plan)
+    forward_batch(lay, fields, q, k, v, table, torch.tensor([0, n]), torch.tensor([n]), d ** -0.5, plan=plan)
+    return lay, fields, table, g
+
+
+@pytest.mark.parametrize("preset,d,n,c", [("tq-k45v3", 64, 300, 200), ("tq-k3v2", 64, 40, 7), ("tq-k45v3", 128, 130, 64),
+                                          ("tq-k5v4", 80, 50, 33)])
+def test_the_vllm_kernel_attends_what_the_reference_attends(preset, d, n, c):
+    """A chunk of ``c`` tokens after ``n`` in the pages: vLLM's kernel over the scratch cache agrees with the
+    float32 reference to bf16 precision (the history and the chunk are rounded to bf16 before the kernel)."""
+    from qjl.integrations.vllm.prefill import VLLMPrefill
+
+    lay, fields, table, g = _filled(preset, d, n)
+    q, k, v = (torch.randn(c, h, d, generator=g).bfloat16() for h in (HQ, HKV, HKV))
+    args = (q, k.float(), v.float(), fields, table, torch.tensor([0, c]), torch.tensor([n + c]), lay, d ** -0.5)
+    ref = paged_attention_reference(*args)
+    pre = VLLMPrefill()
+    got = pre(*args)
+    assert pre.usable and pre.ran, "vLLM's CPU kernel did not run"
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    err = (got - ref).abs().max().item()
+    assert err < 0.02 * ref.abs().max().item(), err
+    # a wrong scale or a non-causal chunk would be far off: the check above has teeth
+    assert (pre(*args[:-1], d ** -0.5 * 1.5) - ref).abs().max().item() > 10 * err
+
+
+def test_sliding_window_layers_keep_the_reference():
+    from qjl.integrations.vllm.prefill import VLLMPrefill
+
+    lay, fields, table, g = _filled("tq-k45v3", 64, 100, sliding_window=32)
+    q, k, v = (torch.randn(20, h, 64, generator=g).bfloat16() for h in (HQ, HKV, HKV))
+    args = (q, k.float(), v.float(), fields, table, torch.tensor([0, 20]), torch.tensor([120]), lay, 0.125)
+    pre = VLLMPrefill()
+    assert torch.equal(pre(*args), paged_attention_reference(*args)) and not pre.ran
