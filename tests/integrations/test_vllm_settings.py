@@ -48,3 +48,12 @@ def test_unserved_options_are_refused_by_name():
     check_servable(dataclasses.replace(PRESETS["tq-k45v3"], smooth_keys=True, smooth_values=True, heavy_tokens=0))
     with pytest.raises(ValueError, match="heavy_tokens=0"):
         check_servable(dataclasses.replace(PRESETS["tq-k3v2"], smooth_keys=False, smooth_values=False, heavy_tokens=4))
+
+
+@pytest.mark.parametrize("name", ["decode", "prefill"])
+def test_attention_path_settings(name):
+    assert getattr(load_settings(environ={"QJL_VLLM_PRESET": "tq-k45v3"}), name) == "auto"
+    s = load_settings(additional_config={"qjl": {name: "torch"}}, environ={"QJL_VLLM_PRESET": "tq-k45v3"})
+    assert getattr(s, name) == "torch"
+    with pytest.raises(ValueError, match=f"'{name}' must be 'auto' or 'torch'"):
+        load_settings(additional_config={"qjl": {name: "triton"}}, environ={"QJL_VLLM_PRESET": "tq-k45v3"})

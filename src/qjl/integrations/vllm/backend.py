@@ -160,7 +160,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         self.layout = None
         self._fields_key = self._fields = None
         self._decode = decode_function(self.settings)
-        self._prefill = VLLMPrefill()  # on the CPU, vLLM's own kernel over the decoded history
+        self._prefill = VLLMPrefill() if self.settings.prefill == "auto" else None  # None: torch SDPA
         s = self.settings
         logger.info_once(f"qjl backend: preset {s.preset}, {s.sink_tokens} exact sinks, exact window {s.window_tokens}, "
                          f"key smoothing {'on' if s.config.smooth_keys else 'off'}, "

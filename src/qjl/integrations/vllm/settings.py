@@ -5,7 +5,7 @@ worker processes, which inherit the environment):
 
 * ``QJL_VLLM_PRESET=<preset>``: a :data:`qjl.PRESETS` name, e.g. ``tq-k45v3``;
 * ``QJL_VLLM_CONFIG=<file.json>``: ``{"preset": ..., "sinks": ..., "window": ..., "seed": ...,
-  "smooth_keys": ..., "smooth_values": ..., "decode": ...}`` (every key optional; ``preset`` defaults to
+  "smooth_keys": ..., "smooth_values": ..., "decode": ..., "prefill": ...}`` (every key optional; ``preset`` defaults to
   :data:`qjl.config.DEFAULT_PRESET`).
 
 When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides both.  Keys:
@@ -21,7 +21,10 @@ When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides 
 * ``seed``: base seed (layer ``l`` uses ``seed + 1000 l`` for keys, ``+ 1`` for values, as
   :class:`qjl.QJLCache` does);
 * ``decode``: "auto" (a paged kernel where :mod:`qjl.kernels` provides one, else the reference)
-  or "torch" (the plain-torch reference of :mod:`.paged`).
+  or "torch" (the plain-torch reference of :mod:`.paged`);
+* ``prefill``: "auto" (prefill and chunk rows through vLLM's own CPU attention kernel over the decoded history,
+  :class:`.prefill.VLLMPrefill`, on the CPU where its ops load; else the reference) or "torch" (torch's SDPA,
+  :func:`.paged.paged_attention_reference`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ SERVABLE_KEYS = ("turboquant_mse", "qjl")
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
 # QJLConfig options fitted per sequence to its prompt, which the paged backend does not implement (turned off)
 UNSERVED_OPTIONS = {"heavy_tokens": 0}  # name: its off value
-_KEYS = ("preset", "sinks", "window", "seed", "smooth_keys", "smooth_values", "decode")
+_KEYS = ("preset", "sinks", "window", "seed", "smooth_keys", "smooth_values", "decode", "prefill")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class VLLMSettings:
     smooth_keys: bool | None = None
     smooth_values: bool | None = None
     decode: str = "auto"
+    prefill: str = "auto"
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -75,8 +79,9 @@ class VLLMSettings:
             v = getattr(self, name)
             if v is not None and (v not in (0, 1) or isinstance(v, float)):
                 raise ValueError(f"qjl setting {name!r} must be true, false, 1, 0 or null, got {v!r}")
-        if self.decode not in ("auto", "torch"):
-            raise ValueError(f"qjl setting 'decode' must be 'auto' or 'torch', got {self.decode!r}")
+        for name in ("decode", "prefill"):
+            if getattr(self, name) not in ("auto", "torch"):
+                raise ValueError(f"qjl setting {name!r} must be 'auto' or 'torch', got {getattr(self, name)!r}")
         check_servable(self.config)
 
     @property
