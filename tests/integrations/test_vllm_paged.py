@@ -319,3 +319,25 @@ def test_lean_import():
     code = "import sys, qjl.integrations.vllm; print('vllm' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_prefill_without_vllms_ops_is_the_reference(monkeypatch):
+    """Where vLLM's CPU ops do not load (here: no vLLM, or a monkeypatched loader), ``VLLMPrefill`` is the torch
+    reference, bit for bit, and says so (``usable`` False, never ``ran``)."""
+    from qjl.integrations.vllm import prefill
+    from qjl.integrations.vllm.paged import paged_attention_reference
+
+    monkeypatch.setattr(prefill, "_cpu_ops", lambda: None)
+    lay = layer_layout(VLLMSettings(preset="tq-k45v3"), 3, 8, 64, 16, torch.float32)
+    pages = torch.zeros(8, 2, 16, lay.content_bytes // 4)
+    fields = page_fields(lay, pages)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(40, 4, 64, generator=g), torch.randn(40, 2, 64, generator=g), torch.randn(40, 2, 64, generator=g)
+    table = torch.arange(8)[None]
+    plan = StepPlan.build(torch.tensor([0, 24]), torch.tensor([24]), table, 16, lay.sinks, lay.window)
+    write_codes(lay, fields, k[:24], v[:24], None, plan=plan)
+    forward_batch(lay, fields, q[:24], k[:24], v[:24], table, torch.tensor([0, 24]), torch.tensor([24]), 0.125, plan=plan)
+    args = (q[24:], k[24:], v[24:], fields, table, torch.tensor([0, 16]), torch.tensor([40]), lay, 0.125)
+    pre = prefill.VLLMPrefill()
+    assert torch.equal(pre(*args), paged_attention_reference(*args))
+    assert pre.usable is False and not pre.ran

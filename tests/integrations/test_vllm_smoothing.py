@@ -54,6 +54,25 @@ def _data(n, offset, seed=0, value_offset=0.0):
     return q, k, v + torch.randn(HKV, D, generator=g) * value_offset
 
 
+def _errors(data, decode, settings):
+    """A 64-token prompt, then 32 one-token decode steps, with smoothing off and on (``settings(on, decode path)``)
+    -> {on: relative error of the decode steps' outputs against exact attention}.  ``decode``: "torch", "auto", or
+    "kernels-torch" (the kernels' torch reference, which joins the exact slots and the current token as the Triton
+    path does)."""
+    q, k, v = data
+    cuts = [0, 64] + list(range(65, 97))
+    ref = _exact(q, k, v)[64:]
+    errs = {}
+    for on in (False, True):
+        s = settings(on, "torch" if decode == "torch" else "auto")
+        lay, fields = _pages(s)
+        table = torch.randperm(12, generator=torch.Generator().manual_seed(1))[None, :]
+        fn = partial(paged_decode_kernel, backend="torch") if decode == "kernels-torch" else decode_function(s)
+        out = _run(lay, fields, table, q, k, v, cuts, fn)[64:]
+        errs[on] = float((out - ref).norm() / ref.norm())
+    return errs
+
+
 def test_layout_keeps_one_mean_per_block_and_head_counted_in_the_bytes():
     on, _ = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=True))
     off, _ = _pages(VLLMSettings(preset="tq-k3v2", smooth_keys=False))
@@ -69,17 +88,8 @@ def test_smoothing_cuts_the_error_of_keys_with_a_shared_offset(decode):
     """3-bit keys with a large common component: smoothing removes it before quantization (a mean added instead
     of subtracted, or not applied to the current token, would not).  ``kernels-torch``: the kernels' torch
     reference, which joins the exact slots (fp16) and the smoothed current token (fp32) as the Triton path does."""
-    n, cuts = 96, [0, 64] + list(range(65, 97))  # a 64-token prompt, then 32 one-token decode steps
-    q, k, v = _data(n, offset=6.0)
-    ref = _exact(q, k, v)[64:]
-    errs = {}
-    for smooth in (False, True):
-        s = VLLMSettings(preset="tq-k3v2", smooth_keys=smooth, decode="torch" if decode == "torch" else "auto")
-        lay, fields = _pages(s)
-        table = torch.randperm(12, generator=torch.Generator().manual_seed(1))[None, :]
-        fn = partial(paged_decode_kernel, backend="torch") if decode == "kernels-torch" else decode_function(s)
-        out = _run(lay, fields, table, q, k, v, cuts, fn)[64:]
-        errs[smooth] = float((out - ref).norm() / ref.norm())
+    errs = _errors(_data(96, offset=6.0), decode, lambda on, path: VLLMSettings(
+        preset="tq-k3v2", smooth_keys=on, smooth_values=False, decode=path))
     assert errs[True] < 0.5 * errs[False], errs
 
 
@@ -169,18 +179,8 @@ def test_layout_keeps_one_value_mean_per_block_and_head_counted_in_the_bytes():
 def test_value_smoothing_cuts_the_error_of_values_with_a_shared_offset(decode):
     """2-bit values with a large common component: the mean is removed before quantization and added back to the
     output (a mean not added back, or added to the wrong query heads, would be far off)."""
-    n, cuts = 96, [0, 64] + list(range(65, 97))
-    q, k, v = _data(n, offset=0.0, value_offset=6.0, seed=4)
-    ref = _exact(q, k, v)[64:]
-    errs = {}
-    for smooth in (False, True):
-        s = VLLMSettings(preset="tq-k3v2", smooth_keys=False, smooth_values=smooth,
-                         decode="torch" if decode == "torch" else "auto")
-        lay, fields = _pages(s)
-        table = torch.randperm(12, generator=torch.Generator().manual_seed(1))[None, :]
-        fn = partial(paged_decode_kernel, backend="torch") if decode == "kernels-torch" else decode_function(s)
-        out = _run(lay, fields, table, q, k, v, cuts, fn)[64:]
-        errs[smooth] = float((out - ref).norm() / ref.norm())
+    errs = _errors(_data(96, offset=0.0, value_offset=6.0, seed=4), decode, lambda on, path: VLLMSettings(
+        preset="tq-k3v2", smooth_keys=False, smooth_values=on, decode=path))
     assert errs[True] < 0.5 * errs[False], errs
 
 

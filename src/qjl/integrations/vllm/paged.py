@@ -44,7 +44,7 @@ from ...kernels.paged import PagedField as KernelPagedField
 from .layout import PageLayout, check_sliding_window, exact_slot
 
 __all__ = ["PagedField", "page_fields", "paged_decode_reference", "check_output", "paged_attention_reference",
-           "sequence_kv", "gather_history", "history_codes"]
+           "chunk_sequences", "sequence_kv", "gather_history", "history_codes"]
 
 
 class PagedField(KernelPagedField):
@@ -227,6 +227,16 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
     return out if dst is None else dst.view(b, hq, d).copy_(out)
 
 
+def chunk_sequences(query_start_loc, seq_lens):
+    """The prefill / chunk sequences of a batch -> (sequence i, first row, end row, its c new tokens, the n of its
+    history) for every sequence with rows (``query_start_loc`` [B + 1], ``seq_lens`` [B]: tokens after the step)."""
+    qsl = query_start_loc.tolist()
+    for i in range(len(qsl) - 1):
+        r0, r1 = qsl[i], qsl[i + 1]
+        if r1 > r0:
+            yield i, r0, r1, r1 - r0, int(seq_lens[i]) - (r1 - r0)
+
+
 def sequence_kv(k, v, fields: dict, row, c: int, n: int, layout: PageLayout, heads) -> tuple:
     """What one prefill / chunk sequence attends to: its history (exact sinks, decoded codes, exact window, from the
     pages through ``row``, its block-table row) and its own ``c`` new tokens ``k``/``v`` [c, H_kv, D] after the
@@ -263,13 +273,7 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
     hkv = k.shape[1]
     heads = torch.arange(hkv, device=q.device)
     out = torch.empty(t, hq, d, dtype=torch.float32, device=q.device)
-    qsl = query_start_loc.tolist()
-    for i in range(len(qsl) - 1):
-        r0, r1 = qsl[i], qsl[i + 1]
-        c = r1 - r0
-        if c == 0:
-            continue
-        n = int(seq_lens[i]) - c
+    for i, r0, r1, c, n in chunk_sequences(query_start_loc, seq_lens):
         kk, vv, pos = sequence_kv(k[r0:r1], v[r0:r1], fields, block_table[i].long(), c, n, layout, heads)
         qpos = torch.arange(n, n + c, device=q.device)[:, None]
         mask = pos[None, :] <= qpos  # causal over [sinks, codes, window, this chunk]

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from .paged import paged_attention_reference, sequence_kv
+from .paged import chunk_sequences, paged_attention_reference, sequence_kv
 
 __all__ = ["VLLMPrefill", "SCRATCH_BLOCK"]
 
@@ -42,7 +42,8 @@ def _cpu_ops():
 class VLLMPrefill:
     """A ``prefill`` for :func:`.step.forward_batch`, with :func:`.paged.paged_attention_reference`'s signature:
     q [T, H_q, D] (the model's dtype), the batch's own k/v [T, H_kv, D], history from the pages -> [T, H_q, D]
-    float32.  ``isa``: vLLM's kernel variant (``"vec"``; ``"vec16"`` where ``D`` is not a multiple of 32)."""
+    float32.  vLLM's kernel variant is ``"vec"`` (``"vec16"`` where ``D`` is not a multiple of 32), the one vLLM
+    picks without AMX; ``usable`` / ``ran`` say whether the kernel is used / has run in this process."""
 
     def __init__(self):
         self.ops = None
@@ -77,13 +78,7 @@ class VLLMPrefill:
         isa = "vec16" if d % 32 else "vec"
         heads = torch.arange(hkv)
         out = torch.empty(t, hq, d, dtype=torch.float32)
-        qsl = query_start_loc.tolist()
-        for i in range(len(qsl) - 1):
-            r0, r1 = qsl[i], qsl[i + 1]
-            c = r1 - r0
-            if c == 0:
-                continue
-            n = int(seq_lens[i]) - c
+        for i, r0, r1, c, n in chunk_sequences(query_start_loc, seq_lens):
             kk, vv, pos = sequence_kv(k[r0:r1], v[r0:r1], fields, block_table[i].long(), c, n, layout, heads)
             length = kk.shape[1]
             if length != n + c or not torch.equal(pos, torch.arange(length)):

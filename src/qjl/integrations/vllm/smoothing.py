@@ -50,32 +50,46 @@ def _step(plan: StepPlan, device) -> tuple:
     return hit
 
 
+def _checked(fields: dict, field: str, option: str, plan: StepPlan, tensors: dict) -> tuple:
+    """The mean's field and the step's (memoized) indices, after checking ``fields`` holds ``field`` and that every
+    one of ``tensors`` (name -> tensor) is a float tensor, the last one [T, H_kv, D] -> (field, step tuple)."""
+    f = fields.get(field) if hasattr(fields, "get") else None
+    if f is None:
+        raise ValueError(f"fields: no {field!r} field (pages of a layout built with {option}=True)")
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a float tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    name, x = list(tensors.items())[-1]
+    step = _step(plan, x.device)
+    t = step[4]
+    if x.ndim != 3 or x.shape[0] != t or x.shape[2:] != f.shape:
+        raise ValueError(f"{name} must be [{t}, H_kv, {f.shape[0]}] (the step's tokens), got {tuple(x.shape)}")
+    return f, step
+
+
+def _keep_and_read(f, tag: str, plan: StepPlan, step: tuple, means: list, h: int, device) -> torch.Tensor:
+    """Store each (sequence, mean [H, D]) of ``means`` in its block 0's field ``f`` (named ``tag``), then read every sequence's
+    back -> per token [T, H, D] float32 (per sequence where every token is its own sequence), as stored."""
+    blocks, zeros, seq_of = step[:3]
+    heads = torch.arange(h, device=device)
+    for i, mu in means:
+        f.scatter(blocks[i], heads, zeros[i], mu)
+    mu = f.read(plan.addresses(tag, f, h, blocks, zeros)).float()  # [B, H, D]
+    return mu if seq_of is None else mu.index_select(0, seq_of)
+
+
 def smooth_keys(fields: dict, plan: StepPlan, key: torch.Tensor) -> torch.Tensor:
     """The step's keys [T, H_kv, D] (padding removed) -> ``key - mu[sequence]`` float32, storing ``mu`` for the
     sequences that start in this step (see the module docstring).  ``fields`` must hold ``smooth.key``."""
-    f = fields.get("smooth.key") if hasattr(fields, "get") else None
-    if f is None:
-        raise ValueError("fields: no 'smooth.key' field (pages of a layout built with smooth_keys=True)")
-    if not isinstance(key, torch.Tensor) or not key.dtype.is_floating_point:
-        raise TypeError(f"key must be a float tensor, got {getattr(key, 'dtype', type(key).__name__)}")
-    blocks, zeros, seq_of, starts, t = _step(plan, key.device)
-    if key.ndim != 3 or key.shape[0] != t or key.shape[2:] != f.shape:
-        raise ValueError(f"key must be [{t}, H_kv, {f.shape[0]}] (the step's tokens), got {tuple(key.shape)}")
-    h = key.shape[1]
-    if starts:
-        means = []
-        for i, r0, r1 in starts:  # every mean checked before any is stored
-            x = key[r0:r1].float()
-            mu = x.mean(0) if r1 - r0 >= MIN_TOKENS else torch.zeros_like(x[0])
-            if not bool(torch.isfinite(mu).all()):
-                raise ValueError(f"key: sequence {i}'s first keys are not finite; its key mean cannot be kept")
-            means.append((i, mu))
-        heads = torch.arange(h, device=key.device)
-        for i, mu in means:
-            f.scatter(blocks[i], heads, zeros[i], mu)
-    mu = f.read(plan.addresses("smooth.key", f, h, blocks, zeros))  # [B, H, D], as stored
-    if seq_of is not None:
-        mu = mu.index_select(0, seq_of)
+    f, step = _checked(fields, "smooth.key", "smooth_keys", plan, {"key": key})
+    means = []
+    for i, r0, r1 in step[3]:  # every mean checked before any is stored
+        x = key[r0:r1].float()
+        mu = x.mean(0) if r1 - r0 >= MIN_TOKENS else torch.zeros_like(x[0])
+        if not bool(torch.isfinite(mu).all()):
+            raise ValueError(f"key: sequence {i}'s first keys are not finite; its key mean cannot be kept")
+        means.append((i, mu))
+    mu = _keep_and_read(f, "smooth.key", plan, step, means, key.shape[1], key.device)
     return key.to(torch.float32, copy=True).sub_(mu)  # (a copy: the caller's keys are left as they are)
 
 
@@ -106,40 +120,26 @@ def smooth_values(fields: dict, plan: StepPlan, query: torch.Tensor, key: torch.
     float32, to give :func:`add_value_mean`), storing ``mu_v`` for the sequences that start in this step (module
     docstring).  query [T, H_q, D] and key [T, H_kv, D] (as attended: smoothed keys give the same weights) weigh
     the first step's values; ``scale``: the attention's.  ``fields`` must hold ``smooth.value``."""
-    f = fields.get("smooth.value") if hasattr(fields, "get") else None
-    if f is None:
-        raise ValueError("fields: no 'smooth.value' field (pages of a layout built with smooth_values=True)")
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-            raise TypeError(f"{name} must be a float tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    blocks, zeros, seq_of, starts, t = _step(plan, value.device)
-    if value.ndim != 3 or value.shape[0] != t or value.shape[2:] != f.shape:
-        raise ValueError(f"value must be [{t}, H_kv, {f.shape[0]}] (the step's tokens), got {tuple(value.shape)}")
+    f, step = _checked(fields, "smooth.value", "smooth_values", plan, {"query": query, "key": key, "value": value})
+    starts, t = step[3:]
     h = value.shape[1]
     if key.shape != value.shape:
         raise ValueError(f"key must have the values' shape {tuple(value.shape)}, got {tuple(key.shape)}")
     if query.ndim != 3 or query.shape[0] != t or query.shape[2] != key.shape[2] or query.shape[1] % h:
         raise ValueError(f"query must be [{t}, a multiple of {h} heads, {key.shape[2]}], got {tuple(query.shape)}")
-    if starts:
-        means = []
-        for i, r0, r1 in starts:  # every mean checked before any is stored
-            n = r1 - r0
-            if n < MIN_TOKENS:
-                mu = torch.zeros(h, f.shape[0], dtype=torch.float32, device=value.device)
-            else:
-                w = first_step_weights(query[r0:r1], key[r0:r1], scale)
-                mu = attention_weighted_mean(value[r0:r1].transpose(0, 1)[None], skip_first=plan.sinks,
-                                             skip_last=plan.window, weights=w[None])[0]
-            if not bool(torch.isfinite(mu).all()):
-                raise ValueError(f"value: sequence {i}'s first values (or their attention) are not finite; its "
-                                 "value mean cannot be kept")
-            means.append((i, mu))
-        heads = torch.arange(h, device=value.device)
-        for i, mu in means:
-            f.scatter(blocks[i], heads, zeros[i], mu)
-    mu = f.read(plan.addresses("smooth.value", f, h, blocks, zeros)).float()  # [B, H, D], as stored
-    if seq_of is not None:
-        mu = mu.index_select(0, seq_of)
+    means = []
+    for i, r0, r1 in starts:  # every mean checked before any is stored
+        if r1 - r0 < MIN_TOKENS:
+            mu = torch.zeros(h, f.shape[0], dtype=torch.float32, device=value.device)
+        else:
+            w = first_step_weights(query[r0:r1], key[r0:r1], scale)
+            mu = attention_weighted_mean(value[r0:r1].transpose(0, 1)[None], skip_first=plan.sinks,
+                                         skip_last=plan.window, weights=w[None])[0]
+        if not bool(torch.isfinite(mu).all()):
+            raise ValueError(f"value: sequence {i}'s first values (or their attention) are not finite; its "
+                             "value mean cannot be kept")
+        means.append((i, mu))
+    mu = _keep_and_read(f, "smooth.value", plan, step, means, h, value.device)
     return value.to(torch.float32, copy=True).sub_(mu), mu
 
 
