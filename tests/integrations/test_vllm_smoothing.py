@@ -224,7 +224,7 @@ def test_the_value_mean_is_weighted_by_the_first_steps_last_queries():
     plan = StepPlan.build(torch.tensor([0, 1]), torch.tensor([BS + 1]), other, BS, lay.sinks, lay.window)
     x = torch.randn(1, HKV, D)
     got, mu_tok = smooth_values(fields, plan, torch.randn(1, HQ, D), torch.randn(1, HKV, D), x, D ** -0.5)
-    assert torch.equal(mu_tok, mu.float()[None]) and torch.equal(got, x - mu.float())
+    assert torch.equal(mu_tok, mu[None]) and torch.equal(got, x - mu.float())
 
 
 @pytest.mark.parametrize("n", [10, 64, 200])

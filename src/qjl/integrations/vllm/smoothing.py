@@ -69,12 +69,13 @@ def _checked(fields: dict, field: str, option: str, plan: StepPlan, tensors: dic
 
 def _keep_and_read(f, tag: str, plan: StepPlan, step: tuple, means: list, h: int, device) -> torch.Tensor:
     """Store each (sequence, mean [H, D]) of ``means`` in its block 0's field ``f`` (named ``tag``), then read every sequence's
-    back -> per token [T, H, D] float32 (per sequence where every token is its own sequence), as stored."""
+    back -> per token [T, H, D] (per sequence where every token is its own sequence), as stored (its dtype)."""
     blocks, zeros, seq_of = step[:3]
-    heads = torch.arange(h, device=device)
-    for i, mu in means:
-        f.scatter(blocks[i], heads, zeros[i], mu)
-    mu = f.read(plan.addresses(tag, f, h, blocks, zeros)).float()  # [B, H, D]
+    if means:  # (only in a sequence's first step: nothing is built per decode step)
+        heads = torch.arange(h, device=device)
+        for i, mu in means:
+            f.scatter(blocks[i], heads, zeros[i], mu)
+    mu = f.read(plan.addresses(tag, f, h, blocks, zeros))  # [B, H, D] in the field's dtype
     return mu if seq_of is None else mu.index_select(0, seq_of)
 
 
@@ -117,7 +118,7 @@ def first_step_weights(query: torch.Tensor, key: torch.Tensor, scale: float,
 def smooth_values(fields: dict, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float) -> tuple:
     """The step's values [T, H_kv, D] -> (``value - mu_v[sequence]`` float32, ``mu_v`` per token [T, H_kv, D]
-    float32, to give :func:`add_value_mean`), storing ``mu_v`` for the sequences that start in this step (module
+    as stored (the exact dtype), to give :func:`add_value_mean`), storing ``mu_v`` for the sequences that start in this step (module
     docstring).  query [T, H_q, D] and key [T, H_kv, D] (as attended: smoothed keys give the same weights) weigh
     the first step's values; ``scale``: the attention's.  ``fields`` must hold ``smooth.value``."""
     f, step = _checked(fields, "smooth.value", "smooth_values", plan, {"query": query, "key": key, "value": value})
@@ -144,8 +145,8 @@ def smooth_values(fields: dict, plan: StepPlan, query: torch.Tensor, key: torch.
 
 
 def add_value_mean(out: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
-    """out [T, H_q, D] float32 (attention over smoothed values) += mu [T, H_kv, D] of each query head's KV head
-    (head ``j`` reads KV head ``j // (H_q / H_kv)``), in place; returns ``out``."""
+    """out [T, H_q, D] float32 (attention over smoothed values) += mu [T, H_kv, D] (any float dtype) of each query
+    head's KV head (head ``j`` reads KV head ``j // (H_q / H_kv)``), in place, in float32; returns ``out``."""
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.ndim != 3:
         raise TypeError(f"out must be a float32 tensor [T, H_q, D], got {getattr(out, 'dtype', type(out).__name__)} "
                         f"{tuple(getattr(out, 'shape', ()))}")
