@@ -55,6 +55,8 @@ def test_block_standard_error_matches_the_spread_of_the_mean():
     assert evaluate.block_standard_error(torch.ones(64)) == 0.0
     import math
     assert math.isnan(evaluate.block_standard_error(torch.randn(31)))
+    with pytest.raises(TypeError, match="x must be a tensor"):
+        evaluate.block_standard_error([1.0, 2.0])
     with pytest.raises(ValueError, match="x must be 1-d"):
         evaluate.block_standard_error(torch.randn(4, 16))
     with pytest.raises(ValueError, match="block"):

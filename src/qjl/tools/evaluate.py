@@ -31,7 +31,8 @@ from qjl.integrations.transformers.layer import QJLCacheLayer
 from qjl.tools.methods import cache_memory, make_cache, prefill_groups
 
 __all__ = ["EvalSetup", "load_text_ids", "prefill_methods", "score_prefilled", "score_method", "quality", "measure",
-           "evaluate_method", "block_standard_error", "SE_BLOCK", "capture_kv", "held_kv", "tile_kv", "memory_at", "DEFAULT_TEXT"]
+           "evaluate_method", "block_standard_error", "SE_BLOCK", "capture_kv", "held_kv", "tile_kv", "memory_at",
+           "DEFAULT_TEXT"]
 
 DEFAULT_TEXT = "gpl-3"
 
@@ -136,6 +137,8 @@ def block_standard_error(x: torch.Tensor, block: int = SE_BLOCK) -> float:
     """Standard error of ``x.mean()`` (x: [n]) from the means of consecutive blocks of ``block`` values
     (batch means: errors of neighbouring tokens correlate, so per-token variance would understate it); the tail
     that fills no block is dropped from the blocks only.  NaN when fewer than two blocks fit."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a tensor, got {type(x).__name__}")
     if x.dim() != 1:
         raise ValueError(f"x must be 1-d, got shape {tuple(x.shape)}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
