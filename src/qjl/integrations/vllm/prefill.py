@@ -9,9 +9,11 @@ the model's dtype, into a scratch paged cache of contiguous blocks (vLLM's ``cpu
 kernel reads its own layout) and calls the kernel with that cache's block table; what it attends is the same
 tokens as the reference, rounded to the model's dtype (bf16 in the engine: below the codes' own error).
 
-Used only on the CPU, for full-attention layers (a sliding-window layer's history does not start at position 0;
-it keeps the reference), and only where vLLM's CPU ops load (an x86 vLLM CPU build): elsewhere, and if the first
-call of the kernel raises, the reference runs (logged once).  vLLM's ops are imported at the first call.
+A sliding-window layer's history starts at the first position its chunk's first token sees, not at 0: its
+tokens are given to the kernel from there (positions shifted by a constant, which changes neither causality nor
+the window) with vLLM's own ``sliding_window``.  Used only on the CPU, and only where vLLM's CPU ops load (an x86
+vLLM CPU build): elsewhere, and if the first call of the kernel raises, the reference runs (logged once).  vLLM's
+ops are imported at the first call.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class VLLMPrefill:
         return self.usable
 
     def __call__(self, q, k, v, fields: dict, block_table, query_start_loc, seq_lens, layout, scale: float):
-        if q.device.type != "cpu" or layout.sliding_window is not None or not self._ready():
+        if q.device.type != "cpu" or not self._ready():
             return paged_attention_reference(q, k, v, fields, block_table, query_start_loc, seq_lens, layout, scale)
         try:
             return self._attend(q, k, v, fields, block_table, query_start_loc, seq_lens, layout, scale)
@@ -81,8 +83,10 @@ class VLLMPrefill:
         for i, r0, r1, c, n in chunk_sequences(query_start_loc, seq_lens):
             kk, vv, pos = sequence_kv(k[r0:r1], v[r0:r1], fields, block_table[i].long(), c, n, layout, heads)
             length = kk.shape[1]
-            if length != n + c or not torch.equal(pos, torch.arange(length)):
-                raise ValueError(f"sequence {i}: its history is not positions 0..{n + c - 1} in order")
+            first = n + c - length  # 0, or where a sliding window's history starts
+            if not torch.equal(pos, torch.arange(first, n + c)):
+                raise ValueError(f"sequence {i}: its history is not positions {first}..{n + c - 1} in order")
+            window = -1 if layout.sliding_window is None else int(layout.sliding_window)
             nb = -(-length // SCRATCH_BLOCK)
             cache = torch.zeros(nb, hkv, 2 * SCRATCH_BLOCK, d, dtype=dt)  # (the kernel reads whole tiles)
             kc, vc = cache.chunk(2, dim=2)  # vLLM's view: per block and head, the keys' rows then the values'
@@ -92,11 +96,11 @@ class VLLMPrefill:
             starts = torch.tensor([0, c], dtype=torch.int32)
             meta = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=1, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=lens, dtype=dt,
-                query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+                query_start_loc=starts, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=False)
             o = torch.empty(c, hq, d, dtype=dt)
             ops.cpu_attention_with_kv_cache(
                 query=q[r0:r1].contiguous(), key_cache=kc, value_cache=vc, output=o, query_start_loc=starts,
-                seq_lens=lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+                seq_lens=lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=window,
                 block_table=torch.arange(nb, dtype=torch.int32)[None], softcap=0.0, scheduler_metadata=meta,
                 s_aux=None)
             out[r0:r1] = o
