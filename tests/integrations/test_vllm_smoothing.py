@@ -248,6 +248,22 @@ def test_first_step_weights_are_the_caches_attention_weights(n):
     assert (low - want).abs().max() < 0.05 * want.abs().max()
 
 
+def test_first_step_weights_refuse_bad_arguments_by_name():
+    from qjl.integrations.vllm.smoothing import first_step_weights
+
+    q, k = torch.randn(8, HQ, D), torch.randn(8, HKV, D)
+    with pytest.raises(ValueError, match="query must be"):
+        first_step_weights(q.int(), k, 1.0)
+    with pytest.raises(ValueError, match="key must be"):
+        first_step_weights(q, k[:0], 1.0)
+    with pytest.raises(ValueError, match="does not match"):
+        first_step_weights(q, k[:7], 1.0)
+    with pytest.raises(ValueError, match="does not match"):
+        first_step_weights(q[:, :3], k, 1.0)
+    with pytest.raises(ValueError, match="rows"):
+        first_step_weights(q, k, 1.0, rows=0)
+
+
 def test_a_short_first_step_keeps_a_zero_value_mean():
     lay, fields = _pages(_values_on())
     n = MIN_TOKENS - 1

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from qjl import kernels
 
-__all__ = ["attend", "MAX_KERNEL_ROWS", "QUERY_CHUNK"]
+__all__ = ["attend", "masked_sdpa", "MAX_KERNEL_ROWS", "QUERY_CHUNK"]
 
 MAX_KERNEL_ROWS = 32  # query rows (GQA group x new tokens) per KV head up to which the kernels are used
 QUERY_CHUNK = 128  # the reference path scores at most this many new tokens at a time (bounded memory)
@@ -109,14 +109,19 @@ def _attend_sdpa(store, query: torch.Tensor, attention_mask, scaling: float) -> 
     mask = attention_mask
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.float()
-    g = query.shape[1] // k.shape[1]
-    if query.is_cuda and g > 1:
-        # CUDA's fused kernels take no enable_gqa with a mask: the math fallback would hold [B, H_q, t, L]
-        # float32 logits (17 GB for a 4k chunk over 32k tokens); K/V once per query head costs far less
+    return masked_sdpa(query.float(), k, v, mask, scaling).transpose(1, 2)
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """torch SDPA of q [B, H_q, t, D] over k/v [B, H_kv, L, D] (H_kv dividing H_q) under ``mask`` -> [B, H_q, t, D].
+
+    4-d always (torch runs 3-d inputs through its unfused math path on the CPU).  On CUDA with GQA the K/V are
+    repeated per query head: its fused kernels take no ``enable_gqa`` with a mask, and the math fallback would hold
+    [B, H_q, t, L] float32 logits (17 GB for a 4k chunk over 32k tokens); K/V once per query head costs far less."""
+    g = q.shape[1] // k.shape[1]
+    if q.is_cuda and g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    out = F.scaled_dot_product_attention(query.float(), k, v, attn_mask=mask, scale=scaling,
-                                         enable_gqa=query.shape[1] != k.shape[1])
-    return out.transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: int, t: int):

@@ -36,8 +36,8 @@ Keys are scored with the codec's own estimator (``inner_product``), values mixed
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ...cache.attention import masked_sdpa
 from ...codecs.base import Codes
 from ...kernels.paged import FieldMap, extent_bytes, role_fields
 from ...kernels.paged import PagedField as KernelPagedField
@@ -279,13 +279,7 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
         mask = pos[None, :] <= qpos  # causal over [sinks, codes, window, this chunk]
         if layout.sliding_window is not None:
             mask &= pos[None, :] > qpos - layout.sliding_window
-        qq = q[r0:r1].float().transpose(0, 1)
-        if q.is_cuda and hq != hkv:
-            # CUDA's fused kernels take no enable_gqa with a mask: the math fallback would hold [H_q, c, L] logits
-            kk, vv = kk.repeat_interleave(hq // hkv, dim=0), vv.repeat_interleave(hq // hkv, dim=0)
-        # batched (4-d): torch runs 3-d inputs through its math path on the CPU, ~2.6x slower than its fused
-        # kernel for a 512-token chunk over 4k tokens (scratch timing of one SmolLM2 layer), and with [c, L] logits
-        o = F.scaled_dot_product_attention(qq[None], kk[None], vv[None], attn_mask=mask, scale=scale,
-                                           enable_gqa=qq.shape[0] != kk.shape[0])
+        # 4-d (3-d inputs run torch's math path on the CPU: ~2.6x slower for a 512-token chunk over 4k tokens)
+        o = masked_sdpa(q[r0:r1].float().transpose(0, 1)[None], kk[None], vv[None], mask, scale)
         out[r0:r1] = o[0].transpose(0, 1)
     return out

@@ -24,6 +24,8 @@ of block 0 like ``mu``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ...cache.smoothing import VALUE_MEAN_ROWS, attention_weighted_mean
@@ -34,9 +36,19 @@ __all__ = ["MIN_TOKENS", "smooth_keys", "first_step_weights", "smooth_values", "
 MIN_TOKENS = 16  # a first step with fewer tokens stores mu = 0 (the mean of a few keys is a poor centre)
 
 
-def _step(plan: StepPlan, device) -> tuple:
-    """(first blocks [B] and zeros [B] on ``device``, token -> sequence [T] or None when token i is sequence i, and
-    the sequences whose position 0 is in this step as (sequence, first row, end row)), once per step."""
+class _Step(NamedTuple):
+    """A step's indices for the means, once per step: each sequence's first block [B] and zeros [B] (its slot),
+    token -> sequence [T] (None when token i is sequence i), the sequences whose position 0 is in this step as
+    (sequence, first row, end row), and the step's token count."""
+
+    blocks: torch.Tensor
+    zeros: torch.Tensor
+    seq_of: torch.Tensor | None
+    starts: list
+    tokens: int
+
+
+def _step(plan: StepPlan, device) -> _Step:
     hit = plan.memo.get("smooth")
     if hit is None:
         qsl, lens = plan.query_start_loc, plan.seq_lens
@@ -46,7 +58,7 @@ def _step(plan: StepPlan, device) -> tuple:
         starts = [(i, int(qsl[i]), int(qsl[i + 1])) for i in first]
         seq_of = None if bool((qlen == 1).all()) else plan.token_seqs.to(device)
         blocks = plan.block_table[:b, 0].long().to(device)
-        hit = plan.memo["smooth"] = (blocks, torch.zeros_like(blocks), seq_of, starts, int(qsl[-1]))
+        hit = plan.memo["smooth"] = _Step(blocks, torch.zeros_like(blocks), seq_of, starts, int(qsl[-1]))
     return hit
 
 
@@ -61,16 +73,16 @@ def _checked(fields: dict, field: str, option: str, plan: StepPlan, tensors: dic
             raise TypeError(f"{name} must be a float tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     name, x = list(tensors.items())[-1]
     step = _step(plan, x.device)
-    t = step[4]
+    t = step.tokens
     if x.ndim != 3 or x.shape[0] != t or x.shape[2:] != f.shape:
         raise ValueError(f"{name} must be [{t}, H_kv, {f.shape[0]}] (the step's tokens), got {tuple(x.shape)}")
     return f, step
 
 
-def _keep_and_read(f, tag: str, plan: StepPlan, step: tuple, means: list, h: int, device) -> torch.Tensor:
+def _keep_and_read(f, tag: str, plan: StepPlan, step: _Step, means: list, h: int, device) -> torch.Tensor:
     """Store each (sequence, mean [H, D]) of ``means`` in its block 0's field ``f`` (named ``tag``), then read every sequence's
     back -> per token [T, H, D] (per sequence where every token is its own sequence), as stored (its dtype)."""
-    blocks, zeros, seq_of = step[:3]
+    blocks, zeros, seq_of = step.blocks, step.zeros, step.seq_of
     if means:  # (only in a sequence's first step: nothing is built per decode step)
         heads = torch.arange(h, device=device)
         for i, mu in means:
@@ -84,7 +96,7 @@ def smooth_keys(fields: dict, plan: StepPlan, key: torch.Tensor) -> torch.Tensor
     sequences that start in this step (see the module docstring).  ``fields`` must hold ``smooth.key``."""
     f, step = _checked(fields, "smooth.key", "smooth_keys", plan, {"key": key})
     means = []
-    for i, r0, r1 in step[3]:  # every mean checked before any is stored
+    for i, r0, r1 in step.starts:  # every mean checked before any is stored
         x = key[r0:r1].float()
         mu = x.mean(0) if r1 - r0 >= MIN_TOKENS else torch.zeros_like(x[0])
         if not bool(torch.isfinite(mu).all()):
@@ -100,10 +112,19 @@ def first_step_weights(query: torch.Tensor, key: torch.Tensor, scale: float,
     [n, H_kv, D] of the step; its last ``rows`` queries attend causally (scores scaled by ``scale``), and each
     token's softmax weight is averaged over those rows and the GQA group of its KV head, as
     :func:`qjl.cache.smoothing.attention_weights` computes it.  The scores are computed in the query's dtype
-    (the model's, bf16 in vLLM: about 4x faster than float32 here; the weights only choose the centre that is
-    subtracted, which is exact whatever it is) and the softmax in float32, without the full [n, n] mask."""
+    (the model's, bf16 in vLLM: about 3.6x faster than float32 for 8k tokens in a scratch timing on the Zen 4; the
+    weights only choose the centre that is subtracted, which is exact whatever it is) and the softmax in float32, without the full [n, n] mask."""
+    for name, x in (("query", query), ("key", key)):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.ndim != 3 or not x.shape[0]:
+            raise ValueError(f"{name} must be a float tensor [n >= 1, heads, D], got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
     n, hq, d = query.shape
     h = key.shape[1]
+    if key.shape[0] != n or key.shape[2] != d or hq % h:
+        raise ValueError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)}: the same tokens and "
+                         "head size, and KV heads dividing the query heads")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive int, got {rows!r}")
     g, r = hq // h, min(rows, n)
     q = query[n - r:].permute(1, 0, 2).reshape(h, g * r, d)  # [H, g r, D]: heads of a group
     k = key.to(query.dtype).permute(1, 2, 0)  # [H, D, n]
@@ -122,14 +143,13 @@ def smooth_values(fields: dict, plan: StepPlan, query: torch.Tensor, key: torch.
     docstring).  query [T, H_q, D] and key [T, H_kv, D] (as attended: smoothed keys give the same weights) weigh
     the first step's values; ``scale``: the attention's.  ``fields`` must hold ``smooth.value``."""
     f, step = _checked(fields, "smooth.value", "smooth_values", plan, {"query": query, "key": key, "value": value})
-    starts, t = step[3:]
-    h = value.shape[1]
+    t, h = step.tokens, value.shape[1]
     if key.shape != value.shape:
         raise ValueError(f"key must have the values' shape {tuple(value.shape)}, got {tuple(key.shape)}")
     if query.ndim != 3 or query.shape[0] != t or query.shape[2] != key.shape[2] or query.shape[1] % h:
         raise ValueError(f"query must be [{t}, a multiple of {h} heads, {key.shape[2]}], got {tuple(query.shape)}")
     means = []
-    for i, r0, r1 in starts:  # every mean checked before any is stored
+    for i, r0, r1 in step.starts:  # every mean checked before any is stored
         if r1 - r0 < MIN_TOKENS:
             mu = torch.zeros(h, f.shape[0], dtype=torch.float32, device=value.device)
         else:
