@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["PagedField", "FieldMap", "PagedRows", "role_fields", "paged_decode", "check_paged", "views",
            "kernel_readable", "view_fields", "term_queries", "query_maps", "unmix_matrix", "check_exact",
-           "joined_exact", "check_static", "check_args", "check_table", "fields_signature", "extent_bytes",
+           "joined_exact", "check_static", "mix_room", "mix_view", "check_args", "check_table", "fields_signature", "extent_bytes",
            "field_geometry"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
@@ -67,6 +67,11 @@ def unmix_matrix(value_codec) -> torch.Tensor | None:
     if "unmix" not in memo:
         memo["unmix"] = value_codec.unmix(torch.eye(view.codes.length)).float().contiguous()
     return memo["unmix"]
+
+
+def mix_view(codec):
+    """``codec.mix_view()`` (None where it declares none), centroids contiguous float32, built once per codec."""
+    return _view(codec, "mix_view")
 
 
 def views(key_codec, value_codec) -> tuple:
@@ -347,26 +352,54 @@ def _field_room(key_codec, key_fields: dict, value_codec, value_fields: dict, h:
         return hit
     best = (float("inf"), "")
     for role, given, wanted in (("key_fields", key_fields, knames), ("value_fields", value_fields, vnames)):
-        missing = [n for n in wanted if n not in given]
-        if missing:
-            raise ValueError(f"{role} lacks the field(s) {missing} its codec's view reads (has {sorted(given)})")
-        for n in wanted:
-            f = given[n]
-            if not isinstance(getattr(f, "buffer", None), torch.Tensor) or f.buffer.device != device:
-                raise ValueError(f"{role}[{n!r}] must be a PagedField whose buffer is on {device}")
-            if (role, n) in sizes and (f.dtype != torch.uint8 or f.entry_bytes != sizes[(role, n)]):
-                raise ValueError(f"{role}[{n!r}]: packed codes of {sizes[(role, n)]} uint8 bytes per token expected, "
-                                 f"got {f.dtype} {tuple(f.shape)}")
-            last = f.offset + (h - 1) * f.stride_head + (block_size - 1) * f.stride_token + f.entry_bytes
-            room = extent_bytes(f.buffer)
-            if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > room:
-                raise ValueError(f"{role}[{n!r}]: offset/strides reach byte {last} of a buffer of {room}")
-            top = (room - last) // f.stride_block if f.stride_block else float("inf")
-            best = min(best, (top, f"{role}[{n!r}]"))
+        best = min(best, _room(role, given, wanted, sizes, h, block_size, device))
     if len(_ROOM) > 4096:  # bounded (the transformers cache's buffers grow: new keys as they do)
         _ROOM.clear()
     _ROOM[key] = best
     return best
+
+
+def _room(role: str, given: dict, wanted: list, sizes: dict, h: int, block_size: int, device) -> tuple:
+    """(the largest block index every field ``wanted`` of ``given`` holds, the name of the one that bounds it);
+    ValueError naming ``role`` and the field where one is missing, off ``device``, of the wrong entry size
+    (``sizes``: {(role, name): bytes} of packed codes) or outside its buffer for block 0."""
+    best = (float("inf"), "")
+    missing = [n for n in wanted if n not in given]
+    if missing:
+        raise ValueError(f"{role} lacks the field(s) {missing} its codec's view reads (has {sorted(given)})")
+    for n in wanted:
+        f = given[n]
+        if not isinstance(getattr(f, "buffer", None), torch.Tensor) or f.buffer.device != device:
+            raise ValueError(f"{role}[{n!r}] must be a PagedField whose buffer is on {device}")
+        if (role, n) in sizes and (f.dtype != torch.uint8 or f.entry_bytes != sizes[(role, n)]):
+            raise ValueError(f"{role}[{n!r}]: packed codes of {sizes[(role, n)]} uint8 bytes per token expected, "
+                             f"got {f.dtype} {tuple(f.shape)}")
+        last = f.offset + (h - 1) * f.stride_head + (block_size - 1) * f.stride_token + f.entry_bytes
+        room = extent_bytes(f.buffer)
+        if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0 or last > room:
+            raise ValueError(f"{role}[{n!r}]: offset/strides reach byte {last} of a buffer of {room}")
+        top = (room - last) // f.stride_block if f.stride_block else float("inf")
+        best = min(best, (top, f"{role}[{n!r}]"))
+    return best
+
+
+def mix_room(codec, fields: dict, h: int, block_size: int, device) -> tuple:
+    """:func:`_field_room` for one codec's :class:`qjl.codecs.views.MixView` alone (its codes read as vectors,
+    :func:`qjl.kernels.cpu.launch.value_rows`): (the largest block index its fields hold, the bounding field's
+    name), memoized on plain values like it.  ValueError where the codec declares no mix view."""
+    view = mix_view(codec)
+    if view is None:
+        raise ValueError(f"{type(codec).__name__} declares no mix view (its codes are not read as vectors)")
+    names = [view.codes.field, view.scale] + ([view.zero] if view.zero else [])
+    sig = fields_signature({}, {n: fields[n] for n in names if n in fields})
+    key = ("mix", tuple(names), view.codes.nbytes, h, block_size, str(device), sig)
+    hit = _ROOM.get(key)
+    if hit is None:
+        hit = _room("fields", fields, names, {("fields", view.codes.field): view.codes.nbytes}, h, block_size, device)
+        if len(_ROOM) > 4096:
+            _ROOM.clear()
+        _ROOM[key] = hit
+    return hit
 
 
 def term_queries(q: torch.Tensor, key_codec, key_fields: dict, block_table: torch.Tensor) -> list:

@@ -39,7 +39,7 @@ import torch
 
 from ...cache.attention import masked_sdpa
 from ...codecs.base import Codes
-from ...kernels.paged import FieldMap, extent_bytes, role_fields
+from ...kernels.paged import FieldMap, extent_bytes, mix_view, role_fields, unmix_matrix
 from ...kernels.paged import PagedField as KernelPagedField
 from .layout import PageLayout, check_sliding_window, exact_slot
 
@@ -145,17 +145,34 @@ def _scores(codec, q: torch.Tensor, codes: Codes) -> torch.Tensor:
 
 
 def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, end: int, block_size: int,
-                   num_heads: int):
-    """Dequantized keys and values [H, end - start, D] float32 of positions [start, end) of one sequence."""
-    key_codec, value_codec = codecs
-    kc = history_codes(role_fields(fields, "key"), block_row, start, end, block_size, num_heads)
-    vc = history_codes(role_fields(fields, "value"), block_row, start, end, block_size, num_heads)
-    if "outlier_idx" in kc.shared:  # one outlier set per token: dequantize token by token
-        per = Codes((*kc.lead, 1), {n: t.unsqueeze(len(kc.lead)) for n, t in kc.fields.items()}, kc.shared)
-        k = key_codec.dequantize(per).squeeze(-2)
+                   num_heads: int, token_major: bool = False):
+    """Dequantized keys and values of positions [start, end) of one sequence: [H, end - start, D] float32 each, or
+    [end - start, H, D] with ``token_major``.  A codec with a mix view (TurboQuant, token-wise) is read by the C
+    kernel where it loads (:func:`qjl.kernels.cpu.launch.value_rows`: its formula bit for bit, a few times faster
+    than torch's unpacking) and unmixed with one matrix product; others through ``codec.dequantize``."""
+    return tuple(_dequantized(codec, role_fields(fields, role), block_row, start, end, block_size, num_heads,
+                              token_major) for codec, role in zip(codecs, ("key", "value")))
+
+
+def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_size: int, num_heads: int,
+                 token_major: bool) -> torch.Tensor:
+    """One role's vectors of :func:`gather_history` (``fields``: that role's)."""
+    from ...kernels.cpu import launch
+
+    if block_row.device.type == "cpu" and mix_view(codec) is not None and launch.available():
+        rows = launch.value_rows(codec, fields, block_row, block_size, num_heads, start, end)  # [L, H, n]
+        u = unmix_matrix(codec)
+        if u is not None:
+            rows = (rows.view(-1, rows.shape[-1]) @ u).view(end - start, num_heads, -1)
+        return rows if token_major else rows.transpose(0, 1)
+    codes = history_codes(fields, block_row, start, end, block_size, num_heads)
+    if "outlier_idx" in codes.shared:  # one outlier set per token: dequantize token by token
+        per = Codes((*codes.lead, 1), {n: t.unsqueeze(len(codes.lead)) for n, t in codes.fields.items()},
+                    codes.shared)
+        x = codec.dequantize(per).squeeze(-2)
     else:
-        k = key_codec.dequantize(kc)
-    return k, value_codec.dequantize(vc)
+        x = codec.dequantize(codes)
+    return x.transpose(0, 1) if token_major else x
 
 
 def _exact(exact, block_row, pos, block_size, sinks, window, heads):
@@ -237,27 +254,33 @@ def chunk_sequences(query_start_loc, seq_lens):
             yield i, r0, r1, r1 - r0, int(seq_lens[i]) - (r1 - r0)
 
 
-def sequence_kv(k, v, fields: dict, row, c: int, n: int, layout: PageLayout, heads) -> tuple:
+def sequence_kv(k, v, fields: dict, row, c: int, n: int, layout: PageLayout, heads,
+                dtype: torch.dtype = torch.float32) -> tuple:
     """What one prefill / chunk sequence attends to: its history (exact sinks, decoded codes, exact window, from the
     pages through ``row``, its block-table row) and its own ``c`` new tokens ``k``/``v`` [c, H_kv, D] after the
-    ``n`` of its history -> (keys, values [H_kv, L, D] float32, their positions [L]), in position order."""
+    ``n`` of its history -> (keys, values [L, H_kv, D] in ``dtype``, token-major: the layout vLLM's cache write
+    takes; their positions [L]), in position order.  Each part is written once into the result (no joins)."""
     sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window, layout.sliding_window)
-    ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
-    ks, vs = [], []
-    xpos = torch.cat([sink_pos, win_pos])
-    if len(xpos):
-        xk, xv = _exact(ex, row, xpos, layout.block_size, layout.sinks, layout.window, heads)
-    if len(sink_pos):
-        ks.append(xk[:, :len(sink_pos)]), vs.append(xv[:, :len(sink_pos)])
+    ns, nw = len(sink_pos), len(win_pos)
+    length = ns + (c1 - c0) + nw + c
+    kk = torch.empty(length, len(heads), k.shape[-1], dtype=dtype, device=k.device)
+    vv = torch.empty_like(kk)
+    if ns + nw:
+        ex = (fields["exact.key"], fields["exact.value"])
+        xk, xv = _exact(ex, row, torch.cat([sink_pos, win_pos]), layout.block_size, layout.sinks, layout.window,
+                        heads)  # [H, ns + nw, D]
+        for dst, src in ((kk, xk), (vv, xv)):
+            dst[:ns].copy_(src[:, :ns].transpose(0, 1))
+            dst[ns + c1 - c0:length - c].copy_(src[:, ns:].transpose(0, 1))
     if c1 > c0:
         dk, dv = gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size,
-                                len(heads))
-        ks.append(dk), vs.append(dv)
-    if len(win_pos):
-        ks.append(xk[:, len(sink_pos):]), vs.append(xv[:, len(sink_pos):])
-    ks.append(k.float().transpose(0, 1)), vs.append(v.float().transpose(0, 1))
+                                len(heads), token_major=True)
+        kk[ns:ns + c1 - c0].copy_(dk)
+        vv[ns:ns + c1 - c0].copy_(dv)
+    kk[length - c:].copy_(k)
+    vv[length - c:].copy_(v)
     pos = torch.cat([sink_pos, torch.arange(c0, c1), win_pos, torch.arange(n, n + c)]).to(k.device)
-    return torch.cat(ks, dim=1), torch.cat(vs, dim=1), pos
+    return kk, vv, pos
 
 
 def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_loc, seq_lens, layout: PageLayout,
@@ -280,6 +303,7 @@ def paged_attention_reference(q, k, v, fields: dict, block_table, query_start_lo
         if layout.sliding_window is not None:
             mask &= pos[None, :] > qpos - layout.sliding_window
         # 4-d (3-d inputs run torch's math path on the CPU: ~2.6x slower for a 512-token chunk over 4k tokens)
-        o = masked_sdpa(q[r0:r1].float().transpose(0, 1)[None], kk[None], vv[None], mask, scale)
+        o = masked_sdpa(q[r0:r1].float().transpose(0, 1)[None], kk.transpose(0, 1)[None], vv.transpose(0, 1)[None],
+                        mask, scale)
         out[r0:r1] = o[0].transpose(0, 1)
     return out

@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "DecodeStep",
            "paged_decode_step", "half_rounding", "bucket_norms",
-           "EncodeStore", "cell_moments", "store_bounds", "IMPLS"]
+           "EncodeStore", "cell_moments", "store_bounds", "value_rows", "value_rows_reference", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-portable")
 _SIMD = {"c": 1, "c-int": 2, "c-portable": 0}
@@ -114,6 +114,17 @@ class _Args:
             dst.dtype = _DTYPES[f.dtype]
 
 
+def _fill_view(a: _Args, vv, vview, fields: dict) -> None:
+    """A ``qjl_value_view`` struct's fields, bits, groups and centroids from a codec's
+    :class:`qjl.codecs.views.MixView` and its stored fields (``unmix`` left to the caller)."""
+    a.field(vv.codes, fields[vview.codes.field], False)
+    a.field(vv.scale, fields[vview.scale], True)
+    if vview.zero:
+        a.field(vv.zero, fields[vview.zero], True)
+    vv.bits, vv.n, vv.group_size, vv.groups = vview.codes.bits, vview.codes.length, vview.group_size, vview.groups
+    vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(vview.codes.centroids)
+
+
 class _Template:
     """The struct's parts fixed by the codecs and the fields (bits, centroids, maps, field addresses), filled once."""
 
@@ -137,12 +148,7 @@ class _Template:
             else:
                 kt.q_per_block = 1
         vv = c.value
-        a.field(vv.codes, value_fields[vview.codes.field], False)
-        a.field(vv.scale, value_fields[vview.scale], True)
-        if vview.zero:
-            a.field(vv.zero, value_fields[vview.zero], True)
-        vv.bits, vv.n, vv.group_size, vv.groups = vview.codes.bits, vview.codes.length, vview.group_size, vview.groups
-        vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(vview.codes.centroids)
+        _fill_view(a, vv, vview, value_fields)
         unmix = unmix_matrix(value_codec)
         if unmix is None and vview.codes.length != d:
             raise ValueError(f"value codes of length {vview.codes.length} with an identity unmix need D = {d}")
@@ -725,3 +731,77 @@ class EncodeStore:
                                            self.failed)
         del keep  # (the inputs stayed alive through the call)
         return rc, int(self.failed[0])
+
+
+def _rows_args(codec, fields: dict, block_row, block_size: int, heads: int, start: int, end: int):
+    """:func:`value_rows`' arguments checked (ValueError / TypeError naming the argument) -> the codec's mix view and
+    the block-table row as int64."""
+    from qjl.kernels.paged import mix_view
+
+    view = mix_view(codec)
+    if view is None:
+        raise ValueError(f"codec {type(codec).__name__} declares no mix view: its codes are not read as vectors")
+    if not isinstance(block_row, torch.Tensor) or block_row.ndim != 1 or block_row.dtype.is_floating_point:
+        raise ValueError(f"block_row must be a 1-d int tensor, got {getattr(block_row, 'shape', block_row)!r}")
+    for name, x in (("block_size", block_size), ("heads", heads), ("start", start), ("end", end)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < (1 if name in ("block_size", "heads") else 0):
+            raise ValueError(f"{name} must be a {'positive' if name in ('block_size', 'heads') else 'non-negative'} "
+                             f"int, got {x!r}")
+    if end < start or end > block_row.shape[0] * block_size:
+        raise ValueError(f"start={start}, end={end}: need start <= end <= {block_row.shape[0] * block_size} (the "
+                         f"tokens block_row maps)")
+    return view, block_row.long()
+
+
+def value_rows_reference(codec, fields: dict, block_row, block_size: int, heads: int, start: int,
+                         end: int) -> torch.Tensor:
+    """:func:`value_rows` in plain torch: the codec's :class:`qjl.codecs.views.MixView` formula over the fields'
+    entries gathered through ``block_row`` -> [end - start, heads, n] float32 (the codec's basis)."""
+    from qjl.core.packing import unpack_bits
+
+    view, row = _rows_args(codec, fields, block_row, block_size, heads, start, end)
+    t = torch.arange(start, end)
+    blocks, slots, hs = row[t // block_size][:, None], (t % block_size)[:, None], torch.arange(heads)[None, :]
+    n, gs = view.codes.length, view.group_size
+    cent = view.codes.centroids.float()[unpack_bits(fields[view.codes.field].gather(blocks, hs, slots),
+                                                    view.codes.bits, n)]  # [L, H, n]
+    group = torch.arange(n) // gs
+
+    def per_coordinate(name):  # [L, H] or [L, H, groups] -> [L, H, n]
+        x = fields[name].gather(blocks, hs, slots).float()
+        return x.unsqueeze(-1) if x.ndim == 2 else x[..., group]
+
+    out = per_coordinate(view.scale) * cent
+    return out if view.zero is None else per_coordinate(view.zero) + out
+
+
+def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, start: int, end: int,
+               threads: int | None = None) -> torch.Tensor:
+    """The stored vectors of tokens [start, end) of one sequence, read through its block-table row ``block_row``
+    ([max_blocks] int) from paged ``fields`` (:class:`qjl.kernels.paged.PagedField` by name; the codec's
+    :class:`qjl.codecs.views.MixView` says which), every head -> [end - start, heads, n] float32 in the codec's
+    basis (``codec.unmix`` maps them back: TurboQuant's inverse rotation).  One C call (``rows.c``), equal bit for
+    bit to :func:`value_rows_reference`; ``threads``: torch's by default.  ValueError naming the argument for
+    a codec without a mix view, fields outside their buffers or a block outside them."""
+    from qjl.kernels.paged import mix_room
+
+    view, row = _rows_args(codec, fields, block_row, block_size, heads, start, end)
+    mod = _require()
+    top, name = mix_room(codec, fields, heads, block_size, torch.device("cpu"))
+    out = torch.empty(end - start, heads, view.codes.length, dtype=torch.float32)
+    if end == start:
+        return out
+    a = _Args(mod.ffi)
+    vv = mod.ffi.new("qjl_value_view *")
+    _fill_view(a, vv, view, fields)
+    r32 = _i32(row)
+    rc = mod.lib.qjl_value_rows(vv, a.ptr(r32, "int32_t *"), r32.numel(), block_size, heads, start, end,
+                                int(min(top, 2**62)), a.ptr(out), torch.get_num_threads() if threads is None
+                                else threads)
+    if rc == -4:
+        raise ValueError("block_row: the blocks holding tokens [start, end) must be >= 0")
+    if rc == -5:
+        raise ValueError(f"{name}: block_row reaches past the end of its buffer (blocks up to {top} fit)")
+    if rc:
+        raise ValueError(f"value_rows: refused by the C kernel (code {rc})")
+    return out

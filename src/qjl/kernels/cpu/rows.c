@@ -1,0 +1,101 @@
+/* Decoded rows of paged codes: the vectors a value view (qjl_value_view, decode.h) describes, read through one
+ * sequence's block-table row, for a run of tokens and every KV head -- what the vLLM backend's prefill attends
+ * to as its history.  In the codec's basis (TurboQuant: rotated; the caller applies unmix, one matrix product):
+ *     out[(t - start) * heads + h][c] = zero[t, h, g] + scale[t, h, g] * cent[code[t, h, c]],  g = c / group_size
+ * (without a zero point: scale * cent), one float multiply and one add per element, in that order and never
+ * fused, so that the result equals the codecs' torch dequantization in their basis bit for bit.  The torch
+ * reference of the same signature: qjl.kernels.cpu.launch.value_rows_reference. */
+
+/* the codes of one packed row -> cent[code] (n codes, n a multiple of 8: whole bytes per 8 codes); `bits` a
+ * constant at each call site, so that the 8-code loads and shifts compile to fixed ones */
+static inline __attribute__((always_inline)) void centroid_row(const uint8_t *row, const int bits, int64_t n,
+                                                               const float *cent, float *out) {
+    const uint64_t mask = (1u << bits) - 1u;
+    const int64_t groups = n / 8;
+    for (int64_t g = 0; g < groups; g++) {
+        uint64_t w = 0; /* 8 codes in `bits` bytes (little-endian, LSB first); a whole word where the row has 8 bytes
+                           from here (the bytes past the group are shifted out), else exactly `bits` */
+        if ((groups - g) * bits >= 8) memcpy(&w, row + g * bits, 8);
+        else memcpy(&w, row + g * bits, (size_t)bits);
+        for (int j = 0; j < 8; j++) out[8 * g + j] = cent[(w >> (j * bits)) & mask];
+    }
+}
+
+typedef struct {
+    const qjl_value_view *v;
+    const int32_t *blocks;
+    int64_t block_size, heads, start, end, first_block;
+    float *out;
+} qjl_rows_job;
+
+/* one (block, head): its tokens within [start, end) */
+static void rows_item(void *ctx, int64_t item) {
+    const qjl_rows_job *j = ctx;
+    const qjl_value_view *v = j->v;
+    const int64_t b = j->first_block + item / j->heads, h = item % j->heads, bs = j->block_size;
+    const int64_t t0 = b * bs > j->start ? b * bs : j->start, t1 = (b + 1) * bs < j->end ? (b + 1) * bs : j->end;
+    const int64_t count = t1 - t0, n = v->n, G = v->groups, gs = v->group_size;
+    if (count <= 0) return;
+    const int64_t blk = j->blocks[b], slot = t0 - b * bs;
+    const uint8_t *codes = v->codes.base + blk * v->codes.stride_block + h * v->codes.stride_head +
+                           slot * v->codes.stride_token;
+    float *scale = malloc(sizeof(float) * (size_t)(2 * G * count)), *zero = scale + G * count;
+    for (int64_t g = 0; g < G; g++) { /* a group's scalars of the run (entry g of each token's [groups] field) */
+        const int64_t eb = dtype_bytes(v->scale.dtype);
+        read_run(v->scale.base + blk * v->scale.stride_block + h * v->scale.stride_head + slot * v->scale.stride_token
+                 + g * eb, v->scale.stride_token, v->scale.dtype, count, scale + g * count);
+        if (v->has_zero)
+            read_run(v->zero.base + blk * v->zero.stride_block + h * v->zero.stride_head +
+                     slot * v->zero.stride_token + g * dtype_bytes(v->zero.dtype),
+                     v->zero.stride_token, v->zero.dtype, count, zero + g * count);
+    }
+    for (int64_t i = 0; i < count; i++) {
+        float *o = j->out + ((t0 - j->start + i) * j->heads + h) * n;
+        const uint8_t *row = codes + i * v->codes.stride_token;
+        switch (v->bits) {
+        case 1: centroid_row(row, 1, n, v->cent, o); break;
+        case 2: centroid_row(row, 2, n, v->cent, o); break;
+        case 3: centroid_row(row, 3, n, v->cent, o); break;
+        case 4: centroid_row(row, 4, n, v->cent, o); break;
+        case 5: centroid_row(row, 5, n, v->cent, o); break;
+        case 6: centroid_row(row, 6, n, v->cent, o); break;
+        case 7: centroid_row(row, 7, n, v->cent, o); break;
+        default: centroid_row(row, 8, n, v->cent, o); break;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const float s = scale[g * count + i];
+            const int64_t c1 = (g + 1) * gs < n ? (g + 1) * gs : n;
+            if (v->has_zero) {
+                const float z = zero[g * count + i];
+                for (int64_t c = g * gs; c < c1; c++) {
+                    const float p = s * o[c]; /* (two statements: no contraction into a fused multiply-add) */
+                    o[c] = z + p;
+                }
+            } else
+                for (int64_t c = g * gs; c < c1; c++) o[c] = s * o[c];
+        }
+    }
+    free(scale);
+}
+
+/* Rows of tokens [start, end) of one sequence (`blocks`: its block-table row, n_blocks entries, each <= max_block),
+ * every head: out [end - start, heads, v->n] float32 (unmix not applied).  Returns 0, -1 for arguments outside
+ * this contract (nothing written), -4 / -5 for a block index below 0 / above max_block. */
+QJL_EXPORT int qjl_value_rows(const qjl_value_view *v, const int32_t *blocks, int64_t n_blocks, int64_t block_size,
+                              int64_t heads, int64_t start, int64_t end, int64_t max_block, float *out,
+                              int32_t threads) {
+    if (!v || !blocks || !out || !v->cent || v->bits < 1 || v->bits > 8 || v->n < 8 || v->n % 8 ||
+        v->group_size < 1 || v->groups < 1 || (v->groups - 1) * v->group_size >= v->n || block_size < 1 ||
+        heads < 1 || start < 0 || end < start || end > n_blocks * block_size || v->scale.dtype < 0 ||
+        v->scale.dtype > 3 || (v->has_zero && (v->zero.dtype < 0 || v->zero.dtype > 3)))
+        return -1;
+    if (end == start) return 0;
+    const int64_t b0 = start / block_size, b1 = (end - 1) / block_size;
+    for (int64_t b = b0; b <= b1; b++) {
+        if (blocks[b] < 0) return -4;
+        if (blocks[b] > max_block) return -5;
+    }
+    qjl_rows_job job = {v, blocks, block_size, heads, start, end, b0, out};
+    parallel_for((b1 - b0 + 1) * heads, threads > 0 ? threads : 1, rows_item, &job);
+    return 0;
+}

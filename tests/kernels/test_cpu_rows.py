@@ -1,0 +1,121 @@
+"""The C kernel's decoded rows of paged codes (``rows.c``, :func:`qjl.kernels.cpu.launch.value_rows`): bit for bit
+its torch reference, the reference the codecs' own dequantization, and bad arguments refused by name."""
+
+import pytest
+import torch
+
+from qjl.codecs.outliers import OutlierQJL
+from qjl.codecs.tokenwise import TokenwiseQuantizer
+from qjl.codecs.turboquant import TurboQuantMSE
+from qjl.integrations.vllm.paged import PagedField as PoolField
+from qjl.integrations.vllm.paged import gather_history
+from qjl.kernels.cpu import launch
+from qjl.kernels.paged import PagedField
+
+from paged_pool import paged_pool
+
+pytestmark = pytest.mark.skipif(not launch.available(), reason="the C CPU kernels do not build here")
+
+CODECS = {
+    "tq1": lambda d: TurboQuantMSE(d, 1, seed=1),
+    "tq2-fp8": lambda d: TurboQuantMSE(d, 2, seed=2, norm_dtype="fp8"),
+    "tq3-corrected": lambda d: TurboQuantMSE(d, 3, seed=3, correct_norm=True),
+    "tq4-bf16": lambda d: TurboQuantMSE(d, 4, seed=4, norm_dtype="bf16"),
+    "tq5-fp32": lambda d: TurboQuantMSE(d, 5, seed=5, norm_dtype="fp32"),
+    "tq6": lambda d: TurboQuantMSE(d, 6, seed=6),
+    "tq7": lambda d: TurboQuantMSE(d, 7, seed=7),
+    "tq8": lambda d: TurboQuantMSE(d, 8, seed=8),
+    "uni2": lambda d: TokenwiseQuantizer(d, 2, group_size=32),
+    "uni3": lambda d: TokenwiseQuantizer(d, 3, group_size=16),
+    "uni4-one-group": lambda d: TokenwiseQuantizer(d, 4),
+}
+
+
+def _pool(codec, b=2, h=3, n=75, d=64, block_size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, h, n, d, generator=g) * (0.5 + torch.rand(d, generator=g) * 2)
+    codes = codec.quantize(x)
+    fields, table = paged_pool(dict(codes.fields), {}, None, block_size, seed=seed)
+    return codes, fields, table
+
+
+@pytest.mark.parametrize("name", sorted(CODECS))
+@pytest.mark.parametrize("d", [64, 80])
+def test_rows_equal_reference_bit_for_bit(name, d):
+    codec = CODECS[name](d)
+    codes, fields, table = _pool(codec, d=d)
+    for b, (start, end) in ((0, (0, 75)), (1, (5, 61)), (1, (16, 32)), (0, (74, 75))):
+        got = launch.value_rows(codec, fields, table[b], 16, 3, start, end)
+        want = launch.value_rows_reference(codec, fields, table[b], 16, 3, start, end)
+        assert got.shape == (end - start, 3, d) and got.dtype == torch.float32
+        assert torch.equal(got, want), (name, b, start, end, (got - want).abs().max())
+    one = launch.value_rows(codec, fields, table[1], 16, 3, 3, 70, threads=1)
+    assert torch.equal(one, launch.value_rows(codec, fields, table[1], 16, 3, 3, 70, threads=2))
+
+
+@pytest.mark.parametrize("name", ["tq2-fp8", "tq3-corrected", "tq5-fp32", "uni2", "uni3"])
+def test_reference_is_the_codecs_dequantization(name):
+    """The rows, mapped back by the codec's unmix, are the codec's own dequantization of the same codes (TurboQuant
+    in its rotated basis bit for bit); the reference reads through a shuffled block table, so a wrong block,
+    head or slot would show."""
+    codec = CODECS[name](64)
+    codes, fields, table = _pool(codec)
+    truth = codec.dequantize(codes)  # [B, H, N, D]
+    for b in range(2):
+        rows = launch.value_rows_reference(codec, fields, table[b], 16, 3, 0, 75)  # [N, H, n]
+        if isinstance(codec, TurboQuantMSE):
+            assert torch.equal(rows, codec.rotated(codes)[b].transpose(0, 1))
+        back = codec.unmix(rows) if codec.mix_view().rotated else rows
+        assert torch.allclose(back, truth[b].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_gather_history_token_major_and_codec_agree():
+    """gather_history (C rows, then the unmix as a matrix) against each codec's dequantization; keys without a
+    mix view (QJL with outlier channels) go through the codec; token_major is the transpose."""
+    d, h, n, bs = 64, 3, 75, 16
+    kc, vc = OutlierQJL(d, 2 * d, n_outliers=8, outlier_sketch_dim=d // 2, seed=3), TurboQuantMSE(d, 3, seed=2)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(1, h, n, d, generator=g), torch.randn(1, h, n, d, generator=g)
+    kcodes, vcodes = kc.quantize(k), vc.quantize(v)
+    nb = -(-n // bs)
+    shared = {"outlier_idx": kcodes.shared["outlier_idx"][:, :, None].expand(1, h, nb, -1)}  # one set, every block
+    kf, table = paged_pool(dict(kcodes.fields), shared, None, bs, seed=2)
+    vf, _ = paged_pool(dict(vcodes.fields), {}, None, bs, seed=2)  # (the same seed: the same block table)
+    fields = {f"{role}.{m}": PoolField(f.buffer, f.offset, f.stride_block, f.stride_head, f.stride_token, f.dtype,
+                                       f.shape) for role, fs in (("key", kf), ("value", vf)) for m, f in fs.items()}
+    dk, dv = gather_history((kc, vc), fields, table[0].long(), 7, 70, bs, h)
+    assert dk.shape == dv.shape == (h, 63, d)
+    assert torch.allclose(dv, vc.dequantize(vcodes)[0, :, 7:70], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(dk, kc.dequantize(kcodes)[0, :, 7:70], atol=1e-5, rtol=1e-5)
+    tk, tv = gather_history((kc, vc), fields, table[0].long(), 7, 70, bs, h, token_major=True)
+    assert torch.equal(tk, dk.transpose(0, 1)) and torch.equal(tv, dv.transpose(0, 1))
+
+
+def test_bad_arguments_are_refused_by_name():
+    codec = CODECS["tq3-corrected"](64)
+    codes, fields, table = _pool(codec)
+    row = table[0]
+    ok = launch.value_rows(codec, fields, row, 16, 3, 0, 0)
+    assert ok.shape == (0, 3, 64)
+    with pytest.raises(ValueError, match="mix view"):
+        launch.value_rows(OutlierQJL(64, 128, n_outliers=8, outlier_sketch_dim=32, seed=3), fields, row, 16, 3, 0, 5)
+    with pytest.raises(ValueError, match="block_row"):
+        launch.value_rows(codec, fields, row.float(), 16, 3, 0, 5)
+    with pytest.raises(ValueError, match="start=5, end=4"):
+        launch.value_rows(codec, fields, row, 16, 3, 5, 4)
+    with pytest.raises(ValueError, match="end=81"):
+        launch.value_rows(codec, fields, row, 16, 3, 0, 81)  # 5 blocks of 16 map 80 tokens
+    for name, bad in (("block_size", 0), ("heads", True), ("start", -1), ("end", 2.0)):
+        args = dict(block_size=16, heads=3, start=0, end=5)
+        args[name] = bad
+        with pytest.raises(ValueError, match=name):
+            launch.value_rows(codec, fields, row, args["block_size"], args["heads"], args["start"], args["end"])
+    with pytest.raises(ValueError, match=r"block_row: the blocks"):
+        launch.value_rows(codec, fields, torch.tensor([0, -1, 2, 3, 4]), 16, 3, 0, 40)
+    with pytest.raises(ValueError, match=r"fields\['codes'\].*blocks up to"):
+        launch.value_rows(codec, fields, torch.tensor([0, 10_000, 2, 3, 4]), 16, 3, 0, 40)
+    with pytest.raises(ValueError, match=r"fields lacks the field\(s\) \['norm'\]"):
+        launch.value_rows(codec, {"codes": fields["codes"]}, row, 16, 3, 0, 5)
+    small = dict(fields, codes=PagedField(torch.zeros(100, dtype=torch.uint8), 0, 0, 0, 24, torch.uint8, (24,)))
+    with pytest.raises(ValueError, match=r"fields\['codes'\]: offset/strides reach"):
+        launch.value_rows(codec, small, row, 16, 3, 0, 5)
