@@ -38,6 +38,10 @@ same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager
   ``--throughput fit``: each configuration gets as many requests as its own cache holds at once (its KV blocks
   over the blocks of one request), so a larger cache serves more requests in the same run.
 
+* **attention calls** (``--time-attention``): every attention layer call in the engine's process timed by kind (decode
+  steps; prefill steps by query and sequence length) for native's CPU attention and ours, with our parts
+  (``benchmarks/vllm_attention_timer``): where the time per layer goes, side by side.
+
 Writes ``results.json``, ``table.md`` and each configuration's engine log to ``--out``.
 """
 
@@ -267,6 +271,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tp-prompt", type=int, default=4096, help="prompt tokens per throughput request")
     ap.add_argument("--tp-gen", type=int, default=128, help="generated tokens per throughput request")
     ap.add_argument("--no-quality", dest="quality", action="store_false", help="skip KL and greedy agreement")
+    ap.add_argument("--time-attention", action="store_true",
+                    help="time every attention call in the engine (benchmarks/vllm_attention_timer): calls and ms "
+                         "per call by kind, in results.json and attention.md")
     ap.add_argument("--out", default=None)
     ap.add_argument("--native-from", default=None, help="reuse a native.json of an earlier run with the same settings "
                     "(quality only: native's logprobs and tokens are deterministic; timings are never reused)")
@@ -288,6 +295,10 @@ def main(argv=None) -> None:
             cfg = out / f"{spec.replace(':', '_').replace('=', '')}.qjl.json"
             cfg.write_text(json.dumps({"preset": name, **extra}))
             env["QJL_VLLM_CONFIG"] = str(cfg)
+        if args.time_attention:  # every attention call timed in the engine's process (the timer's docstring)
+            env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "vllm_attention_timer"),
+                                                 env.get("PYTHONPATH", "")])
+            env["QJL_ATTENTION_TIMES"] = str(out / f"{spec.replace(':', '_').replace('=', '')}.attention.json")
         js = out / f"{spec.replace(':', '_').replace('=', '')}.json"
         log = out / f"{spec.replace(':', '_').replace('=', '')}.log"
         cmd = [sys.executable, __file__, "--worker", spec, "--json", str(js), "--chunk", str(args.chunk),
@@ -307,6 +318,9 @@ def main(argv=None) -> None:
         m = re.search(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x", log.read_text())
         r["max_concurrency"] = [int(m.group(1).replace(",", "")), float(m.group(2))] if m else None
         r["seconds"] = time.perf_counter() - t0
+        if args.time_attention and Path(env["QJL_ATTENTION_TIMES"]).exists():
+            r["attention_ms"] = {k: [n, 1e3 * t / n] for k, (n, t) in
+                                 sorted(json.loads(Path(env["QJL_ATTENTION_TIMES"]).read_text()).items())}
         r["loadavg_before_after"] = [load0, os.getloadavg()]
         results[spec] = r
         print(f"{spec}: done in {r['seconds']:.0f} s, kv tokens {r['kv_tokens']}", flush=True)
@@ -318,7 +332,8 @@ def main(argv=None) -> None:
     for spec, r in results.items():
         row = {"config": spec, "kv_tokens": r["kv_tokens"], "decode_tps": r.get("decode_tps"),
                "loadavg_before_after": r.get("loadavg_before_after"), "seconds": r.get("seconds"),
-               "throughput": r.get("throughput"), "max_concurrency": r.get("max_concurrency")}
+               "throughput": r.get("throughput"), "max_concurrency": r.get("max_concurrency"),
+               "attention_ms": r.get("attention_ms")}
         if base is not None:
             row["kv_x"] = r["kv_tokens"] / base["kv_tokens"] if r["kv_tokens"] and base["kv_tokens"] else None
         if base is not None and args.quality:
@@ -356,6 +371,16 @@ def main(argv=None) -> None:
                 x = f"{t['generated_tps'] / nat['generated_tps']:.2f}x" if nat else "-"
                 lines.append(f"| {row['config']} | {t['requests']} | {t['seconds']:.1f} | {t['generated_tps']:.1f} | "
                              f"{t['total_tps']:.1f} | {x} | {fit} |")
+    if args.time_attention:  # ms per attention call by kind, configurations side by side
+        kinds = sorted({k for row in rows for k in (row.get("attention_ms") or {})
+                        if k.split(".")[0] in ("native", "qjl")},
+                       key=lambda k: (k.split(".", 1)[1] if k.count(".") else k, k))
+        lines += ["", "| attention call (timed in the engine) | config | calls | ms per call |", "|---|---|---|---|"]
+        for row in rows:
+            for k in kinds:
+                if k in (row.get("attention_ms") or {}):
+                    n, ms = row["attention_ms"][k]
+                    lines.append(f"| {k} | {row['config']} | {n} | {ms:.3f} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results in {out}")

@@ -119,3 +119,40 @@ def test_bad_arguments_are_refused_by_name():
     small = dict(fields, codes=PagedField(torch.zeros(100, dtype=torch.uint8), 0, 0, 0, 24, torch.uint8, (24,)))
     with pytest.raises(ValueError, match=r"fields\['codes'\]: offset/strides reach"):
         launch.value_rows(codec, small, row, 16, 3, 0, 5)
+
+
+@pytest.mark.parametrize("name,d", [("tq3-corrected", 64), ("tq5-fp32", 80), ("tq2-fp8", 128), ("uni3", 64)])
+def test_unmixed_rows_and_outputs_in_place(name, d):
+    """With ``unmix`` the rows are the reference's times the codec's unmix matrix (float32 sums in another order:
+    within 1e-5 of the rows' scale); written into an fp16 / bf16 ``out``, they are the float32 result rounded as
+    ``.to()`` rounds, bit for bit, and a slice of a larger buffer is written and nothing around it."""
+    from qjl.kernels.paged import unmix_matrix
+
+    codec = CODECS[name](d)
+    codes, fields, table = _pool(codec, d=d)
+    got = launch.value_rows(codec, fields, table[1], 16, 3, 5, 70, unmix=True)
+    ref = launch.value_rows_reference(codec, fields, table[1], 16, 3, 5, 70).double()
+    u = unmix_matrix(codec)
+    want = ref if u is None else ref @ u.double()
+    assert got.shape == (65, 3, d)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.allclose(got, codec.dequantize(codes)[1, :, 5:70].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        buf = torch.full((70, 4, d), 7.0, dtype=dtype)
+        dst = buf[3:68, 1:]  # [65, 3, d]: token and head strides of the larger buffer
+        back = launch.value_rows(codec, fields, table[1], 16, 3, 5, 70, unmix=True, out=dst)
+        assert back is dst
+        assert torch.equal(dst.view(torch.int16) if dtype != torch.float32 else dst,
+                           got.to(dtype).view(torch.int16) if dtype != torch.float32 else got)
+        outside = torch.ones_like(buf, dtype=torch.bool)
+        outside[3:68, 1:] = False
+        assert (buf[outside] == 7.0).all()
+
+
+def test_bad_out_is_refused_by_name():
+    codec = CODECS["tq3-corrected"](64)
+    codes, fields, table = _pool(codec)
+    for bad in (torch.empty(5, 3, 32), torch.empty(5, 3, 64, dtype=torch.int32), torch.empty(5, 3, 128)[..., ::2],
+                "buffer"):
+        with pytest.raises(ValueError, match="out must be"):
+            launch.value_rows(codec, fields, table[0], 16, 3, 0, 5, unmix=True, out=bad)

@@ -39,7 +39,7 @@ import torch
 
 from ...cache.attention import masked_sdpa
 from ...codecs.base import Codes
-from ...kernels.paged import FieldMap, extent_bytes, mix_view, role_fields, unmix_matrix
+from ...kernels.paged import FieldMap, extent_bytes, mix_view, role_fields
 from ...kernels.paged import PagedField as KernelPagedField
 from .layout import PageLayout, check_sliding_window, exact_slot
 
@@ -145,34 +145,37 @@ def _scores(codec, q: torch.Tensor, codes: Codes) -> torch.Tensor:
 
 
 def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, end: int, block_size: int,
-                   num_heads: int, token_major: bool = False):
+                   num_heads: int, token_major: bool = False, out: tuple | None = None):
     """Dequantized keys and values of positions [start, end) of one sequence: [H, end - start, D] float32 each, or
     [end - start, H, D] with ``token_major``.  A codec with a mix view (TurboQuant, token-wise) is read by the C
-    kernel where it loads (:func:`qjl.kernels.cpu.launch.value_rows`: its formula bit for bit, a few times faster
-    than torch's unpacking) and unmixed with one matrix product; others through ``codec.dequantize``."""
+    kernel where it loads (:func:`qjl.kernels.cpu.launch.value_rows`: its formula bit for bit, mapped back to the
+    model's basis row by row in the same call); others through ``codec.dequantize``.  ``out``: None, or (keys,
+    values) token-major tensors of the model's float dtype to write into (returned)."""
     return tuple(_dequantized(codec, role_fields(fields, role), block_row, start, end, block_size, num_heads,
-                              token_major) for codec, role in zip(codecs, ("key", "value")))
+                              token_major, None if out is None else out[i])
+                 for i, (codec, role) in enumerate(zip(codecs, ("key", "value"))))
 
 
 def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_size: int, num_heads: int,
-                 token_major: bool) -> torch.Tensor:
+                 token_major: bool, out) -> torch.Tensor:
     """One role's vectors of :func:`gather_history` (``fields``: that role's)."""
     from ...kernels.cpu import launch
 
     if block_row.device.type == "cpu" and mix_view(codec) is not None and launch.available():
-        rows = launch.value_rows(codec, fields, block_row, block_size, num_heads, start, end)  # [L, H, n]
-        u = unmix_matrix(codec)
-        if u is not None:
-            rows = (rows.view(-1, rows.shape[-1]) @ u).view(end - start, num_heads, -1)
-        return rows if token_major else rows.transpose(0, 1)
-    codes = history_codes(fields, block_row, start, end, block_size, num_heads)
-    if "outlier_idx" in codes.shared:  # one outlier set per token: dequantize token by token
-        per = Codes((*codes.lead, 1), {n: t.unsqueeze(len(codes.lead)) for n, t in codes.fields.items()},
-                    codes.shared)
-        x = codec.dequantize(per).squeeze(-2)
+        rows = launch.value_rows(codec, fields, block_row, block_size, num_heads, start, end, unmix=True,
+                                 out=out if out is not None and out.dtype in (torch.float32, torch.float16,
+                                                                              torch.bfloat16) else None)
     else:
-        x = codec.dequantize(codes)
-    return x.transpose(0, 1) if token_major else x
+        codes = history_codes(fields, block_row, start, end, block_size, num_heads)
+        if "outlier_idx" in codes.shared:  # one outlier set per token: dequantize token by token
+            per = Codes((*codes.lead, 1), {n: t.unsqueeze(len(codes.lead)) for n, t in codes.fields.items()},
+                        codes.shared)
+            rows = codec.dequantize(per).squeeze(-2).transpose(0, 1)
+        else:
+            rows = codec.dequantize(codes).transpose(0, 1)
+    if out is not None and rows is not out:
+        rows = out.copy_(rows)
+    return rows if token_major or out is not None else rows.transpose(0, 1)
 
 
 def _exact(exact, block_row, pos, block_size, sinks, window, heads):
@@ -272,11 +275,9 @@ def sequence_kv(k, v, fields: dict, row, c: int, n: int, layout: PageLayout, hea
         for dst, src in ((kk, xk), (vv, xv)):
             dst[:ns].copy_(src[:, :ns].transpose(0, 1))
             dst[ns + c1 - c0:length - c].copy_(src[:, ns:].transpose(0, 1))
-    if c1 > c0:
-        dk, dv = gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size,
-                                len(heads), token_major=True)
-        kk[ns:ns + c1 - c0].copy_(dk)
-        vv[ns:ns + c1 - c0].copy_(dv)
+    if c1 > c0:  # decoded straight into the result
+        gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size, len(heads),
+                       token_major=True, out=(kk[ns:ns + c1 - c0], vv[ns:ns + c1 - c0]))
     kk[length - c:].copy_(k)
     vv[length - c:].copy_(v)
     pos = torch.cat([sink_pos, torch.arange(c0, c1), win_pos, torch.arange(n, n + c)]).to(k.device)

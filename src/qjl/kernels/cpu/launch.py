@@ -776,28 +776,44 @@ def value_rows_reference(codec, fields: dict, block_row, block_size: int, heads:
 
 
 def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, start: int, end: int,
-               threads: int | None = None) -> torch.Tensor:
+               threads: int | None = None, *, unmix: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """The stored vectors of tokens [start, end) of one sequence, read through its block-table row ``block_row``
     ([max_blocks] int) from paged ``fields`` (:class:`qjl.kernels.paged.PagedField` by name; the codec's
-    :class:`qjl.codecs.views.MixView` says which), every head -> [end - start, heads, n] float32 in the codec's
-    basis (``codec.unmix`` maps them back: TurboQuant's inverse rotation).  One C call (``rows.c``), equal bit for
-    bit to :func:`value_rows_reference`; ``threads``: torch's by default.  ValueError naming the argument for
-    a codec without a mix view, fields outside their buffers or a block outside them."""
-    from qjl.kernels.paged import mix_room
+    :class:`qjl.codecs.views.MixView` says which), every head -> [end - start, heads, n] in the codec's basis, equal
+    bit for bit to :func:`value_rows_reference` (one C call, ``rows.c``); with ``unmix``, mapped back by the codec's
+    unmix matrix (:func:`qjl.kernels.paged.unmix_matrix`: TurboQuant's inverse rotation) row by row inside the call,
+    [end - start, heads, dim], the reference's rows times that matrix within float32 rounding (the products summed
+    in order).  ``out``: None (a new float32 tensor), or an fp32 / fp16 / bf16 CPU tensor of that shape whose last
+    dimension is contiguous (e.g. a slice of a larger buffer), written in place (rounded as ``.to()`` rounds) and
+    returned.  ``threads``: torch's by default.  ValueError naming the argument for a codec without a mix view, a
+    bad ``out``, fields outside their buffers or a block outside them."""
+    from qjl.kernels.paged import mix_room, unmix_matrix
 
     view, row = _rows_args(codec, fields, block_row, block_size, heads, start, end)
     mod = _require()
     top, name = mix_room(codec, fields, heads, block_size, torch.device("cpu"))
-    out = torch.empty(end - start, heads, view.codes.length, dtype=torch.float32)
+    u = unmix_matrix(codec) if unmix else None
+    shape = (end - start, heads, view.codes.length if u is None else u.shape[1])
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype not in _X_DTYPES
+          or out.device.type != "cpu" or (out.numel() and out.stride(2) != 1)):
+        raise ValueError(f"out must be None or an fp32/fp16/bf16 CPU tensor {list(shape)} with a contiguous last "
+                         f"dimension, got {getattr(out, 'dtype', type(out).__name__)} "
+                         f"{tuple(getattr(out, 'shape', ()))}")
     if end == start:
         return out
     a = _Args(mod.ffi)
     vv = mod.ffi.new("qjl_value_view *")
     _fill_view(a, vv, view, fields)
+    if u is not None:
+        vv.unmix, vv.out_dim = a.ptr(u), u.shape[1]
     r32 = _i32(row)
+    es = out.element_size()
     rc = mod.lib.qjl_value_rows(vv, a.ptr(r32, "int32_t *"), r32.numel(), block_size, heads, start, end,
-                                int(min(top, 2**62)), a.ptr(out), torch.get_num_threads() if threads is None
-                                else threads)
+                                int(min(top, 2**62)), a.ptr(out, "uint8_t *"), _X_DTYPES[out.dtype],
+                                out.stride(0) * es, out.stride(1) * es,
+                                torch.get_num_threads() if threads is None else threads)
     if rc == -4:
         raise ValueError("block_row: the blocks holding tokens [start, end) must be >= 0")
     if rc == -5:

@@ -1,10 +1,13 @@
 /* Decoded rows of paged codes: the vectors a value view (qjl_value_view, decode.h) describes, read through one
  * sequence's block-table row, for a run of tokens and every KV head -- what the vLLM backend's prefill attends
- * to as its history.  In the codec's basis (TurboQuant: rotated; the caller applies unmix, one matrix product):
- *     out[(t - start) * heads + h][c] = zero[t, h, g] + scale[t, h, g] * cent[code[t, h, c]],  g = c / group_size
+ * to as its history.  In the codec's basis (TurboQuant: rotated):
+ *     r[t, h, c] = zero[t, h, g] + scale[t, h, g] * cent[code[t, h, c]],  g = c / group_size
  * (without a zero point: scale * cent), one float multiply and one add per element, in that order and never
- * fused, so that the result equals the codecs' torch dequantization in their basis bit for bit.  The torch
- * reference of the same signature: qjl.kernels.cpu.launch.value_rows_reference. */
+ * fused, so that the result equals the codecs' torch dequantization in their basis bit for bit (the torch
+ * reference: qjl.kernels.cpu.launch.value_rows_reference).  With the view's unmix [n, out_dim] the row is mapped
+ * back, o[j] = sum_c r[c] * unmix[c, j] in float32 (c in order), one row at a time while it is in L1 (no
+ * [tokens, heads, n] intermediate).  Each row is written in the output's dtype (fp32, or fp16 / bf16 rounded to
+ * nearest even as torch's .to(), quantize.c's store_scalar) at byte strides per token and head. */
 
 /* the codes of one packed row -> cent[code] (n codes, n a multiple of 8: whole bytes per 8 codes); `bits` a
  * constant at each call site, so that the 8-code loads and shifts compile to fixed ones */
@@ -21,11 +24,40 @@ static inline __attribute__((always_inline)) void centroid_row(const uint8_t *ro
     }
 }
 
+/* out[k] = sum_c r[c] * u[c * m + k], c in order (each product rounded, then added: no fused multiply-add) */
+static inline __attribute__((always_inline)) void unmix_row(const float *restrict r, int64_t n,
+                                                           const float *restrict u, const int64_t m,
+                                                           float *restrict out) {
+    float acc[m]; /* (local, so that with m a constant the sums can live in registers) */
+    for (int64_t k = 0; k < m; k++) acc[k] = 0.0f;
+    for (int64_t c = 0; c < n; c++) {
+        const float rc = r[c], *uc = u + c * m;
+        for (int64_t k = 0; k < m; k++) {
+            const float p = rc * uc[k];
+            acc[k] = acc[k] + p;
+        }
+    }
+    for (int64_t k = 0; k < m; k++) out[k] = acc[k];
+}
+
+/* x [m] -> bf16 bits, rounded to nearest even, NaN as torch writes it (quantize.c's float_to_bf16_bits, in a loop
+ * the compiler vectorizes) */
+static inline void bf16_row(const float *x, int64_t m, uint16_t *out) {
+    for (int64_t k = 0; k < m; k++) {
+        uint32_t b;
+        memcpy(&b, x + k, 4);
+        const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+        out[k] = (uint16_t)((b & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);
+    }
+}
+
 typedef struct {
     const qjl_value_view *v;
     const int32_t *blocks;
     int64_t block_size, heads, start, end, first_block;
-    float *out;
+    uint8_t *out;
+    int32_t out_dtype;
+    int64_t out_st, out_sh; /* bytes between tokens, heads (elements contiguous) */
 } qjl_rows_job;
 
 /* one (block, head): its tokens within [start, end) */
@@ -49,8 +81,9 @@ static void rows_item(void *ctx, int64_t item) {
                      slot * v->zero.stride_token + g * dtype_bytes(v->zero.dtype),
                      v->zero.stride_token, v->zero.dtype, count, zero + g * count);
     }
+    const int64_t m = v->unmix ? v->out_dim : n, es = dtype_bytes(j->out_dtype);
+    float *o = malloc(sizeof(float) * (size_t)(n + m)), *mixed = o + n; /* one row, in the codec's basis and out */
     for (int64_t i = 0; i < count; i++) {
-        float *o = j->out + ((t0 - j->start + i) * j->heads + h) * n;
         const uint8_t *row = codes + i * v->codes.stride_token;
         switch (v->bits) {
         case 1: centroid_row(row, 1, n, v->cent, o); break;
@@ -74,20 +107,35 @@ static void rows_item(void *ctx, int64_t item) {
             } else
                 for (int64_t c = g * gs; c < c1; c++) o[c] = s * o[c];
         }
+        const float *res = o;
+        if (v->unmix) { /* mixed = o @ unmix (the usual widths as constants: the sums stay in registers) */
+            if (m == 64) unmix_row(o, n, v->unmix, 64, mixed);
+            else if (m == 128) unmix_row(o, n, v->unmix, 128, mixed);
+            else unmix_row(o, n, v->unmix, m, mixed);
+            res = mixed;
+        }
+        uint8_t *dst = j->out + (t0 - j->start + i) * j->out_st + h * j->out_sh;
+        if (j->out_dtype == 0) memcpy(dst, res, sizeof(float) * (size_t)m);
+        else if (j->out_dtype == 2) bf16_row(res, m, (uint16_t *)(void *)dst);
+        else
+            for (int64_t k = 0; k < m; k++) store_scalar(dst + k * es, res[k], j->out_dtype);
     }
+    free(o);
     free(scale);
 }
 
 /* Rows of tokens [start, end) of one sequence (`blocks`: its block-table row, n_blocks entries, each <= max_block),
- * every head: out [end - start, heads, v->n] float32 (unmix not applied).  Returns 0, -1 for arguments outside
- * this contract (nothing written), -4 / -5 for a block index below 0 / above max_block. */
+ * every head: row (t, h) at out + (t - start) * out_st + h * out_sh (bytes), v->n elements in the codec's basis, or
+ * v->out_dim mapped back where v->unmix is set, in out_dtype (0 fp32, 1 fp16, 2 bf16).  Returns 0, -1 for
+ * arguments outside this contract (nothing written), -4 / -5 for a block index below 0 / above max_block. */
 QJL_EXPORT int qjl_value_rows(const qjl_value_view *v, const int32_t *blocks, int64_t n_blocks, int64_t block_size,
-                              int64_t heads, int64_t start, int64_t end, int64_t max_block, float *out,
-                              int32_t threads) {
+                              int64_t heads, int64_t start, int64_t end, int64_t max_block, uint8_t *out,
+                              int32_t out_dtype, int64_t out_st, int64_t out_sh, int32_t threads) {
     if (!v || !blocks || !out || !v->cent || v->bits < 1 || v->bits > 8 || v->n < 8 || v->n % 8 ||
         v->group_size < 1 || v->groups < 1 || (v->groups - 1) * v->group_size >= v->n || block_size < 1 ||
         heads < 1 || start < 0 || end < start || end > n_blocks * block_size || v->scale.dtype < 0 ||
-        v->scale.dtype > 3 || (v->has_zero && (v->zero.dtype < 0 || v->zero.dtype > 3)))
+        v->scale.dtype > 3 || (v->has_zero && (v->zero.dtype < 0 || v->zero.dtype > 3)) || out_dtype < 0 ||
+        out_dtype > 2 || (v->unmix && v->out_dim < 1) || out_st < 0 || out_sh < 0)
         return -1;
     if (end == start) return 0;
     const int64_t b0 = start / block_size, b1 = (end - 1) / block_size;
@@ -95,7 +143,7 @@ QJL_EXPORT int qjl_value_rows(const qjl_value_view *v, const int32_t *blocks, in
         if (blocks[b] < 0) return -4;
         if (blocks[b] > max_block) return -5;
     }
-    qjl_rows_job job = {v, blocks, block_size, heads, start, end, b0, out};
+    qjl_rows_job job = {v, blocks, block_size, heads, start, end, b0, out, out_dtype, out_st, out_sh};
     parallel_for((b1 - b0 + 1) * heads, threads > 0 ? threads : 1, rows_item, &job);
     return 0;
 }
