@@ -110,6 +110,8 @@ def test_bad_arguments_are_refused_by_name():
         args[name] = bad
         with pytest.raises(ValueError, match=name):
             launch.value_rows(codec, fields, row, args["block_size"], args["heads"], args["start"], args["end"])
+    with pytest.raises(ValueError, match=r"block_row: block indices must fit int32"):
+        launch.value_rows(codec, fields, torch.tensor([0, 2**32 + 1, 2, 3, 4]), 16, 3, 0, 40)
     with pytest.raises(ValueError, match=r"block_row: the blocks"):
         launch.value_rows(codec, fields, torch.tensor([0, -1, 2, 3, 4]), 16, 3, 0, 40)
     with pytest.raises(ValueError, match=r"fields\['codes'\].*blocks up to"):

@@ -23,8 +23,8 @@ import torch
 
 __all__ = ["PagedField", "FieldMap", "PagedRows", "role_fields", "paged_decode", "check_paged", "views",
            "kernel_readable", "view_fields", "term_queries", "query_maps", "unmix_matrix", "check_exact",
-           "joined_exact", "check_static", "mix_room", "mix_view", "check_args", "check_table", "fields_signature", "extent_bytes",
-           "field_geometry"]
+           "joined_exact", "check_static", "mix_room", "mix_view", "check_args", "check_table", "fields_signature",
+           "extent_bytes", "field_geometry"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
 

@@ -747,6 +747,8 @@ def _rows_args(codec, fields: dict, block_row, block_size: int, heads: int, star
         if isinstance(x, bool) or not isinstance(x, int) or x < (1 if name in ("block_size", "heads") else 0):
             raise ValueError(f"{name} must be a {'positive' if name in ('block_size', 'heads') else 'non-negative'} "
                              f"int, got {x!r}")
+    if block_row.numel() and not -2**31 <= int(block_row.min()) <= int(block_row.max()) < 2**31:
+        raise ValueError("block_row: block indices must fit int32 (as vLLM's block tables hold them)")
     if end < start or end > block_row.shape[0] * block_size:
         raise ValueError(f"start={start}, end={end}: need start <= end <= {block_row.shape[0] * block_size} (the "
                          f"tokens block_row maps)")
