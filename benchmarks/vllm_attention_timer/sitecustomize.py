@@ -6,7 +6,8 @@ qjl's backend (``QJLAttentionImpl``), and within the latter the functions its ``
 smoothing, the code write, ``forward_batch``), and at exit writes ``{kind: [calls, seconds]}`` from the process that
 ran the model: ``native.decode``, ``qjl.decode`` (steps whose queries are one token per sequence),
 ``native.prefill.q<Q>.s<S>`` (a step of Q query tokens at most per sequence and S tokens at most after it), and
-``qjl.<function>.<decode or prefill>`` for the parts.  A diagnostic (wall time of each call, the wrappers' own cost included); not a test.
+``qjl.<function>.<decode or prefill>`` for the parts.  A diagnostic (wall time of each call, the wrappers' own
+cost included); not a test.
 """
 
 import atexit

@@ -1,6 +1,6 @@
 """lm-eval's model ``qjl``: loglikelihood and generation run through the compressed cache.
 
-Marked ``lm_eval`` and skipped without the package (``pip install -e ".[lm_eval]"``; run with
+Marked ``lm_eval`` and skipped without the package (``pip install -e ".[lm-eval]"``; run with
 ``python -m pytest -m lm_eval tests/integrations/test_lm_eval.py``).  A tiny random Llama with a byte-level
 tokenizer stands in for a real model; a local task (JSON lines written here) stands in for the hub's.
 """

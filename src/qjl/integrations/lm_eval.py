@@ -38,7 +38,7 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.models.huggingface import HFLM
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("qjl's lm-eval model needs lm-evaluation-harness: pip install 'qjl[lm_eval]'") from e
+    raise ImportError("qjl's lm-eval model needs lm-evaluation-harness: pip install 'qjl[lm-eval]'") from e
 
 __all__ = ["QJLLM", "main"]
 

@@ -821,5 +821,6 @@ def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, star
     if rc == -5:
         raise ValueError(f"{name}: block_row reaches past the end of its buffer (blocks up to {top} fit)")
     if rc:
-        raise ValueError(f"value_rows: refused by the C kernel (code {rc})")
+        raise ValueError(f"value_rows: the C kernel refused its arguments or had no memory for its buffers "
+                         f"(code {rc})")
     return out

@@ -58,6 +58,7 @@ typedef struct {
     uint8_t *out;
     int32_t out_dtype;
     int64_t out_st, out_sh; /* bytes between tokens, heads (elements contiguous) */
+    int *failed;            /* set where an item could not get its buffers (then the call returns -1) */
 } qjl_rows_job;
 
 /* one (block, head): its tokens within [start, end) */
@@ -71,7 +72,14 @@ static void rows_item(void *ctx, int64_t item) {
     const int64_t blk = j->blocks[b], slot = t0 - b * bs;
     const uint8_t *codes = v->codes.base + blk * v->codes.stride_block + h * v->codes.stride_head +
                            slot * v->codes.stride_token;
+    const int64_t m = v->unmix ? v->out_dim : n, es = dtype_bytes(j->out_dtype);
     float *scale = malloc(sizeof(float) * (size_t)(2 * G * count)), *zero = scale + G * count;
+    float *o = malloc(sizeof(float) * (size_t)(n + m)), *mixed = o + n; /* one row, in the codec's basis and out */
+    if (!scale || !o) {
+        __atomic_store_n(j->failed, 1, __ATOMIC_RELAXED);
+        free(scale), free(o);
+        return;
+    }
     for (int64_t g = 0; g < G; g++) { /* a group's scalars of the run (entry g of each token's [groups] field) */
         const int64_t eb = dtype_bytes(v->scale.dtype);
         read_run(v->scale.base + blk * v->scale.stride_block + h * v->scale.stride_head + slot * v->scale.stride_token
@@ -81,8 +89,6 @@ static void rows_item(void *ctx, int64_t item) {
                      slot * v->zero.stride_token + g * dtype_bytes(v->zero.dtype),
                      v->zero.stride_token, v->zero.dtype, count, zero + g * count);
     }
-    const int64_t m = v->unmix ? v->out_dim : n, es = dtype_bytes(j->out_dtype);
-    float *o = malloc(sizeof(float) * (size_t)(n + m)), *mixed = o + n; /* one row, in the codec's basis and out */
     for (int64_t i = 0; i < count; i++) {
         const uint8_t *row = codes + i * v->codes.stride_token;
         switch (v->bits) {
@@ -127,7 +133,8 @@ static void rows_item(void *ctx, int64_t item) {
 /* Rows of tokens [start, end) of one sequence (`blocks`: its block-table row, n_blocks entries, each <= max_block),
  * every head: row (t, h) at out + (t - start) * out_st + h * out_sh (bytes), v->n elements in the codec's basis, or
  * v->out_dim mapped back where v->unmix is set, in out_dtype (0 fp32, 1 fp16, 2 bf16).  Returns 0, -1 for
- * arguments outside this contract (nothing written), -4 / -5 for a block index below 0 / above max_block. */
+ * arguments outside this contract (nothing written) or no memory for a work item's buffers (its rows unwritten),
+ * -4 / -5 for a block index below 0 / above max_block (nothing written). */
 QJL_EXPORT int qjl_value_rows(const qjl_value_view *v, const int32_t *blocks, int64_t n_blocks, int64_t block_size,
                               int64_t heads, int64_t start, int64_t end, int64_t max_block, uint8_t *out,
                               int32_t out_dtype, int64_t out_st, int64_t out_sh, int32_t threads) {
@@ -143,7 +150,8 @@ QJL_EXPORT int qjl_value_rows(const qjl_value_view *v, const int32_t *blocks, in
         if (blocks[b] < 0) return -4;
         if (blocks[b] > max_block) return -5;
     }
-    qjl_rows_job job = {v, blocks, block_size, heads, start, end, b0, out, out_dtype, out_st, out_sh};
+    int failed = 0;
+    qjl_rows_job job = {v, blocks, block_size, heads, start, end, b0, out, out_dtype, out_st, out_sh, &failed};
     parallel_for((b1 - b0 + 1) * heads, threads > 0 ? threads : 1, rows_item, &job);
-    return 0;
+    return failed ? -1 : 0;
 }
