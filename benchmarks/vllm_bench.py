@@ -42,12 +42,15 @@ same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager
   steps; prefill steps by query and sequence length) for native's CPU attention and ours, with our parts
   (``benchmarks/vllm_attention_timer``): where the time per layer goes, side by side.
 
-Writes ``results.json``, ``table.md`` and each configuration's engine log to ``--out``.
+Writes ``results.json``, ``table.md`` and each configuration's engine log to ``--out``; the runs kept in
+``docs/runs`` hold each configuration's raw output (``<config>.json``, the prompt log-probabilities: megabytes)
+gzipped, ``<config>.json.gz`` (``--native-from`` reads either).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -325,7 +328,9 @@ def main(argv=None) -> None:
         results[spec] = r
         print(f"{spec}: done in {r['seconds']:.0f} s, kv tokens {r['kv_tokens']}", flush=True)
     if "native" not in results and args.native_from:
-        results = {"native": {**json.loads(Path(args.native_from).read_text()), "kv_tokens": None, "reused": True},
+        src = Path(args.native_from)  # (docs/runs keeps the large per-configuration outputs gzipped)
+        text = gzip.decompress(src.read_bytes()).decode() if src.suffix == ".gz" else src.read_text()
+        results = {"native": {**json.loads(text), "kv_tokens": None, "reused": True},
                    **results}
     base = results.get("native")
     rows = []
