@@ -37,11 +37,12 @@ def _kind(metadata) -> str:
 
 def _timed_forward(f, tag):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
-        _STEP[0] = "decode" if attn_metadata is None or getattr(attn_metadata, "max_query_len", 1) <= 1 else "prefill"
+        kind = None if attn_metadata is None else _kind(attn_metadata)
+        _STEP[0] = (kind or "decode").split(".")[0]
         t0 = time.perf_counter()
         out = f(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
-        if attn_metadata is not None:
-            _add(f"{tag}.{_kind(attn_metadata)}", time.perf_counter() - t0)
+        if kind is not None:
+            _add(f"{tag}.{kind}", time.perf_counter() - t0)
         return out
     return forward
 

@@ -150,7 +150,8 @@ def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, en
     [end - start, H, D] with ``token_major``.  A codec with a mix view (TurboQuant, token-wise) is read by the C
     kernel where it loads (:func:`qjl.kernels.cpu.launch.value_rows`: its formula bit for bit, mapped back to the
     model's basis row by row in the same call); others through ``codec.dequantize``.  ``out``: None, or (keys,
-    values) token-major tensors of the model's float dtype to write into (returned)."""
+    values) token-major fp32 / fp16 / bf16 tensors to write into (returned; token-major then whatever
+    ``token_major`` says)."""
     return tuple(_dequantized(codec, role_fields(fields, role), block_row, start, end, block_size, num_heads,
                               token_major, None if out is None else out[i])
                  for i, (codec, role) in enumerate(zip(codecs, ("key", "value"))))
@@ -162,9 +163,7 @@ def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_siz
     from ...kernels.cpu import launch
 
     if block_row.device.type == "cpu" and mix_view(codec) is not None and launch.available():
-        rows = launch.value_rows(codec, fields, block_row, block_size, num_heads, start, end, unmix=True,
-                                 out=out if out is not None and out.dtype in (torch.float32, torch.float16,
-                                                                              torch.bfloat16) else None)
+        rows = launch.value_rows(codec, fields, block_row, block_size, num_heads, start, end, unmix=True, out=out)
     else:
         codes = history_codes(fields, block_row, start, end, block_size, num_heads)
         if "outlier_idx" in codes.shared:  # one outlier set per token: dequantize token by token
@@ -173,8 +172,8 @@ def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_siz
             rows = codec.dequantize(per).squeeze(-2).transpose(0, 1)
         else:
             rows = codec.dequantize(codes).transpose(0, 1)
-    if out is not None and rows is not out:
-        rows = out.copy_(rows)
+        if out is not None:
+            rows = out.copy_(rows)
     return rows if token_major or out is not None else rows.transpose(0, 1)
 
 

@@ -734,8 +734,7 @@ class EncodeStore:
 
 
 def _rows_args(codec, fields: dict, block_row, block_size: int, heads: int, start: int, end: int):
-    """:func:`value_rows`' arguments checked (ValueError / TypeError naming the argument) -> the codec's mix view and
-    the block-table row as int64."""
+    """:func:`value_rows`' arguments checked (ValueError naming the argument) -> the codec's mix view."""
     from qjl.kernels.paged import mix_view
 
     view = mix_view(codec)
@@ -752,7 +751,7 @@ def _rows_args(codec, fields: dict, block_row, block_size: int, heads: int, star
     if end < start or end > block_row.shape[0] * block_size:
         raise ValueError(f"start={start}, end={end}: need start <= end <= {block_row.shape[0] * block_size} (the "
                          f"tokens block_row maps)")
-    return view, block_row.long()
+    return view
 
 
 def value_rows_reference(codec, fields: dict, block_row, block_size: int, heads: int, start: int,
@@ -761,7 +760,7 @@ def value_rows_reference(codec, fields: dict, block_row, block_size: int, heads:
     entries gathered through ``block_row`` -> [end - start, heads, n] float32 (the codec's basis)."""
     from qjl.core.packing import unpack_bits
 
-    view, row = _rows_args(codec, fields, block_row, block_size, heads, start, end)
+    view, row = _rows_args(codec, fields, block_row, block_size, heads, start, end), block_row.long()
     t = torch.arange(start, end)
     blocks, slots, hs = row[t // block_size][:, None], (t % block_size)[:, None], torch.arange(heads)[None, :]
     n, gs = view.codes.length, view.group_size
@@ -791,7 +790,7 @@ def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, star
     bad ``out``, fields outside their buffers or a block outside them."""
     from qjl.kernels.paged import mix_room, unmix_matrix
 
-    view, row = _rows_args(codec, fields, block_row, block_size, heads, start, end)
+    view = _rows_args(codec, fields, block_row, block_size, heads, start, end)
     mod = _require()
     top, name = mix_room(codec, fields, heads, block_size, torch.device("cpu"))
     u = unmix_matrix(codec) if unmix else None
@@ -810,7 +809,7 @@ def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, star
     _fill_view(a, vv, view, fields)
     if u is not None:
         vv.unmix, vv.out_dim = a.ptr(u), u.shape[1]
-    r32 = _i32(row)
+    r32 = _i32(block_row)  # (an int32 row is passed as it is)
     es = out.element_size()
     rc = mod.lib.qjl_value_rows(vv, a.ptr(r32, "int32_t *"), r32.numel(), block_size, heads, start, end,
                                 int(min(top, 2**62)), a.ptr(out, "uint8_t *"), _X_DTYPES[out.dtype],
