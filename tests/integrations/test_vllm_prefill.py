@@ -34,15 +34,19 @@ def _filled(preset, d, n, dtype=torch.bfloat16, sliding_window=None, seed=0):
     return lay, fields, table, g
 
 
-@pytest.mark.parametrize("preset,d,n,c", [("tq-k45v3", 64, 300, 200), ("tq-k3v2", 64, 40, 7), ("tq-k45v3", 128, 130, 64),
-                                          ("tq-k5v4", 80, 50, 33)])
-def test_the_vllm_kernel_attends_what_the_reference_attends(preset, d, n, c):
+@pytest.mark.parametrize("preset,d,n,c,dtype", [("tq-k45v3", 64, 300, 200, torch.bfloat16),
+                                                ("tq-k3v2", 64, 40, 7, torch.bfloat16),
+                                                ("tq-k45v3", 128, 130, 64, torch.bfloat16),
+                                                ("tq-k5v4", 80, 50, 33, torch.bfloat16),
+                                                ("tq-k45v3", 64, 300, 200, torch.float16)])
+def test_the_vllm_kernel_attends_what_the_reference_attends(preset, d, n, c, dtype):
     """A chunk of ``c`` tokens after ``n`` in the pages: vLLM's kernel over the scratch cache agrees with the
-    float32 reference to bf16 precision (the history and the chunk are rounded to bf16 before the kernel)."""
+    float32 reference to bf16 precision (the history and the chunk are rounded to the model's dtype before the
+    kernel).  bf16 runs the AMX variant on CPUs that have it, fp16 and head size 80 the vector ones."""
     from qjl.integrations.vllm.prefill import VLLMPrefill
 
-    lay, fields, table, g = _filled(preset, d, n)
-    q, k, v = (torch.randn(c, h, d, generator=g).bfloat16() for h in (HQ, HKV, HKV))
+    lay, fields, table, g = _filled(preset, d, n, dtype=dtype)
+    q, k, v = (torch.randn(c, h, d, generator=g).to(dtype) for h in (HQ, HKV, HKV))
     args = (q, k.float(), v.float(), fields, table, torch.tensor([0, c]), torch.tensor([n + c]), lay, d ** -0.5)
     ref = paged_attention_reference(*args)
     pre = VLLMPrefill()
@@ -70,3 +74,15 @@ def test_sliding_window_layers_through_the_vllm_kernel(n, c, w):
     assert pre.ran
     err = (got - ref).abs().max().item()
     assert err < 0.02 * ref.abs().max().item(), err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_the_kernel_variant_is_the_one_vllm_picks(dtype, d):
+    """:func:`kernel_isa` agrees with vLLM's own CPU backend's choice for the scratch cache's blocks (on an AMX CPU
+    ``"amx"`` for bf16: the fixed ``"vec"`` it replaced made the prefill 2.5x slower than native's there)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from qjl.integrations.vllm.prefill import SCRATCH_BLOCK, kernel_isa
+
+    assert kernel_isa(dtype, d) == _get_attn_isa(dtype, SCRATCH_BLOCK, d)
