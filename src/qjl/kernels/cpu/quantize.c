@@ -19,6 +19,10 @@ static inline int lm_cell(const float *bnd, int top, float v) {
     return idx;
 }
 
+/* Up to this many boundaries (5-bit codebooks) the cells are counted boundary by boundary across coordinates (the
+ * compiler vectorizes the count; the same cells as lm_cell's search, which is serial per coordinate); above, searched. */
+#define QJL_COUNT_CELLS 31
+
 /* y [n]'s cells (lm_cell) packed `bits` bits each, LSB-first, into out [ceil(n bits / 8)]; returns the norm
  * correction's cosine sum_c y[c] * cent[cell_c], summed in float32 in coordinate order. */
 static float cells_packed(const float *y, int64_t n, const float *bnd, int nbnd, const float *cent, int bits,
@@ -26,8 +30,18 @@ static float cells_packed(const float *y, int64_t n, const float *bnd, int nbnd,
     memset(out, 0, (size_t)((n * bits + 7) / 8));
     float cos = 0.0f;
     const int top = (nbnd + 1) / 2;
+    int32_t cells[n]; /* (head dimensions: a few KB on the stack) */
+    if (nbnd <= QJL_COUNT_CELLS) {
+        for (int64_t c = 0; c < n; c++) cells[c] = 0;
+        for (int b = 0; b < nbnd; b++) { /* the number of boundaries below y[c]: lm_cell's result, sorted bnd */
+            const float t = bnd[b];
+            for (int64_t c = 0; c < n; c++) cells[c] += t < y[c];
+        }
+    } else {
+        for (int64_t c = 0; c < n; c++) cells[c] = lm_cell(bnd, top, y[c]);
+    }
     for (int64_t c = 0; c < n; c++) {
-        const int cell = lm_cell(bnd, top, y[c]);
+        const int cell = cells[c];
         cos += y[c] * cent[cell];
         const int64_t pos = c * bits;
         const uint32_t w = (uint32_t)cell << (pos & 7);
