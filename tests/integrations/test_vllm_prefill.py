@@ -86,3 +86,25 @@ def test_the_kernel_variant_is_the_one_vllm_picks(dtype, d):
     from qjl.integrations.vllm.prefill import SCRATCH_BLOCK, kernel_isa
 
     assert kernel_isa(dtype, d) == _get_attn_isa(dtype, SCRATCH_BLOCK, d)
+
+
+@pytest.mark.parametrize("n,c", [(40, 7), (200, 100), (121, 7)])
+def test_unfilled_scratch_slots_never_reach_the_output(n, c):
+    """The scratch cache is allocated uninitialized (its blocks are filled by vLLM's cache write) but for the last
+    block, whose unused slots the kernel still reads as part of a tile: under torch's deterministic mode every
+    uninitialized float is NaN, so a slot left unzeroed would show in the output."""
+    from qjl.integrations.vllm.prefill import VLLMPrefill
+
+    lay, fields, table, g = _filled("tq-k45v3", 64, n)
+    q, k, v = (torch.randn(c, h, 64, generator=g).bfloat16() for h in (HQ, HKV, HKV))
+    args = (q, k.float(), v.float(), fields, table, torch.tensor([0, c]), torch.tensor([n + c]), lay, 0.125)
+    ref = paged_attention_reference(*args)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.empty(4).isnan().all(), "torch no longer fills uninitialized memory with NaN here"
+        got = VLLMPrefill()(*args)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.isfinite(got).all()
+    assert (got - ref).abs().max().item() < 0.02 * ref.abs().max().item()

@@ -119,7 +119,8 @@ class VLLMPrefill:
                 raise ValueError(f"sequence {i}: its history is not positions {first}..{n + c - 1} in order")
             window = -1 if layout.sliding_window is None else int(layout.sliding_window)
             nb = -(-length // SCRATCH_BLOCK)
-            cache = torch.zeros(nb, hkv, 2 * SCRATCH_BLOCK, d, dtype=dt)  # (the kernel reads whole tiles)
+            cache = torch.empty(nb, hkv, 2 * SCRATCH_BLOCK, d, dtype=dt)  # every block but the last filled below;
+            cache[-1].zero_()  # the kernel reads whole tiles: the last block's unused slots zero, not stale NaNs
             kc, vc = cache.chunk(2, dim=2)  # vLLM's view: per block and head, the keys' rows then the values'
             ops.cpu_attn_reshape_and_cache(kk, vv, kc, vc, torch.arange(length), isa)
             lens = torch.tensor([length], dtype=torch.int32)
