@@ -38,18 +38,22 @@ def _filled(preset, d, n, dtype=torch.bfloat16, sliding_window=None, seed=0):
                                                 ("tq-k3v2", 64, 40, 7, torch.bfloat16),
                                                 ("tq-k45v3", 128, 130, 64, torch.bfloat16),
                                                 ("tq-k5v4", 80, 50, 33, torch.bfloat16),
-                                                ("tq-k45v3", 64, 300, 200, torch.float16)])
-def test_the_vllm_kernel_attends_what_the_reference_attends(preset, d, n, c, dtype):
+                                                ("tq-k45v3", 64, 300, 200, torch.float16),
+                                                ("tq-k45v3", 64, 3000, 64, torch.bfloat16)])
+@pytest.mark.parametrize("rotate", ["never", "always", "auto"])
+def test_the_vllm_kernel_attends_what_the_reference_attends(preset, d, n, c, dtype, rotate):
     """A chunk of ``c`` tokens after ``n`` in the pages: vLLM's kernel over the scratch cache agrees with the
     float32 reference to bf16 precision (the history and the chunk are rounded to the model's dtype before the
-    kernel).  bf16 runs the AMX variant on CPUs that have it, fp16 and head size 80 the vector ones."""
+    kernel), in the model's basis and in the codecs' rotated one (the queries, the exact tokens and the output
+    rotated instead of the history; ``auto`` picks it for the long history of the last case).  bf16 runs the AMX
+    variant on CPUs that have it, fp16 and head size 80 the vector ones."""
     from qjl.integrations.vllm.prefill import VLLMPrefill
 
     lay, fields, table, g = _filled(preset, d, n, dtype=dtype)
     q, k, v = (torch.randn(c, h, d, generator=g).to(dtype) for h in (HQ, HKV, HKV))
     args = (q, k.float(), v.float(), fields, table, torch.tensor([0, c]), torch.tensor([n + c]), lay, d ** -0.5)
     ref = paged_attention_reference(*args)
-    pre = VLLMPrefill()
+    pre = VLLMPrefill(rotate)
     got = pre(*args)
     assert pre.usable and pre.ran, "vLLM's CPU kernel did not run"
     assert got.dtype == torch.float32 and got.shape == ref.shape
@@ -59,8 +63,9 @@ def test_the_vllm_kernel_attends_what_the_reference_attends(preset, d, n, c, dty
     assert (pre(*args[:-1], d ** -0.5 * 1.5) - ref).abs().max().item() > 10 * err
 
 
+@pytest.mark.parametrize("rotate", ["never", "always"])
 @pytest.mark.parametrize("n,c,w", [(100, 20, 32), (40, 64, 32), (300, 128, 64), (10, 5, 32)])
-def test_sliding_window_layers_through_the_vllm_kernel(n, c, w):
+def test_sliding_window_layers_through_the_vllm_kernel(n, c, w, rotate):
     """A sliding-window layer (no sinks; the history from the first position the chunk sees): vLLM's kernel with
     its ``sliding_window`` over the shifted positions agrees with the reference's masks to bf16 precision."""
     from qjl.integrations.vllm.prefill import VLLMPrefill
@@ -69,7 +74,7 @@ def test_sliding_window_layers_through_the_vllm_kernel(n, c, w):
     q, k, v = (torch.randn(c, h, 64, generator=g).bfloat16() for h in (HQ, HKV, HKV))
     args = (q, k.float(), v.float(), fields, table, torch.tensor([0, c]), torch.tensor([n + c]), lay, 0.125)
     ref = paged_attention_reference(*args)
-    pre = VLLMPrefill()
+    pre = VLLMPrefill(rotate)
     got = pre(*args)
     assert pre.ran
     err = (got - ref).abs().max().item()
@@ -108,3 +113,30 @@ def test_unfilled_scratch_slots_never_reach_the_output(n, c):
         torch.use_deterministic_algorithms(was)
     assert torch.isfinite(got).all()
     assert (got - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+def test_the_rotated_basis_is_taken_only_where_it_is_exact_and_cheaper():
+    """:func:`.paged.rotated_basis` gives the inverse of each codec's unmix for TurboQuant (orthogonal: scores and
+    mixes unchanged) and None for a codec without a rotation (token-wise values) or a non-orthogonal map; ``auto``
+    rotates only where the history is long against the chunk; a bad ``rotate`` is refused by name."""
+    from qjl.codecs.tokenwise import TokenwiseQuantizer
+    from qjl.codecs.turboquant import TurboQuantMSE
+    from qjl.integrations.vllm.paged import rotated_basis
+    from qjl.integrations.vllm.prefill import VLLMPrefill
+    from qjl.kernels.paged import unmix_matrix
+
+    kc, vc = TurboQuantMSE(64, 3, seed=1), TurboQuantMSE(64, 2, seed=2)
+    rk, rv = rotated_basis(kc, vc, 64)
+    assert torch.allclose(rk @ unmix_matrix(kc), torch.eye(64), atol=1e-5)
+    assert torch.allclose(rv @ unmix_matrix(vc), torch.eye(64), atol=1e-5)
+    x, y = torch.randn(5, 64), torch.randn(7, 64)
+    assert torch.allclose((x @ rk) @ (y @ rk).T, x @ y.T, atol=1e-4)
+    assert rotated_basis(kc, TokenwiseQuantizer(64, 2, group_size=32), 64) is None
+    assert rotated_basis(kc, vc, 32) is None  # not the head dimension
+    lay, _, _, _ = _filled("tq-k3v2", 64, 40)
+    pre = VLLMPrefill()
+    assert pre.basis(lay, 64, 512, 7168, HQ, HKV) is not None
+    assert pre.basis(lay, 64, 512, 512, HQ, HKV) is None
+    assert VLLMPrefill("never").basis(lay, 64, 512, 7168, HQ, HKV) is None
+    with pytest.raises(ValueError, match="rotate"):
+        VLLMPrefill("sometimes")

@@ -89,6 +89,35 @@ def test_gather_history_token_major_and_codec_agree():
     assert torch.allclose(dk, kc.dequantize(kcodes)[0, :, 7:70], atol=1e-5, rtol=1e-5)
     tk, tv = gather_history((kc, vc), fields, table[0].long(), 7, 70, bs, h, token_major=True)
     assert torch.equal(tk, dk.transpose(0, 1)) and torch.equal(tv, dv.transpose(0, 1))
+    with pytest.raises(ValueError, match="mix view"):  # QJL keys have no basis of their own to read rows in
+        gather_history((kc, vc), fields, table[0].long(), 7, 70, bs, h, unmix=False)
+
+
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_gather_history_in_the_codecs_basis(c_kernel, monkeypatch):
+    """``unmix=False``: the rows in each codec's own basis, bit for bit the torch reference's (the C kernel, and
+    the reference itself where the kernel is not there), which the unmix maps back to the codec's dequantization."""
+    from qjl.kernels.paged import unmix_matrix
+
+    d, h, n, bs = 64, 3, 75, 16
+    kc, vc = TurboQuantMSE(d, 3, seed=1, correct_norm=True), TurboQuantMSE(d, 2, seed=2)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(1, h, n, d, generator=g), torch.randn(1, h, n, d, generator=g)
+    kcodes, vcodes = kc.quantize(k), vc.quantize(v)
+    kf, table = paged_pool(dict(kcodes.fields), {}, None, bs, seed=2)
+    vf, _ = paged_pool(dict(vcodes.fields), {}, None, bs, seed=2)
+    fields = {f"{role}.{m}": PoolField(f.raw_bytes(), f.offset, f.stride_block, f.stride_head, f.stride_token,
+                                       f.dtype, f.shape)  # (the backend's fields read bytes, as vLLM's pages are)
+              for role, fs in (("key", kf), ("value", vf)) for m, f in fs.items()}
+    if not c_kernel:
+        monkeypatch.setattr(launch, "available", lambda: False)
+    rk, rv = gather_history((kc, vc), fields, table[0].long(), 7, 70, bs, h, token_major=True, unmix=False)
+    for rows, codec, codes, role in ((rk, kc, kcodes, "key"), (rv, vc, vcodes, "value")):
+        ref = launch.value_rows_reference(codec, {m: f for m, f in (kf if role == "key" else vf).items()},
+                                          table[0], bs, h, 7, 70)
+        assert torch.equal(rows, ref)
+        back = (rows @ unmix_matrix(codec)).transpose(0, 1)
+        assert torch.allclose(back, codec.dequantize(codes)[0, :, 7:70], atol=1e-5, rtol=1e-5)
 
 
 def test_bad_arguments_are_refused_by_name():

@@ -44,7 +44,7 @@ from ...kernels.paged import PagedField as KernelPagedField
 from .layout import PageLayout, check_sliding_window, exact_slot
 
 __all__ = ["PagedField", "page_fields", "paged_decode_reference", "check_output", "paged_attention_reference",
-           "chunk_sequences", "sequence_kv", "gather_history", "history_codes"]
+           "chunk_sequences", "sequence_kv", "gather_history", "history_codes", "rotated_basis"]
 
 
 class PagedField(KernelPagedField):
@@ -145,25 +145,32 @@ def _scores(codec, q: torch.Tensor, codes: Codes) -> torch.Tensor:
 
 
 def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, end: int, block_size: int,
-                   num_heads: int, token_major: bool = False, out: tuple | None = None):
+                   num_heads: int, token_major: bool = False, out: tuple | None = None, unmix: bool = True):
     """Dequantized keys and values of positions [start, end) of one sequence: [H, end - start, D] float32 each, or
     [end - start, H, D] with ``token_major``.  A codec with a mix view (TurboQuant, token-wise) is read by the C
     kernel where it loads (:func:`qjl.kernels.cpu.launch.value_rows`: its formula bit for bit, mapped back to the
     model's basis row by row in the same call); others through ``codec.dequantize``.  ``out``: None, or (keys,
     values) token-major fp32 / fp16 / bf16 tensors to write into (returned; token-major then whatever
-    ``token_major`` says)."""
+    ``token_major`` says).  ``unmix=False``: the rows in each codec's own basis (its mix view's, TurboQuant's
+    rotated coordinates; codecs without a mix view are refused), not mapped back."""
     return tuple(_dequantized(codec, role_fields(fields, role), block_row, start, end, block_size, num_heads,
-                              token_major, None if out is None else out[i])
+                              token_major, None if out is None else out[i], unmix)
                  for i, (codec, role) in enumerate(zip(codecs, ("key", "value"))))
 
 
 def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_size: int, num_heads: int,
-                 token_major: bool, out) -> torch.Tensor:
+                 token_major: bool, out, unmix: bool = True) -> torch.Tensor:
     """One role's vectors of :func:`gather_history` (``fields``: that role's)."""
     from ...kernels.cpu import launch
 
+    if not unmix and mix_view(codec) is None:
+        raise ValueError(f"unmix=False: {type(codec).__name__} has no mix view (no basis of its own to read rows in)")
     if block_row.device.type == "cpu" and mix_view(codec) is not None and launch.available():
-        rows = launch.value_rows(codec, fields, block_row, block_size, num_heads, start, end, unmix=True, out=out)
+        rows = launch.value_rows(codec, fields, block_row, block_size, num_heads, start, end, unmix=unmix, out=out)
+    elif not unmix:
+        rows = launch.value_rows_reference(codec, fields, block_row, block_size, num_heads, start, end)
+        if out is not None:
+            rows = out.copy_(rows)
     else:
         codes = history_codes(fields, block_row, start, end, block_size, num_heads)
         if "outlier_idx" in codes.shared:  # one outlier set per token: dequantize token by token
@@ -246,6 +253,26 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
     return out if dst is None else dst.view(b, hq, d).copy_(out)
 
 
+def rotated_basis(key_codec, value_codec, d: int) -> tuple | None:
+    """(R_k, R_v) [d, d] float32 with ``codes' basis = x @ R``: the inverses of the key and value codecs' unmix
+    matrices (:func:`qjl.kernels.paged.unmix_matrix`), where both codecs have a mix view whose unmix is an
+    orthogonal map of the head dimension (TurboQuant's rotation: ``R = U.T``, checked to 1e-5); else None.
+    Scores and mixes are the same in that basis: ``(q R)(k R)^T = q k^T`` and ``(sum p v R) R^T = sum p v``."""
+    from ...kernels.paged import unmix_matrix
+
+    out = []
+    for codec in (key_codec, value_codec):
+        if mix_view(codec) is None:
+            return None
+        u = unmix_matrix(codec)
+        if u is None or tuple(u.shape) != (d, d):
+            return None
+        if (u @ u.T - torch.eye(d)).abs().max().item() > 1e-5:
+            return None
+        out.append(u.T.contiguous())
+    return tuple(out)
+
+
 def chunk_sequences(query_start_loc, seq_lens):
     """The prefill / chunk sequences of a batch -> (sequence i, first row, end row, its c new tokens, the n of its
     history) for every sequence with rows (``query_start_loc`` [B + 1], ``seq_lens`` [B]: tokens after the step)."""
@@ -257,28 +284,36 @@ def chunk_sequences(query_start_loc, seq_lens):
 
 
 def sequence_kv(k, v, fields: dict, row, c: int, n: int, layout: PageLayout, heads,
-                dtype: torch.dtype = torch.float32) -> tuple:
+                dtype: torch.dtype = torch.float32, basis: tuple | None = None) -> tuple:
     """What one prefill / chunk sequence attends to: its history (exact sinks, decoded codes, exact window, from the
     pages through ``row``, its block-table row) and its own ``c`` new tokens ``k``/``v`` [c, H_kv, D] after the
     ``n`` of its history -> (keys, values [L, H_kv, D] in ``dtype``, token-major: the layout vLLM's cache write
-    takes; their positions [L]), in position order.  Each part is written once into the result (no joins)."""
+    takes; their positions [L]), in position order.  Each part is written once into the result (no joins).
+
+    ``basis``: None (the model's basis), or (R_k, R_v) [D, D] float32, the key and value codecs' rotations as
+    row maps (:func:`rotated_basis`): then every key is given as ``key @ R_k`` and every value as ``value @ R_v``
+    -- the codes decoded in their codecs' own basis without the inverse rotation, the exact tokens rotated -- so
+    that a query rotated by ``R_k`` scores them as the model's basis would, and an output mixed from them maps back
+    by ``R_v.T`` (:class:`.prefill.VLLMPrefill`)."""
     sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window, layout.sliding_window)
     ns, nw = len(sink_pos), len(win_pos)
     length = ns + (c1 - c0) + nw + c
     kk = torch.empty(length, len(heads), k.shape[-1], dtype=dtype, device=k.device)
     vv = torch.empty_like(kk)
+    rot = (lambda x, r: x) if basis is None else (lambda x, r: x.float() @ r)  # noqa: E731
     if ns + nw:
         ex = (fields["exact.key"], fields["exact.value"])
         xk, xv = _exact(ex, row, torch.cat([sink_pos, win_pos]), layout.block_size, layout.sinks, layout.window,
                         heads)  # [H, ns + nw, D]
-        for dst, src in ((kk, xk), (vv, xv)):
+        for dst, src, r in ((kk, xk, basis and basis[0]), (vv, xv, basis and basis[1])):
+            src = rot(src, r)
             dst[:ns].copy_(src[:, :ns].transpose(0, 1))
             dst[ns + c1 - c0:length - c].copy_(src[:, ns:].transpose(0, 1))
     if c1 > c0:  # decoded straight into the result
         gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size, len(heads),
-                       token_major=True, out=(kk[ns:ns + c1 - c0], vv[ns:ns + c1 - c0]))
-    kk[length - c:].copy_(k)
-    vv[length - c:].copy_(v)
+                       token_major=True, out=(kk[ns:ns + c1 - c0], vv[ns:ns + c1 - c0]), unmix=basis is None)
+    kk[length - c:].copy_(rot(k, basis and basis[0]))
+    vv[length - c:].copy_(rot(v, basis and basis[1]))
     pos = torch.cat([sink_pos, torch.arange(c0, c1), win_pos, torch.arange(n, n + c)]).to(k.device)
     return kk, vv, pos
 
