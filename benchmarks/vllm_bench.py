@@ -278,8 +278,9 @@ def main(argv=None) -> None:
                     help="time every attention call in the engine (benchmarks/vllm_attention_timer): calls and ms "
                          "per call by kind, in results.json and attention.md")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--native-from", default=None, help="reuse a native.json of an earlier run with the same settings "
-                    "(quality only: native's logprobs and tokens are deterministic; timings are never reused)")
+    ap.add_argument("--native-from", default=None, help="reuse a native.json (or .json.gz, or the run directory "
+                    "holding it) of an earlier run with the same settings (quality only: native's logprobs and "
+                    "tokens are deterministic; timings are never reused)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -329,6 +330,8 @@ def main(argv=None) -> None:
         print(f"{spec}: done in {r['seconds']:.0f} s, kv tokens {r['kv_tokens']}", flush=True)
     if "native" not in results and args.native_from:
         src = Path(args.native_from)  # (docs/runs keeps the large per-configuration outputs gzipped)
+        if src.is_dir():  # a run's directory: its native output, plain or gzipped
+            src = next((f for f in (src / "native.json", src / "native.json.gz") if f.exists()), src / "native.json")
         text = gzip.decompress(src.read_bytes()).decode() if src.suffix == ".gz" else src.read_text()
         results = {"native": {**json.loads(text), "kv_tokens": None, "reused": True},
                    **results}

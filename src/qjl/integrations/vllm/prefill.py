@@ -21,6 +21,11 @@ The kernel's variant is the one vLLM's own CPU backend picks (:func:`kernel_isa`
 Sapphire Rapids and later) and a bf16 model that is ``"amx"``, 3.5x faster than ``"vec"`` on a 512-token chunk over
 4k tokens of the embedded model (6.2 against 21.5 ms, scratch timing of the kernel alone); a fixed ``"vec"`` made
 this prefill 2.5x slower than native's on such machines (5.1 against 2.1 s for a 4k-token prompt).
+
+Over a long history a chunk attends in the codecs' rotated basis (:func:`.paged.rotated_basis`, ``rotate="auto"``):
+the codes are read without the inverse rotation and the chunk's queries, its own keys and values, the exact tokens
+and its output are rotated instead (the same scores and mixes, the rotations being orthogonal); see
+:meth:`VLLMPrefill.basis` for where it is taken and what it measured.
 """
 
 from __future__ import annotations
@@ -75,8 +80,9 @@ class VLLMPrefill:
     """A ``prefill`` for :func:`.step.forward_batch`, with :func:`.paged.paged_attention_reference`'s signature:
     q [T, H_q, D] (the model's dtype), the batch's own k/v [T, H_kv, D], history from the pages -> [T, H_q, D]
     float32.  vLLM's kernel variant is :func:`kernel_isa`'s (vLLM's own choice: ``"amx"`` for bf16 on AMX CPUs,
-    ``"vec16"`` where ``D`` is not a multiple of 32, else ``"vec"``); ``usable`` / ``ran`` say whether the kernel is
-    used / has run in this process."""
+    ``"vec16"`` where ``D`` is not a multiple of 32, else ``"vec"``); ``rotate``: ``"auto"`` (the rotated basis
+    where :meth:`basis` finds it pays), ``"always"`` (where the codecs allow it) or ``"never"``; ``usable`` /
+    ``ran`` say whether the kernel is used / has run in this process."""
 
     def __init__(self, rotate: str = "auto"):
         if rotate not in ("auto", "always", "never"):
