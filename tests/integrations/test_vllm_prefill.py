@@ -138,5 +138,8 @@ def test_the_rotated_basis_is_taken_only_where_it_is_exact_and_cheaper():
     assert pre.basis(lay, 64, 512, 7168, HQ, HKV) is not None
     assert pre.basis(lay, 64, 512, 512, HQ, HKV) is None
     assert VLLMPrefill("never").basis(lay, 64, 512, 7168, HQ, HKV) is None
+    sliding, _, _, _ = _filled("tq-k45v3", 64, 40, sliding_window=64)  # its history is at most 64 tokens
+    assert pre.basis(sliding, 64, 512, 7168, HQ, HKV) is None
+    assert VLLMPrefill("always").basis(sliding, 64, 512, 7168, HQ, HKV) is not None
     with pytest.raises(ValueError, match="rotate"):
         VLLMPrefill("sometimes")

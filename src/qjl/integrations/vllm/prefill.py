@@ -118,8 +118,10 @@ class VLLMPrefill:
         where its history's rows (keys and values, 2 H_kv n) are at least 2.5x the rows it rotates instead (its
         queries and outputs, its own keys and values: 2 (H_q + H_kv) c).  Measured on one layer of the embedded
         model, a 512-token chunk (Intel Xeon with AMX, 2 threads): 3.03 -> 3.73 ms over 512 tokens, 6.16 -> 6.25
-        over 2,048, 9.46 -> 8.91 over 3,584, 17.8 -> 16.1 over 7,168 (the break-even near 2.5k tokens)."""
-        if self.rotate == "never" or (self.rotate == "auto" and 2 * (2 * hkv * n) < 5 * (hq + hkv) * c):
+        over 2,048, 9.46 -> 8.91 over 3,584, 17.8 -> 16.1 over 7,168 (the break-even near 2.5k tokens).  A
+        sliding-window layer's history is at most its window."""
+        seen = n if layout.sliding_window is None else min(n, int(layout.sliding_window))
+        if self.rotate == "never" or (self.rotate == "auto" and 2 * (2 * hkv * seen) < 5 * (hq + hkv) * c):
             return None
         key = (id(layout.key_codec), id(layout.value_codec), d)
         hit = self._bases.get(key)
