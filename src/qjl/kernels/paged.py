@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["PagedField", "FieldMap", "PagedRows", "role_fields", "paged_decode", "check_paged", "views",
            "kernel_readable", "view_fields", "term_queries", "query_maps", "unmix_matrix", "check_exact",
-           "joined_exact", "check_static", "mix_room", "mix_view", "check_args", "check_table", "fields_signature",
+           "joined_exact", "check_static", "mix_room", "mix_view", "rotation_matrix", "check_args", "check_table", "fields_signature",
            "extent_bytes", "field_geometry"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
@@ -67,6 +67,21 @@ def unmix_matrix(value_codec) -> torch.Tensor | None:
     if "unmix" not in memo:
         memo["unmix"] = value_codec.unmix(torch.eye(view.codes.length)).float().contiguous()
     return memo["unmix"]
+
+
+def rotation_matrix(codec) -> torch.Tensor | None:
+    """The map into ``codec``'s mix basis as a matrix [dim, dim] float32 (``rotated = x @ R``), once per codec: the
+    transpose of :func:`unmix_matrix` where that is square and orthogonal (TurboQuant's rotation; checked to 1e-5);
+    None for a codec without a mix view, the identity unmix, or any other map."""
+    if _view(codec, "mix_view") is None:
+        return None
+    memo = _VIEWS.get(codec, {})
+    if "rotation" not in memo:
+        u = unmix_matrix(codec)
+        ok = u is not None and u.shape[0] == u.shape[1] and bool(
+            (u @ u.T - torch.eye(u.shape[0])).abs().max() <= 1e-5)
+        memo["rotation"] = u.T.contiguous() if ok else None
+    return memo["rotation"]
 
 
 def mix_view(codec):

@@ -163,9 +163,10 @@ def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_siz
     """One role's vectors of :func:`gather_history` (``fields``: that role's)."""
     from ...kernels.cpu import launch
 
-    if not unmix and mix_view(codec) is None:
+    view = mix_view(codec)
+    if not unmix and view is None:
         raise ValueError(f"unmix=False: {type(codec).__name__} has no mix view (no basis of its own to read rows in)")
-    if block_row.device.type == "cpu" and mix_view(codec) is not None and launch.available():
+    if block_row.device.type == "cpu" and view is not None and launch.available():
         rows = launch.value_rows(codec, fields, block_row, block_size, num_heads, start, end, unmix=unmix, out=out)
     elif not unmix:
         rows = launch.value_rows_reference(codec, fields, block_row, block_size, num_heads, start, end)
@@ -254,23 +255,14 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
 
 
 def rotated_basis(key_codec, value_codec, d: int) -> tuple | None:
-    """(R_k, R_v) [d, d] float32 with ``codes' basis = x @ R``: the inverses of the key and value codecs' unmix
-    matrices (:func:`qjl.kernels.paged.unmix_matrix`), where both codecs have a mix view whose unmix is an
-    orthogonal map of the head dimension (TurboQuant's rotation: ``R = U.T``, checked to 1e-5); else None.
-    Scores and mixes are the same in that basis: ``(q R)(k R)^T = q k^T`` and ``(sum p v R) R^T = sum p v``."""
-    from ...kernels.paged import unmix_matrix
+    """(R_k, R_v) [d, d] float32 with ``codes' basis = x @ R``: the key and value codecs'
+    :func:`qjl.kernels.paged.rotation_matrix` (the inverse of an orthogonal unmix of the head dimension,
+    TurboQuant's rotation), or None where either codec has none of that size.  Scores and mixes are the same in that
+    basis: ``(q R)(k R)^T = q k^T`` and ``(sum p v R) R^T = sum p v``."""
+    from ...kernels.paged import rotation_matrix
 
-    out = []
-    for codec in (key_codec, value_codec):
-        if mix_view(codec) is None:
-            return None
-        u = unmix_matrix(codec)
-        if u is None or tuple(u.shape) != (d, d):
-            return None
-        if (u @ u.T - torch.eye(d)).abs().max().item() > 1e-5:
-            return None
-        out.append(u.T.contiguous())
-    return tuple(out)
+    rs = tuple(rotation_matrix(c) for c in (key_codec, value_codec))
+    return rs if all(r is not None and tuple(r.shape) == (d, d) for r in rs) else None
 
 
 def chunk_sequences(query_start_loc, seq_lens):
@@ -281,6 +273,11 @@ def chunk_sequences(query_start_loc, seq_lens):
         r0, r1 = qsl[i], qsl[i + 1]
         if r1 > r0:
             yield i, r0, r1, r1 - r0, int(seq_lens[i]) - (r1 - r0)
+
+
+def _rotated(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """``x`` [..., D], or ``x @ r`` in float32 (a basis of :func:`rotated_basis`)."""
+    return x if r is None else x.float() @ r
 
 
 def sequence_kv(k, v, fields: dict, row, c: int, n: int, layout: PageLayout, heads,
@@ -300,20 +297,20 @@ def sequence_kv(k, v, fields: dict, row, c: int, n: int, layout: PageLayout, hea
     length = ns + (c1 - c0) + nw + c
     kk = torch.empty(length, len(heads), k.shape[-1], dtype=dtype, device=k.device)
     vv = torch.empty_like(kk)
-    rot = (lambda x, r: x) if basis is None else (lambda x, r: x.float() @ r)  # noqa: E731
+    rk, rv = (None, None) if basis is None else basis
     if ns + nw:
         ex = (fields["exact.key"], fields["exact.value"])
         xk, xv = _exact(ex, row, torch.cat([sink_pos, win_pos]), layout.block_size, layout.sinks, layout.window,
                         heads)  # [H, ns + nw, D]
-        for dst, src, r in ((kk, xk, basis and basis[0]), (vv, xv, basis and basis[1])):
-            src = rot(src, r)
+        for dst, src, r in ((kk, xk, rk), (vv, xv, rv)):
+            src = _rotated(src, r)
             dst[:ns].copy_(src[:, :ns].transpose(0, 1))
             dst[ns + c1 - c0:length - c].copy_(src[:, ns:].transpose(0, 1))
     if c1 > c0:  # decoded straight into the result
         gather_history((layout.key_codec, layout.value_codec), fields, row, c0, c1, layout.block_size, len(heads),
                        token_major=True, out=(kk[ns:ns + c1 - c0], vv[ns:ns + c1 - c0]), unmix=basis is None)
-    kk[length - c:].copy_(rot(k, basis and basis[0]))
-    vv[length - c:].copy_(rot(v, basis and basis[1]))
+    kk[length - c:].copy_(_rotated(k, rk))
+    vv[length - c:].copy_(_rotated(v, rv))
     pos = torch.cat([sink_pos, torch.arange(c0, c1), win_pos, torch.arange(n, n + c)]).to(k.device)
     return kk, vv, pos
 

@@ -91,7 +91,6 @@ class VLLMPrefill:
         self.usable = None  # None: not tried yet; then True / False for this process
         self.ran = False  # the kernel has run once: a later failure is a bug, raised
         self.rotate = rotate
-        self._bases = {}  # (id(key codec), id(value codec), d) -> (codecs, rotated_basis(...))
 
     def _ready(self) -> bool:
         if self.usable is None:
@@ -123,12 +122,7 @@ class VLLMPrefill:
         seen = n if layout.sliding_window is None else min(n, int(layout.sliding_window))
         if self.rotate == "never" or (self.rotate == "auto" and 2 * (2 * hkv * seen) < 5 * (hq + hkv) * c):
             return None
-        key = (id(layout.key_codec), id(layout.value_codec), d)
-        hit = self._bases.get(key)
-        if hit is None or hit[0][0] is not layout.key_codec or hit[0][1] is not layout.value_codec:
-            hit = self._bases[key] = ((layout.key_codec, layout.value_codec),
-                                      rotated_basis(layout.key_codec, layout.value_codec, d))
-        return hit[1]
+        return rotated_basis(layout.key_codec, layout.value_codec, d)  # (the matrices memoized per codec)
 
     def _attend(self, q, k, v, fields, block_table, query_start_loc, seq_lens, layout, scale):
         ops = self.ops

@@ -783,8 +783,8 @@ def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, star
     :class:`qjl.codecs.views.MixView` says which), every head -> [end - start, heads, n] in the codec's basis, equal
     bit for bit to :func:`value_rows_reference` (one C call, ``rows.c``); with ``unmix``, mapped back by the codec's
     unmix matrix (:func:`qjl.kernels.paged.unmix_matrix`: TurboQuant's inverse rotation) row by row inside the call,
-    [end - start, heads, dim], the reference's rows times that matrix within float32 rounding (the products summed
-    in order).  ``out``: None (a new float32 tensor), or an fp32 / fp16 / bf16 CPU tensor of that shape whose last
+    [end - start, heads, dim], the reference's rows times that matrix within float32 rounding (fused
+    multiply-adds, summed in order).  ``out``: None (a new float32 tensor), or an fp32 / fp16 / bf16 CPU tensor of that shape whose last
     dimension is contiguous (e.g. a slice of a larger buffer), written in place (rounded as ``.to()`` rounds) and
     returned.  ``threads``: torch's by default.  ValueError naming the argument for a codec without a mix view, a
     bad ``out``, fields outside their buffers or a block outside them."""
