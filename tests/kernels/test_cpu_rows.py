@@ -187,3 +187,19 @@ def test_bad_out_is_refused_by_name():
                 "buffer"):
         with pytest.raises(ValueError, match="out must be"):
             launch.value_rows(codec, fields, table[0], 16, 3, 0, 5, unmix=True, out=bad)
+
+
+def test_the_rotation_matrix_is_refused_for_a_map_that_is_not_orthogonal():
+    """:func:`qjl.kernels.paged.rotation_matrix`: TurboQuant's unmix transposed; None where the unmix is the
+    identity (token-wise values) or not orthogonal (a codec whose unmix also scales: the rotated basis would change
+    the scores)."""
+    from qjl.kernels.paged import rotation_matrix, unmix_matrix
+
+    class Scaled(TurboQuantMSE):
+        def unmix(self, o):
+            return 2.0 * super().unmix(o)
+
+    tq = TurboQuantMSE(64, 3, seed=1)
+    assert torch.equal(rotation_matrix(tq), unmix_matrix(tq).T)
+    assert rotation_matrix(TokenwiseQuantizer(64, 2, group_size=32)) is None
+    assert rotation_matrix(Scaled(64, 3, seed=1)) is None
