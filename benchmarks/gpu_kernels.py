@@ -21,6 +21,7 @@ Times are medians of ``triton.testing.do_bench`` (CUDA events, warm-up first); i
 Writes ``<out>/gpu_kernels.json`` and prints a table.
 """
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -152,48 +153,48 @@ def part_quantize(device, tokens_list, log) -> list:
 
 
 def part_sweep(device, log) -> list:
-    """The Triton decode kernel alone (launch included) over block_n x num_warps x splits, to pick defaults."""
-    from qjl.cache.attention import _fields
+    """The Triton decode (both launches) over block_n x num_warps x splits x the decode kernel's dot precision,
+    tq-k3v2, to pick defaults; ``err``: against the default configuration's output."""
     from qjl.kernels.triton import launch as tk
 
     rows = []
-    for b, n in ((1, 16384), (1, 131072), (8, 65536)):
+    shapes = ((1, 4096), (1, 16384), (1, 131072), (8, 65536)) if device.type == "cuda" else ((1, 256),)
+    for b, n in shapes:
         gen = torch.Generator(device=device).manual_seed(n)
         k, v = (torch.randn(b, HKV, n, D, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
         q = torch.randn(b, HKV, HQ // HKV, D, device=device, generator=gen) * D ** -0.5
-        for preset in ("tq-k3v2", "tq-k45v3"):
-            st = _store(preset, k, v, "auto")
-            kf, vf = _fields(st.key_codes), _fields(st.value_codes)
-            bt = torch.arange(b, dtype=torch.int32, device=device)[:, None]
-            s0 = torch.zeros(b, dtype=torch.int32, device=device)
-            s1 = torch.full((b,), st.n_codes, dtype=torch.int32, device=device)
-            auto = max(1, min(64, st.n_codes // 512))
-            ref = None
-            for bn in (16, 32, 64):
-                for nw in (2, 4, 8):
-                    for sp in (auto, 4 * auto, max(1, 528 // (b * HKV))):
+        preset = "tq-k3v2"
+        st = _store(preset, k, v, "auto")
+        kf, vf, bs = st.kernel_fields()
+        bt = torch.arange(b, dtype=torch.int32, device=device)[:, None]
+        s0 = torch.zeros(b, dtype=torch.int32, device=device)
+        s1 = torch.full((b,), st.n_codes, dtype=torch.int32, device=device)
+        auto = tk._splits(device, b * HKV, st.n_codes, 16)
+        ref = tk.paged_decode(q, st.key_codec, kf, st.value_codec, vf, bt, bs, s0, s1)
+        for prec in ("ieee", "tf32"):
+            for bn in (16,):
+                for nw in (4, 8):
+                    for sp in sorted({max(1, auto // 4), auto, 2 * auto}):
                         def call():
-                            return tk.paged_decode(q, st.key_codec, kf, st.value_codec, vf, bt, st.n_codes, s0, s1,
-                                                   block_n=bn, splits=sp, num_warps=nw)
+                            return tk.paged_decode(q, st.key_codec, kf, st.value_codec, vf, bt, bs, s0, s1,
+                                                   block_n=bn, splits=sp, num_warps=nw, precision=prec)
                         try:
                             out = call()
-                            ref = out if ref is None else ref
                             err = float((out - ref).abs().max() / ref.abs().max())
                             ms = _bench(call, device)
                         except Exception as exc:  # noqa: BLE001
-                            log(f"sweep b={b} n={n} {preset} bn={bn} nw={nw} sp={sp}: {type(exc).__name__}")
+                            log(f"sweep b={b} n={n} {preset} {prec} bn={bn} nw={nw} sp={sp}: {type(exc).__name__}")
                             continue
                         rows.append({"batch": b, "context": n, "preset": preset, "block_n": bn, "num_warps": nw,
-                                     "splits": sp, "ms": ms, "err": err})
-            best = sorted((r for r in rows if r["batch"] == b and r["context"] == n and r["preset"] == preset),
-                          key=lambda r: r["ms"])[:6]
-            for r in best:
-                log(f"sweep b={b} n={n} {preset}: bn={r['block_n']} nw={r['num_warps']} sp={r['splits']} "
-                    f"{r['ms']:.3f} ms err {r['err']:.1e}")
-            base = [r for r in rows if r["batch"] == b and r["context"] == n and r["preset"] == preset
-                    and r["block_n"] == 16 and r["num_warps"] == 4 and r["splits"] == auto]
-            if base:
-                log(f"sweep b={b} n={n} {preset}: current default bn=16 nw=4 sp={auto}: {base[0]['ms']:.3f} ms")
+                                     "splits": sp, "precision": prec, "ms": ms, "err": err})
+        mine = [r for r in rows if r["batch"] == b and r["context"] == n]
+        for r in sorted(mine, key=lambda r: r["ms"])[:5]:
+            log(f"sweep b={b} n={n} {preset}: {r['precision']} bn={r['block_n']} nw={r['num_warps']} "
+                f"sp={r['splits']} {r['ms']:.3f} ms err {r['err']:.1e}")
+        base = [r for r in mine if r["block_n"] == 16 and r["num_warps"] == 4 and r["splits"] == auto
+                and r["precision"] == "ieee"]
+        if base:
+            log(f"sweep b={b} n={n} {preset}: default ieee bn=16 nw=4 sp={auto}: {base[0]['ms']:.3f} ms")
         del k, v
     return rows
 
@@ -238,8 +239,16 @@ def part_e2e(device, context, new_tokens, layers, log) -> list:
     torch.set_grad_enabled(False)
     ids = torch.randint(5, 32000, (1, context), generator=torch.Generator().manual_seed(1)).to(device)
     rows = []
-    for method in ("dynamic-sdpa", "dynamic", "qjl-tq-k45v3", "qjl-tq-k3v2"):
-        if method == "dynamic-sdpa":  # the model as transformers ships it, before patch_attention
+    methods = ("dynamic-sdpa", "dynamic-flash", "dynamic", "qjl-tq-k45v3", "qjl-tq-k3v2")
+    for method in methods if device.type == "cuda" else [m for m in methods if m != "dynamic-flash"]:
+        # dynamic-flash: as dynamic-sdpa with SDPA kept off cuDNN's kernel (torch may pick it, and it plans anew for
+        # every new key length: milliseconds of CPU per layer and step): flash, memory-efficient or math
+        flash = contextlib.nullcontext()
+        if method == "dynamic-flash":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            flash = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        if method.startswith("dynamic-"):  # the model as transformers ships it, before patch_attention
             model.set_attn_implementation("sdpa")
         elif method == "dynamic":  # a plain cache through the patched model (qjl's attention hands it to SDPA)
             qjl.patch_attention(model)
@@ -250,6 +259,7 @@ def part_e2e(device, context, new_tokens, layers, log) -> list:
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        flash.__enter__()
         t0 = time.perf_counter()
         out = None
         for s in range(0, context, 4096):
@@ -266,6 +276,16 @@ def part_e2e(device, context, new_tokens, layers, log) -> list:
             toks.append(int(nxt))  # .item() synchronizes
             steps.append(time.perf_counter() - t)
         warm = statistics.median(steps[3:])
+        flash.__exit__(None, None, None)
+        if method in ("dynamic", "qjl-tq-k3v2") and device.type == "cuda":  # where one decode step's time goes
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                out = model(nxt, past_key_values=cache, use_cache=True)
+                torch.cuda.synchronize()
+            for key in ("self_cpu_time_total", "self_cuda_time_total"):
+                log(f"e2e {method} one step by {key}:\n" + prof.key_averages().table(
+                    sort_by=key, row_limit=8, max_name_column_width=50))
         if method.startswith("dynamic"):
             held = sum(t.numel() * t.element_size() for lay in cache.layers for t in (lay.keys, lay.values))
         else:
@@ -279,7 +299,8 @@ def part_e2e(device, context, new_tokens, layers, log) -> list:
         del cache, out
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    same = sum(a == b for a, b in zip(rows[0]["tokens"], rows[2]["tokens"]))
+    by = {r["method"]: r["tokens"] for r in rows}
+    same = sum(a == b for a, b in zip(by["dynamic-sdpa"], by["qjl-tq-k45v3"]))
     log(f"e2e: {same}/{new_tokens} greedy tokens of the default equal DynamicCache's (random weights)")
     return rows
 

@@ -135,6 +135,75 @@ def test_paged_decode_from_a_shuffled_pool(name):
     close(got.cpu(), c.reference(), TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cuts", [(2,), (0, 2), (1, 3), (0,)])  # 2 segments (one empty), 3 (joined into 2), 1
+def test_combine_reads_exact_segments_in_place(dtype, cuts):
+    """The combine kernel (split-K merge, unmix, exact tokens, divide in one launch): exact tokens as segments
+    in a half dtype, as strided views of larger buffers (sinks and window), over 5 splits: the reference's
+    result over the joined float32 tokens; the same with the bias broadcast over sequences, heads or rows."""
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=77, n_exact=5, seed=3)
+    xk, xv, xb = c.exact
+    xk, xv = xk.to(dtype).float(), xv.to(dtype).float()
+    bounds = [0, *cuts, 5]
+    ks, vs = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        bk = torch.zeros(2, 2, 8, 64, dtype=dtype, device=DEV)  # a buffer with spare capacity: the segment a view
+        bv = torch.zeros(2, 2, 8, 64, dtype=dtype, device=DEV)
+        bk[:, :, 1:1 + hi - lo], bv[:, :, 1:1 + hi - lo] = xk[:, :, lo:hi], xv[:, :, lo:hi]
+        ks.append(bk[:, :, 1:1 + hi - lo])
+        vs.append(bv[:, :, 1:1 + hi - lo])
+    g = c.on(DEV)
+    for bias in (xb, xb[:1], xb[:, :1], xb[:1, :1, :1], None):
+        c.exact = (xk, xv, bias)
+        got = tk.paged_decode(*g.args(), code_bias=g.bias, splits=5,
+                              exact=(tuple(ks), tuple(vs), None if bias is None else bias.to(DEV)))
+        close(got.cpu(), c.reference(), TOL)
+
+
+def test_combine_reads_exact_rows_from_pages_and_keeps_empty_rows_nan():
+    """Exact tokens as PagedRows (vLLM's exact slots) give the joined tokens' result; a row that sees no token
+    at all (its codes and exact tokens all masked) is NaN, like the reference's fully masked softmax, and the
+    other rows stay finite."""
+    from qjl.kernels.paged import PagedField, PagedRows
+
+    c = Case("tq4-uni3", b=2, h=2, rows=3, n=40, n_exact=4, seed=5)
+    xk, xv, xb = c.exact
+    pool_k = torch.zeros(6, 2, 4, 64, dtype=torch.float16)  # [blocks, heads, slots, d]
+    pool_v = torch.zeros_like(pool_k)
+    blocks = torch.tensor([[5, 5, 1, 1], [0, 2, 2, 3]])
+    slots = torch.tensor([[0, 3, 1, 2], [3, 0, 1, 2]])
+    for i in range(2):
+        for j in range(4):
+            pool_k[blocks[i, j], :, slots[i, j]] = xk[i, :, j].half()
+            pool_v[blocks[i, j], :, slots[i, j]] = xv[i, :, j].half()
+    def field(pool):
+        e = pool.element_size()
+        return PagedField(pool, 0, pool.stride(0) * e, pool.stride(1) * e, pool.stride(2) * e, pool.dtype, (64,))
+
+    pk, pv = (PagedRows.at(field(p.to(DEV)), blocks[:, :3].to(DEV), slots[:, :3].to(DEV), 2) for p in (pool_k, pool_v))
+    ck, cv = xk[:, :, 3:].bfloat16(), xv[:, :, 3:].bfloat16()  # the current token: a bf16 segment
+    c.exact = (torch.cat([xk[:, :, :3].half().float(), ck.float()], 2),
+               torch.cat([xv[:, :, :3].half().float(), cv.float()], 2), xb)
+    g = c.on(DEV)
+    got = tk.paged_decode(*g.args(), code_bias=g.bias, exact=((pk, ck.to(DEV)), (pv, cv.to(DEV)), xb.to(DEV)),
+                          splits=3)
+    close(got.cpu(), c.reference(), TOL)
+    c.bias = torch.zeros(2, 40)
+    c.bias[1] = float("-inf")  # sequence 1: every code masked ...
+    xb2 = xb.clone()
+    xb2[1, 0, 2] = float("-inf")  # ... and, for row 2 of head 0, every exact token too
+    c.exact = (c.exact[0], c.exact[1], xb2)
+    g = c.on(DEV)
+    want = c.reference()
+    got = tk.paged_decode(*g.args(), code_bias=g.bias, exact=g.exact, splits=3).cpu()
+    assert torch.isnan(want[1, 0, 2]).all() and torch.isnan(got[1, 0, 2]).all()
+    keep = torch.ones_like(got, dtype=torch.bool)
+    keep[1, 0, 2] = False
+    assert torch.isfinite(got[keep]).all()
+    err = (got[keep] - want[keep]).abs().max().item()
+    assert err <= TOL * want[keep].abs().max().item(), err
+
+
 def test_cache_with_triton_kernel_matches_torch_path():
     import qjl
     from qjl import CodecSpec, QJLCache, QJLConfig

@@ -151,7 +151,7 @@ def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: 
         out = paged_decode_step(qg, store.key_codec, key_fields, store.value_codec, value_fields, step,
                                 segments=tuple(zip(keys, values)), q_scale=scaling)  # (scaled in the call)
         return out.reshape(b, hq, t, d).transpose(1, 2)
-    block_table, start, end = _ranges(b, n_codes, qg.device)
+    block_table, start, end = _kept_ranges(key_fields, b, n_codes, qg.device)
     out = kernels.paged_decode(qg * scaling, store.key_codec, key_fields, store.value_codec, value_fields,
                                block_table, max(capacity, 1), start, end, exact=(keys, values, bias_x),
                                code_bias=bias, backend=store.backend, max_codes=n_codes)
@@ -163,6 +163,17 @@ def _ranges(b: int, n_codes: int, dev) -> tuple:
     the kernel reads them (no host-to-device copies per layer and step)."""
     return (torch.arange(b, dtype=torch.int32, device=dev)[:, None], torch.zeros(b, dtype=torch.int32, device=dev),
             torch.full((b,), n_codes, dtype=torch.int32, device=dev))
+
+
+def _kept_ranges(key_fields, b: int, n_codes: int, dev) -> tuple:
+    """:func:`_ranges`, kept in the key fields' memo until the codes' count changes (no tensor built per layer and
+    step: on a GPU each would be a launch)."""
+    params = (b, n_codes, dev)
+    memo = key_fields.memo
+    hit = memo.get("attend_ranges")
+    if hit is None or hit[0] != params:
+        hit = memo["attend_ranges"] = (params, _ranges(b, n_codes, dev))
+    return hit[1]
 
 
 def _cpu_step(key_fields, b: int, n_codes: int, block_size: int, segments: int):

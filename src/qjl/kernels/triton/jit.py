@@ -10,14 +10,21 @@ the grid, are in :mod:`qjl.kernels.triton.launch`.  Import only where Triton is 
   block table gives each token's page, the key codes (1 or 2 terms) are unpacked and scored against all
   rows with one ``tl.dot`` (or per token when the query map differs per page), an online softmax is
   kept, and the value codes are unpacked, scaled and accumulated with ``p @ v``.
+* ``combine_kernel`` -- the rest of a decode step in one launch: one program per (sequence x KV head, tile of
+  output coordinates) merges the split-K partials of ``paged_decode_kernel``, maps the merged values out of the
+  value codec's mix basis (``unmix``, a matrix), folds in the exact tokens (up to two segments, e.g. sinks and
+  window, read in place in their dtype, with an optional additive bias) by the same online softmax, and divides.
 
-All matrix products use ``input_precision="ieee"`` (exact fp32; the packing products must be exact).
+All matrix products use ``input_precision="ieee"`` (exact fp32; the packing products must be exact), but for
+``paged_decode_kernel``'s two products, whose precision ``PREC`` its launcher takes (``"ieee"`` by default;
+``"tf32"`` rounds the operands to 10-bit mantissas: about 1e-3 relative, measured by ``benchmarks/gpu_kernels.py
+--parts sweep``, not used by the library).
 """
 
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_kernel", "paged_decode_kernel"]
+__all__ = ["quantize_kernel", "paged_decode_kernel", "combine_kernel"]
 
 
 @triton.jit
@@ -98,6 +105,8 @@ def _unpack(base, row_off, offs_c, NC, ok_t, BITS: tl.constexpr):
     ok = ok_t[:, None] & (offs_c < NC)[None, :]
     ptr = base + row_off[:, None] + byte[None, :]
     lo = tl.load(ptr, mask=ok, other=0).to(tl.int32)
+    if 8 % BITS == 0:  # 1, 2, 4, 8 bits: no code straddles a byte (one load per code, not two)
+        return (lo >> sh[None, :]) & ((1 << BITS) - 1), ok
     hi = tl.load(ptr + 1, mask=ok & ((bitpos + BITS - 1) >> 3 > byte)[None, :], other=0).to(tl.int32)
     return ((lo | (hi << 8)) >> sh[None, :]) & ((1 << BITS) - 1), ok
 
@@ -105,7 +114,7 @@ def _unpack(base, row_off, offs_c, NC, ok_t, BITS: tl.constexpr):
 @triton.jit
 def _term_scores(q_ptr, c_base, c_off, n_base, n_off, cent_ptr, q_row0, q_tok, offs_t_ok, R, NC,
                  RP: tl.constexpr, CP: tl.constexpr, BITS: tl.constexpr, NDT: tl.constexpr,
-                 PER_BLOCK: tl.constexpr):
+                 PER_BLOCK: tl.constexpr, PREC: tl.constexpr):
     """One key term's logits [RP, BLOCK_N]: norm[t] * sum_c q[r, c] * cent[code[t, c]]."""
     offs_r = tl.arange(0, RP)
     offs_c = tl.arange(0, CP)
@@ -121,7 +130,7 @@ def _term_scores(q_ptr, c_base, c_off, n_base, n_off, cent_ptr, q_row0, q_tok, o
     else:
         q = tl.load(q_ptr + q_row0 + offs_r[:, None] * NC + offs_c[None, :],
                     mask=(offs_r[:, None] < R) & (offs_c[None, :] < NC), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
     return s * nrm[None, :]
 
 
@@ -135,7 +144,7 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
                         BITS1: tl.constexpr, BITS2: tl.constexpr, VBITS: tl.constexpr,
                         NDT1: tl.constexpr, NDT2: tl.constexpr, SDT: tl.constexpr, ZDT: tl.constexpr, SB: tl.constexpr, ZB: tl.constexpr,
                         HAS2: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+                        PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -160,11 +169,11 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
         q_row0 = (b * H + h).to(tl.int64) * R
         s = _term_scores(q1_ptr, c1_base, blk * c1_sb + h * c1_sh + slot * c1_st, n1_base,
                          blk * n1_sb + h * n1_sh + slot * n1_st, cent1_ptr, q_row0 * NC1, q_tok * NC1, ok_t, R, NC1,
-                         RP, CP1, BITS1, NDT1, PER_BLOCK)
+                         RP, CP1, BITS1, NDT1, PER_BLOCK, PREC)
         if HAS2:
             s += _term_scores(q2_ptr, c2_base, blk * c2_sb + h * c2_sh + slot * c2_st, n2_base,
                               blk * n2_sb + h * n2_sh + slot * n2_st, cent2_ptr, q_row0 * NC2, q_tok * NC2, ok_t, R,
-                              NC2, RP, CP2, BITS2, NDT2, PER_BLOCK)
+                              NC2, RP, CP2, BITS2, NDT2, PER_BLOCK, PREC)
         if HAS_BIAS:
             s += tl.load(bias_ptr + b * BIAS_STRIDE + offs_t, mask=ok_t, other=0.0)[None, :]
         s = tl.where(ok_t[None, :], s, float("-inf"))
@@ -181,10 +190,106 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
         if HAS_ZERO:
             z_off = (blk * vz_sb + h * vz_sh + slot * vz_st)[:, None] + grp[None, :] * ZB
             v += tl.where(ok, _scalar(vz_base, tl.where(ok, z_off, 0), ZDT), 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
         m_i = m_new
     out = (bh * SPLITS + split) * R + offs_r
     rmask = offs_r < R
     tl.store(m_ptr + out, m_i, mask=rmask)
     tl.store(l_ptr + out, l_i, mask=rmask)
     tl.store(o_ptr + out[:, None] * NV + offs_v[None, :], acc, mask=rmask[:, None] & (offs_v < NV)[None, :])
+
+
+@triton.jit
+def _online(m_i, l_i, acc, s, v):
+    """One online-softmax step: logits s [RP, n] (-inf where masked), values v [n, W] -> (m, l, acc [RP, W])."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+
+
+@triton.jit
+def _exact_segment(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, k_st, v_st, N, xb_ptr, xb_off, xb_sr, xb_sn, X0,
+                   offs_r, rmask, offs_d, dmask, offs_o, omask, HAS_XB: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Fold one exact segment of N tokens into the running (m, l, acc): keys and values [N, D] at element offsets
+    k_off / v_off with token strides k_st / v_st (the coordinate stride 1), bias columns X0 + t."""
+    for t0 in range(0, N, BLOCK_X):
+        offs_t = t0 + tl.arange(0, BLOCK_X)
+        tm = offs_t < N
+        k = tl.load(k_ptr + k_off + offs_t[:, None] * k_st + offs_d[None, :], mask=tm[:, None] & dmask[None, :],
+                    other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [RP, BLOCK_X]
+        if HAS_XB:
+            s += tl.load(xb_ptr + xb_off + offs_r[:, None] * xb_sr + (X0 + offs_t)[None, :] * xb_sn,
+                         mask=rmask[:, None] & tm[None, :], other=0.0)
+        s = tl.where(tm[None, :], s, float("-inf"))
+        v = tl.load(v_ptr + v_off + offs_t[:, None] * v_st + offs_o[None, :], mask=tm[:, None] & omask[None, :],
+                    other=0.0).to(tl.float32)
+        m_i, l_i, acc = _online(m_i, l_i, acc, s, v)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def combine_kernel(q_ptr, m_ptr, l_ptr, o_ptr, u_ptr,
+                   k1_ptr, k1_sb, k1_sh, k1_st, v1_ptr, v1_sb, v1_sh, v1_st, N1,
+                   k2_ptr, k2_sb, k2_sh, k2_st, v2_ptr, v2_sb, v2_sh, v2_st, N2,
+                   xb_ptr, xb_sb, xb_sh, xb_sr, xb_sn, out_ptr, H, R, D, NV, SPLITS,
+                   RP: tl.constexpr, DP: tl.constexpr, CW: tl.constexpr, DT: tl.constexpr, NSEG: tl.constexpr,
+                   HAS_U: tl.constexpr, HAS_XB: tl.constexpr, BLOCK_X: tl.constexpr, SB: tl.constexpr):
+    """out[bh, r, o] for the DT output coordinates of program (bh, tile): the coded partials m, l [BH, SPLITS, R]
+    and o [BH, SPLITS, R, NV] merged, ``o @ U`` (U [NV, D]; without U, NV == D and o is read at the tile's
+    columns: CW == DT), the exact tokens folded in, divided by the softmax sum.  q [BH, R, D] float32 (scaled)."""
+    bh = tl.program_id(0)
+    tile = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_r = tl.arange(0, RP)
+    rmask = offs_r < R
+    offs_o = tile * DT + tl.arange(0, DT)
+    omask = offs_o < D
+    if HAS_U:
+        cols = tl.arange(0, CW)
+    else:
+        cols = tile * DT + tl.arange(0, CW)
+    cmask = cols < NV
+    # the split-K partials, SB splits at a time: the maximum first, then the weighted sums (independent loads)
+    offs_s = tl.arange(0, SB)
+    m_i = tl.full([RP], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, SPLITS, SB):
+        sm = (s0 + offs_s) < SPLITS
+        ms = tl.load(m_ptr + ((bh * SPLITS + s0 + offs_s) * R)[:, None] + offs_r[None, :],
+                     mask=sm[:, None] & rmask[None, :], other=float("-inf"))
+        m_i = tl.maximum(m_i, tl.max(ms, axis=0))
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    l_i = tl.zeros([RP], dtype=tl.float32)
+    o = tl.zeros([RP, CW], dtype=tl.float32)
+    for s0 in range(0, SPLITS, SB):
+        sm = (s0 + offs_s) < SPLITS
+        row = ((bh * SPLITS + s0 + offs_s) * R)[:, None] + offs_r[None, :]  # [SB, RP]
+        ok = sm[:, None] & rmask[None, :]
+        w = tl.exp(tl.load(m_ptr + row, mask=ok, other=float("-inf")) - m_safe[None, :])
+        l_i += tl.sum(w * tl.load(l_ptr + row, mask=ok, other=0.0), axis=0)
+        o_s = tl.load(o_ptr + row[:, :, None] * NV + cols[None, None, :],
+                      mask=ok[:, :, None] & cmask[None, None, :], other=0.0)  # [SB, RP, CW]
+        o += tl.sum(w[:, :, None] * o_s, axis=0)
+    if HAS_U:
+        u = tl.load(u_ptr + cols[:, None] * D + offs_o[None, :], mask=cmask[:, None] & omask[None, :], other=0.0)
+        acc = tl.dot(o, u, input_precision="ieee")  # [RP, DT]
+    else:
+        acc = o
+    if NSEG > 0:
+        offs_d = tl.arange(0, DP)
+        dmask = offs_d < D
+        q = tl.load(q_ptr + (bh * R + offs_r)[:, None] * D + offs_d[None, :], mask=rmask[:, None] & dmask[None, :],
+                    other=0.0)
+        xb_off = b * xb_sb + h * xb_sh
+        m_i, l_i, acc = _exact_segment(m_i, l_i, acc, q, k1_ptr, v1_ptr, b * k1_sb + h * k1_sh,
+                                       b * v1_sb + h * v1_sh, k1_st, v1_st, N1, xb_ptr, xb_off, xb_sr, xb_sn, 0,
+                                       offs_r, rmask, offs_d, dmask, offs_o, omask, HAS_XB, BLOCK_X)
+        if NSEG > 1:
+            m_i, l_i, acc = _exact_segment(m_i, l_i, acc, q, k2_ptr, v2_ptr, b * k2_sb + h * k2_sh,
+                                           b * v2_sb + h * v2_sh, k2_st, v2_st, N2, xb_ptr, xb_off, xb_sr, xb_sn,
+                                           N1, offs_r, rmask, offs_d, dmask, offs_o, omask, HAS_XB, BLOCK_X)
+    out = acc / tl.where(rmask, l_i, 1.0)[:, None]  # a valid row without tokens: 0 / 0 = NaN, as the reference
+    tl.store(out_ptr + (bh * R + offs_r)[:, None] * D + offs_o[None, :], out, mask=rmask[:, None] & omask[None, :])

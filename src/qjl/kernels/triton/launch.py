@@ -13,7 +13,7 @@ import torch
 import triton
 
 from qjl.core.devices import on_device
-from qjl.kernels.triton.jit import paged_decode_kernel, quantize_kernel
+from qjl.kernels.triton.jit import combine_kernel, paged_decode_kernel, quantize_kernel
 
 __all__ = ["quantize", "paged_decode", "pack_matrix"]
 
@@ -90,13 +90,15 @@ def _field(f):
 
 def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start, code_end,
                  *, exact=None, code_bias=None, block_n: int = 16, splits: int | None = None,
-                 num_warps: int = 4, max_codes: int | None = None) -> torch.Tensor:
+                 num_warps: int = 4, max_codes: int | None = None, precision: str = "ieee") -> torch.Tensor:
     """The Triton backend of :func:`qjl.kernels.paged.paged_decode` (same arguments and result): split-K
-    partials of the coded tokens, merged in torch with the exact tokens' partial; then the value codec's
-    ``unmix`` once per row."""
+    partials of the coded tokens (``paged_decode_kernel``), then one ``combine_kernel`` that merges them, applies
+    the value codec's ``unmix`` and folds in the exact tokens: two launches per layer and step.  ``splits``:
+    token splits per (sequence, KV head); None picks enough programs to fill the GPU (:func:`_splits`).
+    ``block_n``, ``num_warps``, ``precision`` (the decode kernel's ``tl.dot`` input precision, ``"ieee"`` or
+    ``"tf32"``): tuning knobs for ``benchmarks/gpu_kernels.py --parts sweep``."""
     from qjl.codecs.views import kernel_readable
-    from qjl.kernels.paged import check_exact, check_paged, joined_exact, term_queries
-    from qjl.kernels.reference import merge_stacked_partials, partial_softmax
+    from qjl.kernels.paged import check_exact, check_paged, term_queries
 
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the Triton kernel does not read {type(key_codec).__name__} keys with "
@@ -104,7 +106,9 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if max_codes is None:  # else the caller vouches for the arguments (qjl.kernels.paged.paged_decode)
         check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                     code_end)
-    exact = joined_exact(check_exact(exact, q))
+    if precision not in ("ieee", "tf32"):
+        raise ValueError(f"precision must be 'ieee' or 'tf32', got {precision!r}")
+    segments = check_exact(exact, q)
     kview, vview = key_codec.score_view(), value_codec.mix_view()
     b, hkv, r, d = q.shape
     dev = q.device
@@ -112,7 +116,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     starts, ends = code_start.to(torch.int32).contiguous(), code_end.to(torch.int32).contiguous()
     max_len = (int((ends - starts).max()) if b else 0) if max_codes is None else int(max_codes)
     if splits is None:
-        splits = max(1, min(64, max_len // 512))
+        splits = _splits(dev, b * hkv, max_len, block_n)
     chunk = max(block_n, math.ceil(math.ceil(max(max_len, 1) / splits) / block_n) * block_n)
     splits = max(1, math.ceil(max(max_len, 1) / chunk))
     qts = [qt.float().contiguous() for qt in term_queries(q, key_codec, key_fields, bt)]
@@ -132,28 +136,91 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     m = torch.empty(b * hkv, splits, r, dtype=torch.float32, device=dev)
     l_ = torch.empty_like(m)
     o = torch.empty(b * hkv, splits, r, vview.codes.length, dtype=torch.float32, device=dev)
-    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
-    bias = code_bias.float().contiguous() if code_bias is not None else dummy
+    bias = code_bias.float().contiguous() if code_bias is not None else m  # m: a placeholder pointer, never read
     paged_decode_kernel[(b * hkv, splits)](
         *args, *_field(vc), *_field(vs), *_field(vz), _on(vview.codes.centroids, dev), bt, starts, ends, bias,
         m, l_, o, hkv, r, bt.shape[1], int(block_size), chunk, splits, bias.shape[-1] if code_bias is not None else 0,
         terms[0].codes.length, terms[1].codes.length, vview.codes.length, vview.group_size, vview.groups,
         RP=_p2(r), CP1=_p2(terms[0].codes.length), CP2=_p2(terms[1].codes.length), VP=_p2(vview.codes.length),
         BITS1=terms[0].codes.bits, BITS2=terms[1].codes.bits, VBITS=vview.codes.bits, SDT=_DTYPES[vs.dtype],
-        ZDT=_DTYPES[vz.dtype], SB=vs.entry_bytes // max(1, vs.shape[0] if vs.shape else 1), ZB=vz.entry_bytes // max(1, vz.shape[0] if vz.shape else 1), HAS2=len(kview.terms) == 2, HAS_ZERO=vview.zero is not None,
-        HAS_BIAS=code_bias is not None, PER_BLOCK=bool(kview.shared), BLOCK_N=block_n, num_warps=num_warps, **consts)
-    m_c, l_c, o_c = merge_stacked_partials(m, l_, o, dim=1) if splits > 1 else (m[:, 0], l_[:, 0], o[:, 0])
-    m_c, l_c = m_c.reshape(b, hkv, r), l_c.reshape(b, hkv, r)
-    o_c = o_c.reshape(b, hkv, r, -1)
-    if exact is None or exact[0].shape[2] == 0:
-        return value_codec.unmix(o_c) / l_c.unsqueeze(-1)
-    xk, xv, xb = exact
-    s = q.float() @ xk.float().transpose(-1, -2)
-    if xb is not None:
-        s = s + xb.float()
-    m_x, l_x, o_x = partial_softmax(s, xv)
-    mx = torch.maximum(m_c, m_x)
-    safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
-    wc, wx = torch.exp(m_c - safe), torch.exp(m_x - safe)
-    out = wc.unsqueeze(-1) * value_codec.unmix(o_c) + wx.unsqueeze(-1) * o_x
-    return out / (wc * l_c + wx * l_x).unsqueeze(-1)
+        ZDT=_DTYPES[vz.dtype], SB=vs.entry_bytes // max(1, vs.shape[0] if vs.shape else 1),
+        ZB=vz.entry_bytes // max(1, vz.shape[0] if vz.shape else 1), HAS2=len(kview.terms) == 2,
+        HAS_ZERO=vview.zero is not None, HAS_BIAS=code_bias is not None, PER_BLOCK=bool(kview.shared),
+        BLOCK_N=block_n, PREC=precision, num_warps=num_warps, **consts)
+    return combine(q, m, l_, o, value_codec, segments)
+
+
+def _exact_args(segments, q: torch.Tensor) -> tuple:
+    """The combine kernel's exact-token arguments: (2 x (k, 3 strides, v, 3 strides, n), bias + 4 strides,
+    number of segments).  More than two segments are joined into two; a segment's last axis made contiguous."""
+    from qjl.kernels.paged import PagedRows
+
+    if segments is None:
+        ks, vs, xb = (), (), None
+    else:
+        ks, vs, xb = segments
+        ks = [k.gather() if isinstance(k, PagedRows) else k for k in ks]
+        vs = [v.gather() if isinstance(v, PagedRows) else v for v in vs]
+        keep = [i for i, k in enumerate(ks) if k.shape[2] > 0]  # an empty segment holds no bias column either
+        ks, vs = [ks[i] for i in keep], [vs[i] for i in keep]
+        if len(ks) > 2:
+            ks = [ks[0], torch.cat([k.float() for k in ks[1:]], -2)]
+            vs = [vs[0], torch.cat([v.float() for v in vs[1:]], -2)]
+    seg = []
+    for k, v in zip(ks, vs):
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        seg.append((k, k.stride(0), k.stride(1), k.stride(2), v, v.stride(0), v.stride(1), v.stride(2), k.shape[2]))
+    nseg = len(seg)
+    while len(seg) < 2:
+        seg.append((q, 0, 0, 0, q, 0, 0, 0, 0))  # placeholders, never read
+    if xb is None:
+        bias = (q, 0, 0, 0, 0)
+    else:
+        xb = xb if xb.dtype == torch.float32 else xb.float()
+        st = [xb.stride(i) if xb.shape[i] > 1 else 0 for i in range(4)]
+        bias = (xb, *st)
+    return (*seg[0], *seg[1], *bias), nseg, xb is not None
+
+
+def combine(q: torch.Tensor, m: torch.Tensor, l_: torch.Tensor, o: torch.Tensor, value_codec, segments) -> torch.Tensor:
+    """Split-K partials + exact tokens -> the decode output, in one launch of ``combine_kernel``.
+
+    q: [B, H_kv, R, D] (scaled); m, l: [B * H_kv, S, R] float32, o: [B * H_kv, S, R, NV] float32 (NV: the value
+    codec's mix length); segments: :func:`qjl.kernels.paged.check_exact`'s result.  Returns [B, H_kv, R, D]
+    float32, equal to ``merge_stacked_partials`` -> ``unmix`` -> ``partial_softmax`` of the exact tokens ->
+    ``merge_partials`` -> divide (:func:`qjl.kernels.reference`) within float32 rounding."""
+    from qjl.kernels.paged import unmix_matrix
+
+    b, hkv, r, d = q.shape
+    nv = o.shape[-1]
+    u = unmix_matrix(value_codec)
+    if u is None and nv != d:
+        raise ValueError(f"a value codec without an unmix matrix must mix {d} coordinates, got {nv}")
+    qf = q.float().contiguous()
+    args, nseg, has_xb = _exact_args(segments, qf)
+    out = torch.empty(b, hkv, r, d, dtype=torch.float32, device=q.device)
+    dt = min(_p2(d), 64 if _p2(nv) <= 128 else 32)
+    cw = _p2(nv) if u is not None else dt
+    combine_kernel[(b * hkv, triton.cdiv(d, dt))](
+        qf, m, l_, o, _on(u, q.device) if u is not None else m, *args, out, hkv, r, d, nv, m.shape[1],
+        RP=_p2(r), DP=_p2(d), CW=cw, DT=dt, NSEG=nseg, HAS_U=u is not None, HAS_XB=has_xb, BLOCK_X=32, SB=4)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _splits(dev, programs: int, max_len: int, block_n: int) -> int:
+    """Token splits per (sequence, KV head): on CUDA enough for about 2 programs per multiprocessor in all and at
+    most 2,048 tokens per split, each at least 4 blocks of ``block_n`` tokens (on an H100: more splits than that
+    did not speed the decode kernel up at batch 1 and slowed the merge; fewer, longer splits slowed batch 8 by
+    half: ``benchmarks/gpu_kernels.py --parts sweep``); elsewhere (the interpreter) one split per 512 tokens, at
+    most 64."""
+    tiles = max(1, math.ceil(max_len / (4 * block_n)))
+    if dev.type == "cuda":
+        sms = _sm_count(torch.cuda.current_device() if dev.index is None else dev.index)
+        return max(1, min(tiles, max(math.ceil(2 * sms / max(1, programs)), math.ceil(max_len / 2048))))
+    return max(1, min(64, max_len // 512))
