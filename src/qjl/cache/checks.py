@@ -55,6 +55,15 @@ def _codecs(store, role: str) -> list:
     return list(cands[0] if role == "key" else cands[1]) if cands else []
 
 
+def _largest(*xs) -> list:
+    """The largest |entry| of each tensor (0.0 for an empty one, NaN/inf where it holds one), read back in one
+    transfer: on a GPU one synchronization per call rather than one per tensor."""
+    tops = [x.abs().amax().float() if x.numel() else None for x in xs]
+    live = [t for t in tops if t is not None]
+    got = iter(torch.stack(live).tolist() if live else [])
+    return [0.0 if t is None else next(got) for t in tops]
+
+
 def check_values(store, keys, values) -> None:
     """Finite values that the exact dtype and the codecs (norms, scales) can store.  One reduction per tensor in the
     common case (decode steps call this per layer): the largest |entry| of what is stored answers finiteness (a NaN
@@ -62,8 +71,7 @@ def check_values(store, keys, values) -> None:
     exact checks run only where that bound does not settle them."""
     k = store.stored_keys(keys)
     v = store.stored_values(values)
-    big = {name: float(x.float().abs().max()) if x.numel() else 0.0 for name, x in (("key_states", k),
-                                                                                     ("value_states", v))}
+    big = dict(zip(("key_states", "value_states"), _largest(k, v)))
     for name, raw in (("key_states", keys), ("value_states", values)):
         if not math.isfinite(big[name]) and not bool(torch.isfinite(raw).all()):
             raise ValueError(f"{name} contain NaN or Inf (first at {_first_bad(raw)}); the cache refuses them "
