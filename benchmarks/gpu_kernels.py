@@ -170,8 +170,8 @@ def part_sweep(device, log) -> list:
         s0 = torch.zeros(b, dtype=torch.int32, device=device)
         s1 = torch.full((b,), st.n_codes, dtype=torch.int32, device=device)
         auto = tk._splits(device, b * HKV, st.n_codes, 16)
-        ref = tk.paged_decode(q, st.key_codec, kf, st.value_codec, vf, bt, bs, s0, s1)
-        for prec in ("ieee", "tf32"):
+        ref = tk.paged_decode(q, st.key_codec, kf, st.value_codec, vf, bt, bs, s0, s1, precision="ieee")
+        for prec in ("ieee", "tf32", "fma"):
             for bn in (16,):
                 for nw in (4, 8):
                     for sp in sorted({max(1, auto // 4), auto, 2 * auto}):
@@ -191,10 +191,11 @@ def part_sweep(device, log) -> list:
         for r in sorted(mine, key=lambda r: r["ms"])[:5]:
             log(f"sweep b={b} n={n} {preset}: {r['precision']} bn={r['block_n']} nw={r['num_warps']} "
                 f"sp={r['splits']} {r['ms']:.3f} ms err {r['err']:.1e}")
-        base = [r for r in mine if r["block_n"] == 16 and r["num_warps"] == 4 and r["splits"] == auto
-                and r["precision"] == "ieee"]
-        if base:
-            log(f"sweep b={b} n={n} {preset}: default ieee bn=16 nw=4 sp={auto}: {base[0]['ms']:.3f} ms")
+        for prec in ("fma", "ieee"):  # the default (auto: fma for these 4 rows) and the tl.dot form
+            base = [r for r in mine if r["block_n"] == 16 and r["num_warps"] == 4 and r["splits"] == auto
+                    and r["precision"] == prec]
+            if base:
+                log(f"sweep b={b} n={n} {preset}: {prec} bn=16 nw=4 default splits {auto}: {base[0]['ms']:.3f} ms")
         del k, v
     return rows
 

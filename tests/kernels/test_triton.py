@@ -95,11 +95,13 @@ def test_pack_matrix_packs_like_pack_bits():
         assert torch.equal(packed[:, : (24 * bits + 7) // 8].to(torch.uint8), pack_bits(idx, bits))
 
 
+@pytest.mark.parametrize("precision", ["auto", "ieee"])  # auto: "fma" for up to 8 rows
 @pytest.mark.parametrize("name", PAIRS)
-def test_paged_decode_every_codec(name):
+def test_paged_decode_every_codec(name, precision):
     c = Case(name, b=2, h=1, rows=3, d=64, n=37, n_exact=4, ragged=True)
     g = c.on(DEV)
-    close(tk.paged_decode(*g.args(), exact=g.exact, code_bias=g.bias, splits=2).cpu(), c.reference(), TOL)
+    close(tk.paged_decode(*g.args(), exact=g.exact, code_bias=g.bias, splits=2, precision=precision).cpu(),
+          c.reference(), TOL)
 
 
 @pytest.mark.parametrize("name,d,rows", [("tq3-tq2", 64, 1), ("tq3-tq2", 128, 4), ("tq3-tq2", 256, 8),
@@ -109,6 +111,19 @@ def test_paged_decode_head_dims_gqa_and_ragged_lengths(name, d, rows):
     c = Case(name, b=2, h=2, rows=rows, d=d, n=45, seed=d + rows)  # 45: not a block multiple
     g = c.on(DEV)
     close(tk.paged_decode(*g.args(), code_bias=g.bias, block_n=16, splits=2).cpu(), c.reference(), TOL)
+
+
+@pytest.mark.parametrize("precision", ["fma", "ieee"])
+@pytest.mark.parametrize("d,rows", [(128, 4), (256, 8), (64, 1), (64, 9)])
+def test_paged_decode_products_head_dims_and_rows(d, rows, precision):
+    """Both forms of the decode kernel's products (``fma``: broadcast tiles summed with tl.sum, rows padded from 2,
+    the default up to 8 rows; ``ieee``: tl.dot in fp32, and what ``fma`` takes above 8 rows): the reference's
+    result within the same bound; an unknown form is refused."""
+    c = Case("tq3-tq2", b=2, h=2, rows=rows, d=d, n=45, seed=d + rows)
+    g = c.on(DEV)
+    close(tk.paged_decode(*g.args(), code_bias=g.bias, splits=2, precision=precision).cpu(), c.reference(), TOL)
+    with pytest.raises(ValueError, match="precision"):
+        tk.paged_decode(*g.args(), precision="bf16")
 
 
 def test_vouched_max_codes_skips_only_the_checks():

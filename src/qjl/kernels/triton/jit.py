@@ -16,9 +16,11 @@ the grid, are in :mod:`qjl.kernels.triton.launch`.  Import only where Triton is 
   window, read in place in their dtype, with an optional additive bias) by the same online softmax, and divides.
 
 All matrix products use ``input_precision="ieee"`` (exact fp32; the packing products must be exact), but for
-``paged_decode_kernel``'s two products, whose precision ``PREC`` its launcher takes (``"ieee"`` by default;
-``"tf32"`` rounds the operands to 10-bit mantissas: about 1e-3 relative, measured by ``benchmarks/gpu_kernels.py
---parts sweep``, not used by the library).
+``paged_decode_kernel``'s two products, whose form ``PREC`` its launcher picks: ``"fma"`` (the default up to 8
+query rows: fp32 products of broadcast tiles summed with ``tl.sum`` instead of ``tl.dot``, no operand layout
+conversions, the rows padded to a power of two from 2, not 16), ``"ieee"`` (``tl.dot`` in fp32; above 8 rows) or
+``"tf32"`` (operands rounded to 10-bit mantissas: about 2e-3 of the output's scale; measured by
+``benchmarks/gpu_kernels.py --parts sweep``, not used by the library).
 """
 
 import triton
@@ -130,7 +132,10 @@ def _term_scores(q_ptr, c_base, c_off, n_base, n_off, cent_ptr, q_row0, q_tok, o
     else:
         q = tl.load(q_ptr + q_row0 + offs_r[:, None] * NC + offs_c[None, :],
                     mask=(offs_r[:, None] < R) & (offs_c[None, :] < NC), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if PREC == "fma":  # plain products summed over the coordinates: no operand layouts, no padded rows
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
     return s * nrm[None, :]
 
 
@@ -190,7 +195,10 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
         if HAS_ZERO:
             z_off = (blk * vz_sb + h * vz_sh + slot * vz_st)[:, None] + grp[None, :] * ZB
             v += tl.where(ok, _scalar(vz_base, tl.where(ok, z_off, 0), ZDT), 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+        if PREC == "fma":
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
         m_i = m_new
     out = (bh * SPLITS + split) * R + offs_r
     rmask = offs_r < R
