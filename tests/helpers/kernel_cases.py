@@ -105,3 +105,17 @@ def close(got, want, tol):
     assert torch.isfinite(got).all()
     err = (got - want).abs().max().item()
     assert err <= tol * want.abs().max().item(), err
+
+
+def segment_views(xk, xv, cuts, dtype, device="cpu"):
+    """Exact tokens xk, xv [2, 2, n, 64] cut at ``cuts`` into segments (empty ones too), each a strided view of a
+    larger buffer in ``dtype`` (as a sink or window buffer with spare capacity holds them) -> (keys, values)."""
+    bounds = [0, *cuts, xk.shape[2]]
+    ks, vs = [], []
+    for lo, hi in zip(bounds, bounds[1:]):
+        bk = torch.zeros(2, 2, 8, 64, dtype=dtype, device=device)
+        bv = torch.zeros(2, 2, 8, 64, dtype=dtype, device=device)
+        bk[:, :, 1:1 + hi - lo], bv[:, :, 1:1 + hi - lo] = xk[:, :, lo:hi], xv[:, :, lo:hi]
+        ks.append(bk[:, :, 1:1 + hi - lo])
+        vs.append(bv[:, :, 1:1 + hi - lo])
+    return ks, vs

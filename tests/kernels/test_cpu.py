@@ -4,7 +4,7 @@ integer path, ``impl="c-int"``: test_cpu_int.py)."""
 import pytest
 import torch
 
-from kernel_cases import PAIRS, Case, close
+from kernel_cases import PAIRS, Case, close, segment_views
 from qjl import kernels
 from qjl.kernels.cpu import launch
 
@@ -43,14 +43,7 @@ def test_exact_segments_read_in_place(dtype, cuts, impl):
     c = Case("tq3-tq2", b=2, h=2, rows=4, n=77, n_exact=5, seed=3)
     xk, xv, xb = c.exact
     xk, xv = xk.to(dtype).float(), xv.to(dtype).float()
-    bounds = [0, *cuts, 5]
-    ks, vs = [], []
-    for lo, hi in zip(bounds, bounds[1:]):
-        bk = torch.zeros(2, 2, 8, 64, dtype=dtype)  # a window buffer with spare capacity: the segment is a view
-        bv = torch.zeros(2, 2, 8, 64, dtype=dtype)
-        bk[:, :, 1:1 + hi - lo], bv[:, :, 1:1 + hi - lo] = xk[:, :, lo:hi], xv[:, :, lo:hi]
-        ks.append(bk[:, :, 1:1 + hi - lo])
-        vs.append(bv[:, :, 1:1 + hi - lo])
+    ks, vs = segment_views(xk, xv, cuts, dtype)
     want = launch.paged_decode(*c.args(), code_bias=c.bias, exact=(xk, xv, xb), impl=impl)
     close(launch.paged_decode(*c.args(), code_bias=c.bias, exact=(tuple(ks), tuple(vs), xb), impl=impl), want, TOL)
     c.exact = (xk, xv, xb)

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from kernel_cases import PAIRS, TRITON_DEVICE as DEV, Case, close, codec_pair
+from kernel_cases import PAIRS, TRITON_DEVICE as DEV, Case, close, codec_pair, segment_views
 from paged_pool import paged_pool
 
 triton = pytest.importorskip("triton")
@@ -159,14 +159,7 @@ def test_combine_reads_exact_segments_in_place(dtype, cuts):
     c = Case("tq3-tq2", b=2, h=2, rows=4, n=77, n_exact=5, seed=3)
     xk, xv, xb = c.exact
     xk, xv = xk.to(dtype).float(), xv.to(dtype).float()
-    bounds = [0, *cuts, 5]
-    ks, vs = [], []
-    for lo, hi in zip(bounds, bounds[1:]):
-        bk = torch.zeros(2, 2, 8, 64, dtype=dtype, device=DEV)  # a buffer with spare capacity: the segment a view
-        bv = torch.zeros(2, 2, 8, 64, dtype=dtype, device=DEV)
-        bk[:, :, 1:1 + hi - lo], bv[:, :, 1:1 + hi - lo] = xk[:, :, lo:hi], xv[:, :, lo:hi]
-        ks.append(bk[:, :, 1:1 + hi - lo])
-        vs.append(bv[:, :, 1:1 + hi - lo])
+    ks, vs = segment_views(xk, xv, cuts, dtype, DEV)
     g = c.on(DEV)
     for bias in (xb, xb[:1], xb[:, :1], xb[:1, :1, :1], None):
         c.exact = (xk, xv, bias)

@@ -8,8 +8,8 @@ the grid, are in :mod:`qjl.kernels.triton.launch`.  Import only where Triton is 
 * ``paged_decode_kernel`` -- split-K decode attention over paged codes: one program per (sequence x KV
   head, token split); the query rows of the GQA group are loaded once, then per block of tokens the
   block table gives each token's page, the key codes (1 or 2 terms) are unpacked and scored against all
-  rows with one ``tl.dot`` (or per token when the query map differs per page), an online softmax is
-  kept, and the value codes are unpacked, scaled and accumulated with ``p @ v``.
+  rows with one product (``PREC`` below; per token when the query map differs per page), an online softmax
+  is kept, and the value codes are unpacked, scaled and accumulated with ``p @ v``.
 * ``combine_kernel`` -- the rest of a decode step in one launch: one program per (sequence x KV head, tile of
   output coordinates) merges the split-K partials of ``paged_decode_kernel``, maps the merged values out of the
   value codec's mix basis (``unmix``, a matrix), folds in the exact tokens (up to two segments, e.g. sinks and
