@@ -126,6 +126,16 @@ def test_paged_decode_products_head_dims_and_rows(d, rows, precision):
         tk.paged_decode(*g.args(), precision="bf16")
 
 
+def test_product_form_follows_the_measured_tile_size():
+    """"auto" takes the tl.sum products only for tiles up to the measured one (4 padded rows x 128 coordinates);
+    an explicit "fma" up to 8 rows; beyond, the fp32 tl.dot."""
+    for d, rows, auto, fma in [(128, 4, "fma", "fma"), (128, 3, "fma", "fma"), (64, 8, "fma", "fma"),
+                               (128, 8, "ieee", "fma"), (256, 4, "ieee", "fma"), (128, 9, "ieee", "ieee")]:
+        kc, vc = codec_pair("tq3-tq2", d)
+        assert tk.product_form("auto", rows, kc, vc) == auto, (d, rows)
+        assert tk.product_form("fma", rows, kc, vc) == fma, (d, rows)
+
+
 def test_vouched_max_codes_skips_only_the_checks():
     """max_codes (the caller vouches for its ranges: no read-back from the GPU) gives the same output."""
     c = Case("tq3-tq2", b=2, h=2, rows=4, n=40, n_exact=2)

@@ -15,7 +15,7 @@ import triton
 from qjl.core.devices import on_device
 from qjl.kernels.triton.jit import combine_kernel, paged_decode_kernel, quantize_kernel
 
-__all__ = ["quantize", "paged_decode", "pack_matrix"]
+__all__ = ["quantize", "paged_decode", "pack_matrix", "product_form", "combine"]
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 
@@ -99,9 +99,10 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     (no ``tl.dot`` operand layouts, query rows padded to a power of two from 2 instead of 16), up to 8 query rows
     (more go through ``"ieee"``: with 16 padded rows Triton's compiler turned those sums into a TF32 ``tl.dot`` on an
     H100, 2e-3 off); ``"ieee"``: ``tl.dot`` in fp32; ``"tf32"``: ``tl.dot`` on TF32-rounded inputs (about 2e-3 of the
-    output's scale); ``"auto"`` (the default): ``"fma"``, which on an H100 took a Llama-3-8B layer's decode from
-    3.86 to 2.31 ms at 128k tokens and from 14.0 to 7.5 ms for 8 sequences of 64k, at fp32 accuracy
-    (``benchmarks/gpu_kernels.py --parts sweep``).  ``block_n``, ``num_warps``: tuning knobs for the same sweep."""
+    output's scale); ``"auto"`` (the default): ``"fma"`` for tiles up to the measured size (:func:`product_form`),
+    which on an H100 took a Llama-3-8B layer's decode from 3.86 to 2.31 ms at 128k tokens and from 14.0 to 7.5 ms
+    for 8 sequences of 64k, at fp32 accuracy (``benchmarks/gpu_kernels.py --parts sweep``), else ``"ieee"``.
+    ``block_n``, ``num_warps``: tuning knobs for the same sweep."""
     from qjl.codecs.views import kernel_readable
     from qjl.kernels.paged import check_exact, check_paged, term_queries
 
@@ -114,7 +115,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if precision not in ("auto", "ieee", "tf32", "fma"):
         raise ValueError(f"precision must be 'auto', 'ieee', 'tf32' or 'fma', got {precision!r}")
     if precision in ("auto", "fma"):
-        precision = "fma" if _p2(q.shape[2], 2) <= 8 else "ieee"
+        precision = product_form(precision, q.shape[2], key_codec, value_codec)
     segments = check_exact(exact, q)
     kview, vview = key_codec.score_view(), value_codec.mix_view()
     b, hkv, r, d = q.shape
@@ -214,6 +215,19 @@ def combine(q: torch.Tensor, m: torch.Tensor, l_: torch.Tensor, o: torch.Tensor,
         qf, m, l_, o, _on(u, q.device) if u is not None else m, *args, out, hkv, r, d, nv, m.shape[1],
         RP=_p2(r), DP=_p2(d), CW=cw, DT=dt, NSEG=nseg, HAS_U=u is not None, HAS_XB=has_xb, BLOCK_X=32, SB=4)
     return out
+
+
+def product_form(precision: str, rows: int, key_codec, value_codec) -> str:
+    """The decode kernel's product form for ``"auto"`` or ``"fma"``: ``"fma"`` where its broadcast tiles stay as
+    small as the measured case (padded rows x coordinates <= 4 x 128, Llama-3-8B's group of 4 at head size 128;
+    larger tiles, e.g. 8 rows at 128 or 4 at 256, were tested natively but not timed) and, for an explicit
+    ``"fma"``, up to 8 rows (16 padded rows compiled into a TF32 product on an H100); else ``"ieee"``."""
+    rp = _p2(rows, 2)
+    kview, vview = key_codec.score_view(), value_codec.mix_view()
+    width = max([_p2(t.codes.length) for t in kview.terms] + [_p2(vview.codes.length)])
+    if rp > 8 or (precision == "auto" and rp * width > 4 * 128):
+        return "ieee"
+    return "fma"
 
 
 @functools.lru_cache(maxsize=None)
