@@ -114,7 +114,7 @@ def test_paged_decode_head_dims_gqa_and_ragged_lengths(name, d, rows):
 
 
 @pytest.mark.parametrize("precision", ["fma", "ieee"])
-@pytest.mark.parametrize("d,rows", [(128, 4), (256, 8), (64, 1), (64, 9)])
+@pytest.mark.parametrize("d,rows", [(128, 4), (256, 8), (64, 1), (64, 9), (80, 3)])  # 80: no power of two
 def test_paged_decode_products_head_dims_and_rows(d, rows, precision):
     """Both forms of the decode kernel's products (``fma``: broadcast tiles summed with tl.sum, rows padded from 2,
     the default up to 8 rows; ``ieee``: tl.dot in fp32, and what ``fma`` takes above 8 rows): the reference's
