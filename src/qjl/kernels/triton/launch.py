@@ -222,8 +222,10 @@ def product_form(precision: str, rows: int, key_codec, value_codec) -> str:
     small as the measured case (padded rows x coordinates <= 4 x 128, Llama-3-8B's group of 4 at head size 128;
     larger tiles, e.g. 8 rows at 128 or 4 at 256, were tested natively but not timed) and, for an explicit
     ``"fma"``, up to 8 rows (16 padded rows compiled into a TF32 product on an H100); else ``"ieee"``."""
+    from qjl.kernels.paged import views
+
     rp = _p2(rows, 2)
-    kview, vview = key_codec.score_view(), value_codec.mix_view()
+    kview, vview = views(key_codec, value_codec)  # (built once per codec pair)
     width = max([_p2(t.codes.length) for t in kview.terms] + [_p2(vview.codes.length)])
     if rp > 8 or (precision == "auto" and rp * width > 4 * 128):
         return "ieee"
