@@ -225,6 +225,26 @@ def part_profile(device, log) -> dict:
     return {"table": table}
 
 
+def _generate(model, cache, ids, context: int, new_tokens: int, device) -> tuple:
+    """Prefill ``ids`` in 4k chunks, then ``new_tokens`` greedy steps -> (prefill s, per-step s, next id, tokens)."""
+    t0 = time.perf_counter()
+    out = None
+    for s in range(0, context, 4096):
+        out = model(ids[:, s:s + 4096], past_key_values=cache, use_cache=True)
+    nxt = out.logits[:, -1:].argmax(-1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    prefill = time.perf_counter() - t0
+    steps, toks = [], []
+    for _ in range(new_tokens):
+        t = time.perf_counter()
+        out = model(nxt, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        toks.append(int(nxt))  # .item() synchronizes
+        steps.append(time.perf_counter() - t)
+    return prefill, steps, nxt, toks
+
+
 def part_e2e(device, context, new_tokens, layers, log) -> list:
     import qjl
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -260,24 +280,9 @@ def part_e2e(device, context, new_tokens, layers, log) -> list:
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        flash.__enter__()
-        t0 = time.perf_counter()
-        out = None
-        for s in range(0, context, 4096):
-            out = model(ids[:, s:s + 4096], past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        prefill = time.perf_counter() - t0
-        steps, toks = [], []
-        for _ in range(new_tokens):
-            t = time.perf_counter()
-            out = model(nxt, past_key_values=cache, use_cache=True)
-            nxt = out.logits[:, -1:].argmax(-1)
-            toks.append(int(nxt))  # .item() synchronizes
-            steps.append(time.perf_counter() - t)
+        with flash:
+            prefill, steps, nxt, toks = _generate(model, cache, ids, context, new_tokens, device)
         warm = statistics.median(steps[3:])
-        flash.__exit__(None, None, None)
         if method in ("dynamic", "qjl-tq-k3v2") and device.type == "cuda":  # where one decode step's time goes
             from torch.profiler import ProfilerActivity, profile
 
@@ -297,7 +302,7 @@ def part_e2e(device, context, new_tokens, layers, log) -> list:
         rows.append(row)
         log(f"e2e {method:<14} {context} tokens, {layers} layers: decode {warm * 1e3:.2f} ms/token "
             f"({1 / warm:.1f} tok/s), prefill {prefill:.2f} s, cache {held / 2**20:.1f} MiB, peak {peak} MiB")
-        del cache, out
+        del cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
     by = {r["method"]: r["tokens"] for r in rows}

@@ -165,26 +165,27 @@ def _ranges(b: int, n_codes: int, dev) -> tuple:
             torch.full((b,), n_codes, dtype=torch.int32, device=dev))
 
 
-def _kept_ranges(key_fields, b: int, n_codes: int, dev) -> tuple:
-    """:func:`_ranges`, kept in the key fields' memo until the codes' count changes (no tensor built per layer and
-    step: on a GPU each would be a launch)."""
-    params = (b, n_codes, dev)
-    memo = key_fields.memo
-    hit = memo.get("attend_ranges")
+def _kept(key_fields, name: str, params: tuple, build):
+    """``build()``, kept in the key fields' memo under ``name`` until ``params`` change (one entry each: a flush,
+    which changes the codes' count, replaces it)."""
+    hit = key_fields.memo.get(name)
     if hit is None or hit[0] != params:
-        hit = memo["attend_ranges"] = (params, _ranges(b, n_codes, dev))
+        hit = key_fields.memo[name] = (params, build())
     return hit[1]
+
+
+def _kept_ranges(key_fields, b: int, n_codes: int, dev) -> tuple:
+    """:func:`_ranges`, kept between steps (no tensor built per layer and step: on a GPU each would be a launch)."""
+    return _kept(key_fields, "attend_ranges", (b, n_codes, dev), lambda: _ranges(b, n_codes, dev))
 
 
 def _cpu_step(key_fields, b: int, n_codes: int, block_size: int, segments: int):
     """The C kernel's :class:`qjl.kernels.cpu.launch.DecodeStep` of codes [0, n_codes) in one block per sequence,
-    kept in the key fields' memo until the codes' count changes (one entry: a flush replaces it)."""
+    kept between steps."""
     from qjl.kernels.cpu.launch import DecodeStep
 
-    params = (b, n_codes, block_size, segments)
-    memo = key_fields.memo
-    hit = memo.get("attend_step")
-    if hit is None or hit[0] != params:
+    def build():
         table, start, end = _ranges(b, n_codes, torch.device("cpu"))
-        hit = memo["attend_step"] = (params, DecodeStep(table, block_size, start, end, segments=segments))
-    return hit[1]
+        return DecodeStep(table, block_size, start, end, segments=segments)
+
+    return _kept(key_fields, "attend_step", (b, n_codes, block_size, segments), build)

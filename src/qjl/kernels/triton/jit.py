@@ -140,6 +140,21 @@ def _term_scores(q_ptr, c_base, c_off, n_base, n_off, cent_ptr, q_row0, q_tok, o
 
 
 @triton.jit
+def _online(m_i, l_i, acc, s, v, PREC: tl.constexpr):
+    """One online-softmax step: logits s [RP, n] (-inf where masked), values v [n, W] -> (m, l, acc [RP, W]);
+    ``p @ v`` as ``tl.sum`` of broadcast products (PREC "fma") or ``tl.dot`` with PREC's input precision."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    if PREC == "fma":
+        pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    else:
+        pv = tl.dot(p, v, input_precision=PREC)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1_sh, n1_st, cent1_ptr,
                         q2_ptr, c2_base, c2_sb, c2_sh, c2_st, n2_base, n2_sb, n2_sh, n2_st, cent2_ptr,
                         vc_base, vc_sb, vc_sh, vc_st, vs_base, vs_sb, vs_sh, vs_st, vz_base, vz_sb, vz_sh, vz_st,
@@ -182,11 +197,6 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
         if HAS_BIAS:
             s += tl.load(bias_ptr + b * BIAS_STRIDE + offs_t, mask=ok_t, other=0.0)[None, :]
         s = tl.where(ok_t[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         code, ok = _unpack(vc_base, blk * vc_sb + h * vc_sh + slot * vc_st, offs_v, NV, ok_t, VBITS)
         grp = offs_v // GS
         s_off = (blk * vs_sb + h * vs_sh + slot * vs_st)[:, None] + grp[None, :] * SB
@@ -195,11 +205,7 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
         if HAS_ZERO:
             z_off = (blk * vz_sb + h * vz_sh + slot * vz_st)[:, None] + grp[None, :] * ZB
             v += tl.where(ok, _scalar(vz_base, tl.where(ok, z_off, 0), ZDT), 0.0)
-        if PREC == "fma":
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _online(m_i, l_i, acc, s, v, PREC)
     out = (bh * SPLITS + split) * R + offs_r
     rmask = offs_r < R
     tl.store(m_ptr + out, m_i, mask=rmask)
@@ -207,14 +213,6 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
     tl.store(o_ptr + out[:, None] * NV + offs_v[None, :], acc, mask=rmask[:, None] & (offs_v < NV)[None, :])
 
 
-@triton.jit
-def _online(m_i, l_i, acc, s, v):
-    """One online-softmax step: logits s [RP, n] (-inf where masked), values v [n, W] -> (m, l, acc [RP, W])."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
 
 
 @triton.jit
@@ -234,7 +232,7 @@ def _exact_segment(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, k_st, v_st, N, 
         s = tl.where(tm[None, :], s, float("-inf"))
         v = tl.load(v_ptr + v_off + offs_t[:, None] * v_st + offs_o[None, :], mask=tm[:, None] & omask[None, :],
                     other=0.0).to(tl.float32)
-        m_i, l_i, acc = _online(m_i, l_i, acc, s, v)
+        m_i, l_i, acc = _online(m_i, l_i, acc, s, v, "ieee")
     return m_i, l_i, acc
 
 

@@ -15,7 +15,7 @@ import triton
 from qjl.core.devices import on_device
 from qjl.kernels.triton.jit import combine_kernel, paged_decode_kernel, quantize_kernel
 
-__all__ = ["quantize", "paged_decode", "pack_matrix", "product_form", "combine"]
+__all__ = ["quantize", "paged_decode", "pack_matrix", "product_form"]
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 
@@ -104,7 +104,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     for 8 sequences of 64k, at fp32 accuracy (``benchmarks/gpu_kernels.py --parts sweep``), else ``"ieee"``.
     ``block_n``, ``num_warps``: tuning knobs for the same sweep."""
     from qjl.codecs.views import kernel_readable
-    from qjl.kernels.paged import check_exact, check_paged, term_queries
+    from qjl.kernels.paged import check_exact, check_paged, term_queries, views
 
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the Triton kernel does not read {type(key_codec).__name__} keys with "
@@ -112,12 +112,9 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if max_codes is None:  # else the caller vouches for the arguments (qjl.kernels.paged.paged_decode)
         check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                     code_end)
-    if precision not in ("auto", "ieee", "tf32", "fma"):
-        raise ValueError(f"precision must be 'auto', 'ieee', 'tf32' or 'fma', got {precision!r}")
-    if precision in ("auto", "fma"):
-        precision = product_form(precision, q.shape[2], key_codec, value_codec)
+    precision = product_form(precision, q.shape[2], key_codec, value_codec)
     segments = check_exact(exact, q)
-    kview, vview = key_codec.score_view(), value_codec.mix_view()
+    kview, vview = views(key_codec, value_codec)
     b, hkv, r, d = q.shape
     dev = q.device
     bt = block_table.to(torch.int32).contiguous()
@@ -156,25 +153,23 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         ZB=vz.entry_bytes // max(1, vz.shape[0] if vz.shape else 1), HAS2=len(kview.terms) == 2,
         HAS_ZERO=vview.zero is not None, HAS_BIAS=code_bias is not None, PER_BLOCK=bool(kview.shared),
         BLOCK_N=block_n, PREC=precision, num_warps=num_warps, **consts)
-    return combine(q, m, l_, o, value_codec, segments)
+    return _combine(q, m, l_, o, value_codec, segments)
 
 
 def _exact_args(segments, q: torch.Tensor) -> tuple:
     """The combine kernel's exact-token arguments: (2 x (k, 3 strides, v, 3 strides, n), bias + 4 strides,
-    number of segments).  More than two segments are joined into two; a segment's last axis made contiguous."""
-    from qjl.kernels.paged import PagedRows
+    number of segments).  Empty segments dropped; more than two joined into one (:func:`joined_exact`); rows in
+    pages gathered; a segment's last axis made contiguous."""
+    from qjl.kernels.paged import PagedRows, joined_exact
 
-    if segments is None:
-        ks, vs, xb = (), (), None
-    else:
-        ks, vs, xb = segments
-        ks = [k.gather() if isinstance(k, PagedRows) else k for k in ks]
-        vs = [v.gather() if isinstance(v, PagedRows) else v for v in vs]
-        keep = [i for i, k in enumerate(ks) if k.shape[2] > 0]  # an empty segment holds no bias column either
-        ks, vs = [ks[i] for i in keep], [vs[i] for i in keep]
-        if len(ks) > 2:
-            ks = [ks[0], torch.cat([k.float() for k in ks[1:]], -2)]
-            vs = [vs[0], torch.cat([v.float() for v in vs[1:]], -2)]
+    ks, vs, xb = ((), (), None) if segments is None else segments
+    keep = [i for i, k in enumerate(ks) if k.shape[2] > 0]  # an empty segment holds no bias column either
+    ks, vs = [ks[i] for i in keep], [vs[i] for i in keep]
+    if len(ks) > 2:
+        xk, xv, _ = joined_exact((tuple(ks), tuple(vs), None))
+        ks, vs = [xk], [xv]
+    ks = [k.gather() if isinstance(k, PagedRows) else k for k in ks]
+    vs = [v.gather() if isinstance(v, PagedRows) else v for v in vs]
     seg = []
     for k, v in zip(ks, vs):
         k = k if k.stride(-1) == 1 else k.contiguous()
@@ -192,7 +187,8 @@ def _exact_args(segments, q: torch.Tensor) -> tuple:
     return (*seg[0], *seg[1], *bias), nseg, xb is not None
 
 
-def combine(q: torch.Tensor, m: torch.Tensor, l_: torch.Tensor, o: torch.Tensor, value_codec, segments) -> torch.Tensor:
+def _combine(q: torch.Tensor, m: torch.Tensor, l_: torch.Tensor, o: torch.Tensor, value_codec,
+             segments) -> torch.Tensor:
     """Split-K partials + exact tokens -> the decode output, in one launch of ``combine_kernel``.
 
     q: [B, H_kv, R, D] (scaled); m, l: [B * H_kv, S, R] float32, o: [B * H_kv, S, R, NV] float32 (NV: the value
@@ -218,12 +214,20 @@ def combine(q: torch.Tensor, m: torch.Tensor, l_: torch.Tensor, o: torch.Tensor,
 
 
 def product_form(precision: str, rows: int, key_codec, value_codec) -> str:
-    """The decode kernel's product form for ``"auto"`` or ``"fma"``: ``"fma"`` where its broadcast tiles stay as
-    small as the measured case (padded rows x coordinates <= 4 x 128, Llama-3-8B's group of 4 at head size 128;
-    larger tiles, e.g. 8 rows at 128 or 4 at 256, were tested natively but not timed) and, for an explicit
-    ``"fma"``, up to 8 rows (16 padded rows compiled into a TF32 product on an H100); else ``"ieee"``."""
+    """The decode kernel's product form for :func:`paged_decode`'s ``precision`` and ``rows`` query rows per KV
+    head: ``"ieee"`` and ``"tf32"`` as given; ``"auto"`` -> ``"fma"`` where its broadcast tiles stay as small as the
+    measured case (padded rows x coordinates <= 4 x 128, Llama-3-8B's group of 4 at head size 128; larger tiles,
+    e.g. 8 rows at 128 or 4 at 256, were tested natively but not timed), else ``"ieee"``; ``"fma"`` -> ``"fma"`` up
+    to 8 rows (16 padded rows compiled into a TF32 product on an H100), else ``"ieee"``.  ValueError for another
+    precision or rows that are not a positive int."""
     from qjl.kernels.paged import views
 
+    if precision not in ("auto", "ieee", "tf32", "fma"):
+        raise ValueError(f"precision must be 'auto', 'ieee', 'tf32' or 'fma', got {precision!r}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive int, got {rows!r}")
+    if precision in ("ieee", "tf32"):
+        return precision
     rp = _p2(rows, 2)
     kview, vview = views(key_codec, value_codec)  # (built once per codec pair)
     width = max([_p2(t.codes.length) for t in kview.terms] + [_p2(vview.codes.length)])
