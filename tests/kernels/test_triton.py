@@ -134,6 +134,11 @@ def test_product_form_follows_the_measured_tile_size():
         kc, vc = codec_pair("tq3-tq2", d)
         assert tk.product_form("auto", rows, kc, vc) == auto, (d, rows)
         assert tk.product_form("fma", rows, kc, vc) == fma, (d, rows)
+        for given in ("ieee", "tf32"):  # taken as given
+            assert tk.product_form(given, rows, kc, vc) == given
+    for bad, rows in (("bf16", 4), ("FMA", 4), ("auto", 0), ("auto", True), ("auto", 2.0)):
+        with pytest.raises(ValueError, match="precision" if rows == 4 else "rows"):
+            tk.product_form(bad, rows, kc, vc)
 
 
 def test_vouched_max_codes_skips_only_the_checks():
