@@ -3,6 +3,7 @@
     python benchmarks/vllm_layer_profile.py --threads 1 --context 1024
     python benchmarks/vllm_layer_profile.py --threads 2 --context 1024
     python benchmarks/vllm_layer_profile.py --preset tq-k3v2 --threads 2 --context 3584 --chunk 512
+    python benchmarks/vllm_layer_profile.py --preset tq-k3v2 --threads 2 --context 8192 --cycle-layers 30 --flush-mib 64
 
 One layer of the embedded model's shape (3 KV heads, 9 query heads, head_dim 64, ``--block-size``-token pages) in a
 page pool
@@ -18,7 +19,9 @@ call of a native layer costs, roughly).  With ``--chunk C``: the attention of a 
 ``--context`` tokens before it (the backend's ``forward_batch``, its codes written once before; the history
 dequantized), ``prefill_chunk`` through vLLM's CPU kernel as the backend runs it (:class:`.prefill.VLLMPrefill`;
 the torch path where vLLM's ops do not load) and ``prefill_chunk.sdpa`` through torch's fused float32 SDPA (the
-reference), timed alternately.  Prints a JSON object.
+reference), timed alternately.  ``--cycle-layers N``: ``decode.kernel`` again, cycling over N copies of the
+layer's pages (what an engine's layers see: the other layers' pages between two calls); ``--flush-mib M``: again
+after M MiB written between calls (cold caches).  Prints a JSON object.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--block-size", type=int, default=128, help="tokens per page (vLLM's CPU default: 128)")
     ap.add_argument("--chunk", type=int, default=0, help="also time a prefill chunk of this many tokens (0: no)")
+    ap.add_argument("--cycle-layers", type=int, default=0,
+                    help="also time decode.kernel cycling over this many copies of the layer's pages, as an engine's "
+                    "layers follow each other (0: no)")
+    ap.add_argument("--flush-mib", type=int, default=0,
+                    help="also time decode.kernel after writing this many MiB between calls (caches cold; 0: no)")
     ap.add_argument("--layer", type=int, default=20, help="layer index of 30 (the default preset's keys: 4 bits "
                     "below 15, 5 bits from 15 on)")
     args = ap.parse_args(argv)
@@ -112,6 +120,32 @@ def main(argv=None) -> dict:
                                                               exact_fields=ex, segments=cur), r),
         "write_exact": _median_ms(lambda: write_exact(plan, fields, k, v), r),
         "dense_sdpa_bf16": _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, kk), r)}}
+    kernel = (lambda kf_, vf_, ex_: paged_decode_step(qk, lay.key_codec, kf_, lay.value_codec, vf_, step,  # noqa: E731
+                                                     exact_fields=ex_, segments=cur))
+    if args.cycle_layers:  # each copy its own pages and field maps (the arguments kept per map, as in the backend)
+        copies = []
+        for _ in range(args.cycle_layers):
+            fi = page_fields(lay, pages.clone())
+            copies.append((role_fields(fi, "key"), role_fields(fi, "value"),
+                           (fi["exact.key"], fi["exact.value"]) if ex else None))
+        for c in copies:
+            kernel(*c)
+        ts = []
+        for _ in range(max(3, r // 5)):
+            for c in copies:
+                t0 = time.perf_counter()
+                kernel(*c)
+                ts.append(time.perf_counter() - t0)
+        res["ms"][f"decode.kernel.cycled{args.cycle_layers}"] = sorted(ts)[len(ts) // 2] * 1e3
+    if args.flush_mib:
+        junk = torch.empty(args.flush_mib * 2**20 // 4)
+        ts = []
+        for _ in range(r):
+            junk.uniform_()  # (not timed)
+            t0 = time.perf_counter()
+            kernel(kf, vf, ex)
+            ts.append(time.perf_counter() - t0)
+        res["ms"][f"decode.kernel.flushed{args.flush_mib}"] = sorted(ts)[len(ts) // 2] * 1e3
     if args.chunk:
         c = args.chunk
         q, k, v = x(c, hq, d), x(c, hkv, d), x(c, hkv, d)
