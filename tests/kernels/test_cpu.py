@@ -144,6 +144,46 @@ def test_decode_step_equals_paged_decode(name, impl):
                                            impl=impl))
 
 
+def test_decode_step_binds_exact_fields_once():
+    """With FieldMaps (the vLLM backend's), a layer's exact fields are bound once (their buffers' addresses and
+    extents kept in the key fields' memo) and read at each step's own offsets: a later step over the same fields, a
+    buffer swapped in place (new storage: the binding is rebuilt) and another layer's fields all equal
+    paged_decode bit for bit, and a field of another geometry is still refused."""
+    from qjl.kernels.paged import FieldMap, PagedField
+
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=77, n_exact=5, seed=3, masked=False)
+    rows, fields, cur = _paged_exact(c)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    kf, vf = FieldMap(kf), FieldMap(vf)
+    xb = c.exact[2]
+
+    def both(step_rows, exact_fields, segment):
+        step = launch.DecodeStep(bt, bs, start, end, rows=step_rows, segments=1, xbias=xb)
+        got = launch.paged_decode_step(q, kc, kf, vc, vf, step, exact_fields=exact_fields, segments=(segment,))
+        want = launch.paged_decode(q, kc, kf, vc, vf, bt, bs, start, end,
+                                   exact=((step_rows[0], segment[0]), (step_rows[1], segment[1]), xb))
+        assert torch.equal(got, want)
+        return got
+
+    first = both(rows, fields, cur)
+    bound = [v for key, v in kf.memo.items() if key[0] == "rows"]
+    assert len(bound) == 1
+    rows_b, _, _ = _paged_exact(c, seed=5)  # the next step: other slots of the same pools
+    rows_b = tuple(type(r)(f, r.offsets, r.heads) for r, f in zip(rows_b, fields))
+    assert not torch.equal(both(rows_b, fields, cur), first)
+    assert [v for key, v in kf.memo.items() if key[0] == "rows"] == bound  # the same binding, read at new offsets
+    fields[0].buffer.set_(fields[0].buffer.clone().mul_(2).untyped_storage())  # swapped in place: rebuilt
+    assert not torch.equal(both(rows, fields, cur), first)
+    other_rows, other_fields, other_cur = _paged_exact(Case("tq3-tq2", b=2, h=2, rows=4, n=77, n_exact=5, seed=9,
+                                                            masked=False))
+    both(other_rows, other_fields, other_cur)  # another layer's exact fields
+    f = fields[0]
+    moved = PagedField(f.buffer, f.offset + 2, f.stride_block, f.stride_head, f.stride_token, f.dtype, f.shape)
+    step = launch.DecodeStep(bt, bs, start, end, rows=rows, segments=1, xbias=xb)
+    with pytest.raises(ValueError, match="offset, strides"):
+        launch.paged_decode_step(q, kc, kf, vc, vf, step, exact_fields=(moved, fields[1]), segments=(cur,))
+
+
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("odtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_decode_step_raw_query_and_output_dtype(qdtype, odtype):

@@ -374,6 +374,36 @@ def _segment(a: _Args, e, k, v) -> None:
         e.k_room, e.v_room = extent_bytes(k.field.buffer), extent_bytes(v.field.buffer)
 
 
+class _RowsBinding:
+    """A (key, value) pair of exact fields as the C exact segment reads rows in place from them: each buffer's
+    address, head stride and extent (the bytes the rows may reach, against which the kernel checks every offset),
+    taken once; :meth:`holds` tells whether a call's fields are these objects with buffers that kept their address,
+    shape and strides."""
+
+    __slots__ = ("fields", "geometry", "snap", "k", "v", "k_sh", "v_sh", "k_room", "v_room")
+
+    def __init__(self, ffi, fields: tuple, geometry: tuple):
+        from qjl.kernels.paged import extent_bytes
+
+        kf, vf = fields
+        self.fields, self.geometry = fields, geometry
+        self.snap = tuple((f.buffer.data_ptr(), tuple(f.buffer.shape), f.buffer.stride()) for f in fields)
+        self.k, self.v = (ffi.cast("const uint8_t *", f.buffer.data_ptr()) for f in fields)
+        self.k_sh, self.v_sh = kf.stride_head, vf.stride_head
+        self.k_room, self.v_room = extent_bytes(kf.buffer), extent_bytes(vf.buffer)
+
+    def holds(self, fields: tuple) -> bool:
+        return all(f is g and g.buffer.data_ptr() == p and g.buffer.shape == sh and g.buffer.stride() == st
+                   for f, g, (p, sh, st) in zip(fields, self.fields, self.snap))
+
+    def fill(self, e, step: "DecodeStep") -> None:
+        """Fill the C exact segment ``e`` with ``step``'s rows read in these fields."""
+        e.n, e.dtype = step.n_rows, step.rows_dtype
+        e.k, e.v, e.k_sh, e.v_sh = self.k, self.v, self.k_sh, self.v_sh
+        e.k_off, e.v_off = step.c_offsets
+        e.k_room, e.v_room = self.k_room, self.v_room
+
+
 class DecodeStep:
     """What the decode calls of one step share -- the block table, the coded ranges, the exact rows' byte offsets
     and the exact tokens' bias (every layer of a vLLM step) -- checked and turned into C arguments once, for
@@ -423,6 +453,8 @@ class DecodeStep:
             self.n_rows, self.heads, self.dim = kr.shape[2], kr.shape[1], kr.shape[3]
             self.geometry = (field_geometry(kr.field), field_geometry(vr.field))
             self.offsets = (_i64(kr.offsets), _i64(vr.offsets))
+            self.c_offsets = tuple(ffi.cast("int64_t *", t.data_ptr()) for t in self.offsets)
+            self.rows_dtype = _X_DTYPES[kr.dtype]
         self.xbias = None
         if xbias is not None:
             if not isinstance(xbias, torch.Tensor) or xbias.ndim != 4 or xbias.shape[0] not in (1, b):
@@ -449,6 +481,22 @@ class DecodeStep:
         if kf.buffer.device.type != "cpu" or vf.buffer.device.type != "cpu":
             raise ValueError("exact_fields must live in CPU memory")
         return PagedRows(kf, self.offsets[0], self.heads), PagedRows(vf, self.offsets[1], self.heads)
+
+    def bind_rows(self, exact_fields, memo: dict | None) -> "_RowsBinding":
+        """The step's exact rows in a layer's exact fields as the C segment reads them (:class:`_RowsBinding`),
+        checked as :meth:`rows_in` checks them; kept in ``memo`` (a dict living as long as the fields, e.g. the key
+        fields' :attr:`qjl.kernels.paged.FieldMap.memo`) while the fields are the same objects with buffers of the
+        same address and geometry, so a layer binds its exact fields once, not at every step."""
+        if not isinstance(exact_fields, tuple) or len(exact_fields) != 2:
+            raise ValueError("exact_fields must be a (key, value) pair of PagedFields")
+        key = ("rows", id(exact_fields[0]), id(exact_fields[1]))
+        hit = memo.get(key) if memo is not None else None
+        if hit is None or not hit.holds(exact_fields) or hit.geometry != self.geometry:
+            self.rows_in(exact_fields)  # the checks (geometry, device), with their messages
+            hit = _RowsBinding(self.mod.ffi, exact_fields, self.geometry)
+            if memo is not None:
+                memo[key] = hit
+        return hit
 
     def exact(self, exact_fields, segments) -> tuple | None:
         """The exact tokens of a call as :func:`paged_decode` takes them (``(xk, xv, xbias)``, or None)."""
@@ -525,10 +573,18 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     c.max_block = min(prep.room[0], 2**62)
     c.code_start, c.code_end = step.c_start, step.c_end
     a.keep.append(step)
-    filled = ([step.rows_in(exact_fields)] if step.rows is not None else []) + [(k, v) for k, v, n in segs if n]
-    for e, (k, v) in zip(c.xseg, filled):
-        _segment(a, e, k, v)
-    n_seg = len(filled)
+    n_seg = 0
+    if step.rows is not None:  # the layer's exact fields bound once (key fields' memo), the step's offsets
+        from qjl.kernels.paged import FieldMap
+
+        rb = step.bind_rows(exact_fields, key_fields.memo if isinstance(key_fields, FieldMap) else None)
+        rb.fill(c.xseg[0], step)
+        a.keep.append(rb)
+        n_seg = 1
+    for k, v, n in segs:
+        if n:
+            _segment(a, c.xseg[n_seg], k, v)
+            n_seg += 1
     if ne:
         c.ne, c.dx, c.qx, c.n_xseg = ne, d, qf, n_seg
     if xb is not None:
