@@ -19,7 +19,10 @@ call of a native layer costs, roughly).  With ``--chunk C``: the attention of a 
 ``--context`` tokens before it (the backend's ``forward_batch``, its codes written once before; the history
 dequantized), ``prefill_chunk`` through vLLM's CPU kernel as the backend runs it (:class:`.prefill.VLLMPrefill`;
 the torch path where vLLM's ops do not load) and ``prefill_chunk.sdpa`` through torch's fused float32 SDPA (the
-reference), timed alternately.  ``--cycle-layers N``: ``decode.kernel`` again, cycling over N copies of the
+reference), timed alternately.  ``layer.general``: the whole layer as the backend's forward runs it without the
+one-call step (``decode="kernel"``: smoothing, store, attention into a bf16 output, value mean), ``layer.one_call``:
+the same step through :func:`qjl.integrations.vllm.fused.fused_decode` (the default), each timed as one call.
+``--cycle-layers N``: ``decode.kernel`` again, cycling over N copies of the
 layer's pages (what an engine's layers see: the other layers' pages between two calls); ``--flush-mib M``: again
 after M MiB written between calls (cold caches).  Prints a JSON object.
 """
@@ -61,6 +64,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from qjl.integrations.vllm.decode import decode_function, exact_tokens
+    from qjl.integrations.vllm.fused import fused_decode
     from qjl.integrations.vllm.layout import layer_layout
     from qjl.integrations.vllm.paged import page_fields
     from qjl.integrations.vllm.settings import VLLMSettings
@@ -120,6 +124,23 @@ def main(argv=None) -> dict:
                                                               exact_fields=ex, segments=cur), r),
         "write_exact": _median_ms(lambda: write_exact(plan, fields, k, v), r),
         "dense_sdpa_bf16": _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, kk), r)}}
+    out = torch.empty(1, hq, d, dtype=torch.bfloat16)  # vLLM's output buffer (the model's dtype)
+
+    def general():  # the backend's forward without the one call (decode="kernel")
+        kk = smooth(plan, k)
+        vv, mu = vsmooth(plan, q, kk, v)
+        write_codes(lay, fields, kk, vv, None, plan=plan)
+        got = forward_batch(lay, fields, q, kk, vv, table, qsl, lens, d ** -0.5, dec, plan=plan,
+                            out=out if mu is None else None)
+        if mu is not None:
+            out.copy_(add_value_mean(got, mu))
+
+    def one_call():  # the backend's forward (decode="auto"): the step in one C call where it applies
+        if fused_decode(lay, fields, plan, q, k, v, d ** -0.5, out) is None:
+            raise RuntimeError("the one-call decode step does not serve this layer")
+
+    res["ms"]["layer.general"] = _median_ms(general, r)
+    res["ms"]["layer.one_call"] = _median_ms(one_call, r)
     kernel = (lambda kf_, vf_, ex_: paged_decode_step(qk, lay.key_codec, kf_, lay.value_codec, vf_, step,  # noqa: E731
                                                      exact_fields=ex_, segments=cur))
     if args.cycle_layers:  # each copy its own pages and field maps (the arguments kept per map, as in the backend)

@@ -55,5 +55,10 @@ def test_attention_path_settings(name):
     assert getattr(load_settings(environ={"QJL_VLLM_PRESET": "tq-k45v3"}), name) == "auto"
     s = load_settings(additional_config={"qjl": {name: "torch"}}, environ={"QJL_VLLM_PRESET": "tq-k45v3"})
     assert getattr(s, name) == "torch"
-    with pytest.raises(ValueError, match=f"'{name}' must be 'auto' or 'torch'"):
+    with pytest.raises(ValueError, match=f"'{name}' must be one of"):
         load_settings(additional_config={"qjl": {name: "triton"}}, environ={"QJL_VLLM_PRESET": "tq-k45v3"})
+    if name == "decode":  # the paged kernel without the one-call decode step (for comparison)
+        assert load_settings(additional_config={"qjl": {name: "kernel"}}).decode == "kernel"
+    else:
+        with pytest.raises(ValueError, match="'prefill' must be one of"):
+            load_settings(additional_config={"qjl": {name: "kernel"}})

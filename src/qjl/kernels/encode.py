@@ -10,9 +10,8 @@ import weakref
 
 import torch
 
-__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "encode_rows_cpu", "store_cpu", "dense_t",
-           "cpu_pass",
-           "quantize_with"]
+__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "encode_rows_cpu", "store_cpu",
+           "encode_store", "raise_store_error", "dense_t", "cpu_pass", "quantize_with"]
 
 
 def can_quantize(codec) -> bool:
@@ -189,6 +188,17 @@ def store_cpu(jobs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | N
     :func:`qjl.kernels.cpu.launch.store_bounds` of blocks and slots (a caller storing several layers at the same
     positions computes it once); ``memo``: a dict living as long as the fields (e.g.
     :attr:`qjl.kernels.paged.FieldMap.memo`) where the C arguments are kept between calls."""
+    store, static = encode_store(jobs, memo)
+    xs = [x for _, x, _, _ in jobs]
+    rc, k = store(xs, blocks, slots, bounds)
+    if rc:
+        raise_store_error(rc, jobs[k][0], xs[k], static[k])
+
+
+def encode_store(jobs, memo: dict | None = None) -> tuple:
+    """(:class:`qjl.kernels.cpu.launch.EncodeStore`, its static parts) of :func:`store_cpu`'s ``jobs``, built once
+    per jobs' objects (codecs and fields) and kept in ``memo`` (see :func:`store_cpu`); TypeError for a codec the
+    CPU quantize kernel does not cover."""
     from qjl.kernels.cpu import launch
 
     xs = [x for _, x, _, _ in jobs]
@@ -197,21 +207,24 @@ def store_cpu(jobs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | N
     key = ("store", heads) + tuple(id(o) for o in objs)                     # stores follows from these objects)
     hit = memo.get(key) if memo is not None else None
     if hit is not None and len(hit[0]) == len(objs) and all(x is y for x, y in zip(hit[0], objs)):
-        static, store = hit[1], hit[2]
-    else:
-        static = []
-        for codec, x, cf, nf in jobs:
-            p = cpu_pass(codec)
-            if p is None:
-                raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
-                                f"got {type(codec).__name__}")
-            static.append((p, dense_t(p.matrix), cf, nf))
-        store = launch.EncodeStore(static, heads)
-        if memo is not None:
-            memo[key] = (objs, static, store)  # (the objects kept: their ids stay theirs)
-    rc, k = store(xs, blocks, slots, bounds)
-    if rc:
-        _raise_for(rc, jobs[k][0], xs[k], static[k][0])
+        return hit[2], hit[1]
+    static = []
+    for codec, x, cf, nf in jobs:
+        p = cpu_pass(codec)
+        if p is None:
+            raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
+                            f"got {type(codec).__name__}")
+        static.append((p, dense_t(p.matrix), cf, nf))
+    store = launch.EncodeStore(static, heads)
+    if memo is not None:
+        memo[key] = (objs, static, store)  # (the objects kept: their ids stay theirs)
+    return store, static
+
+
+def raise_store_error(rc: int, codec, x: torch.Tensor, static) -> None:
+    """Raise the reference's error for a failed job of an :class:`qjl.kernels.cpu.launch.EncodeStore` (status
+    ``rc``, the job's codec, input ``x`` and its entry of :func:`encode_store`'s static parts)."""
+    _raise_for(rc, codec, x, static[0])
 
 
 def _raise_for(rc: int, codec, x: torch.Tensor, p) -> None:

@@ -2,7 +2,8 @@
 
 Imported only inside vLLM processes (it imports vLLM).  Per layer and step:
 
-``forward`` (which includes the cache update, ``forward_includes_kv_cache_update``) quantizes the
+``forward`` (which includes the cache update, ``forward_includes_kv_cache_update``) serves a decode-only CPU step
+in one C call (:func:`.fused.fused_decode`); otherwise it quantizes the
 new keys and values into their pages (codes for every token, :mod:`.layout`), attends -- decode rows
 in one call of :func:`.decode.decode_function`'s choice (the paged kernel of :mod:`qjl.kernels`: sinks and window exact,
 codes in between, the current token exact from ``forward``'s own key/value), prefill and chunk rows
@@ -27,6 +28,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .layout import PageLayout, content_bytes, layer_layout
 from .decode import decode_function
+from .fused import fused_decode
 from .paged import page_fields
 from .prefill import VLLMPrefill
 from .smoothing import add_value_mean, smooth_keys, smooth_values
@@ -160,6 +162,7 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         self.layout = None
         self._fields_key = self._fields = None
         self._decode = decode_function(self.settings)
+        self._fused = self.settings.decode == "auto"  # decode-only CPU steps in one C call (.fused)
         self._prefill = VLLMPrefill() if self.settings.prefill == "auto" else None  # None: torch SDPA
         s = self.settings
         logger.info_once(f"qjl backend: preset {s.preset}, {s.sink_tokens} exact sinks, exact window {s.window_tokens}, "
@@ -198,13 +201,15 @@ class QJLAttentionImpl(AttentionImpl[QJLMetadata]):
         plan = m.plan(lay.block_size, lay.sinks, lay.window, lay.sliding_window)
         if query.shape[0] != n:  # padded batch: its real tokens (no view per layer when there is no padding)
             query, key, value = query[:n], key[:n], value[:n]
+        dst = output if output.shape[0] == n else output[:n]
+        if self._fused and fused_decode(lay, fields, plan, query, key, value, self.scale, dst) is not None:
+            return output  # a decode-only CPU step in one C call (smoothing, store, attention, exact copies)
         if lay.smooth_keys:  # every key of a sequence less its mean, before anything is stored or attended
             key = smooth_keys(fields, plan, key)
         mu_v = None
         if lay.smooth_values:  # the same for values, with their mean added back to the output below
             value, mu_v = smooth_values(fields, plan, query, key, value, self.scale)
         write_codes(lay, fields, key, value, None, plan=plan)
-        dst = output if output.shape[0] == n else output[:n]
         direct = mu_v is None and dst.is_contiguous()
         out = forward_batch(lay, fields, query, key, value, m.block_table, m.query_start_loc, m.seq_lens,
                             self.scale, self._decode, plan=plan, out=dst if direct else None, prefill=self._prefill)

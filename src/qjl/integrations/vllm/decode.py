@@ -205,8 +205,8 @@ def paged_decode_kernel(q, key_fields, value_fields, block_table, seq_lens, bloc
 
 
 def decode_function(settings):
-    """The function that serves the backend's decode rows: :func:`paged_decode_kernel` for ``decode="auto"``
-    (the C kernel on CPU, Triton on CUDA, the kernels' torch reference where neither runs), the backend's
+    """The function that serves the backend's decode rows: :func:`paged_decode_kernel` for ``decode="auto"`` and
+    ``"kernel"`` (the C kernel on CPU, Triton on CUDA, the kernels' torch reference where neither runs), the backend's
     own plain-torch :func:`.paged.paged_decode_reference` for ``decode="torch"``."""
     if settings.decode == "torch":
         from .paged import paged_decode_reference

@@ -20,8 +20,10 @@ When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides 
   ``tq-k3v2``; docs/vllm.md measures what it costs and buys);
 * ``seed``: base seed (layer ``l`` uses ``seed + 1000 l`` for keys, ``+ 1`` for values, as
   :class:`qjl.QJLCache` does);
-* ``decode``: "auto" (a paged kernel where :mod:`qjl.kernels` provides one, else the reference)
-  or "torch" (the plain-torch reference of :mod:`.paged`);
+* ``decode``: "auto" (a paged kernel where :mod:`qjl.kernels` provides one, else the reference; on the CPU a
+  decode-only step of a layer in one C call, :mod:`.fused`), "kernel" (the paged kernel without that one call:
+  smoothing, store and attention called apart, for comparison) or "torch" (the plain-torch reference of
+  :mod:`.paged`);
 * ``prefill``: "auto" (prefill and chunk rows through vLLM's own CPU attention kernel over the decoded history,
   :class:`.prefill.VLLMPrefill`, on the CPU where its ops load; else the reference) or "torch" (torch's SDPA,
   :func:`.paged.paged_attention_reference`).
@@ -79,9 +81,9 @@ class VLLMSettings:
             v = getattr(self, name)
             if v is not None and (v not in (0, 1) or isinstance(v, float)):
                 raise ValueError(f"qjl setting {name!r} must be true, false, 1, 0 or null, got {v!r}")
-        for name in ("decode", "prefill"):
-            if getattr(self, name) not in ("auto", "torch"):
-                raise ValueError(f"qjl setting {name!r} must be 'auto' or 'torch', got {getattr(self, name)!r}")
+        for name, allowed in (("decode", ("auto", "kernel", "torch")), ("prefill", ("auto", "torch"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"qjl setting {name!r} must be one of {allowed}, got {getattr(self, name)!r}")
         check_servable(self.config)
 
     @property

@@ -12,7 +12,7 @@ from ...codecs.base import Codes
 from ...kernels.paged import FieldMap, role_fields
 from .layout import PageLayout, exact_slot
 
-__all__ = ["write_codes", "exact_writes", "write_exact"]
+__all__ = ["write_codes", "c_store_jobs", "exact_writes", "write_exact"]
 
 
 def _codes(codec, x: torch.Tensor) -> Codes:
@@ -77,6 +77,13 @@ def _roles(layout: PageLayout, fields, key: torch.Tensor, value: torch.Tensor) -
             parts.append((role, codec, fmap, stored))
         hit = memo[memo_key] = (layout, parts)  # (the layout kept: its id stays its own)
     return [(role, codec, fmap, x, stored) for (role, codec, fmap, stored), x in zip(hit[1], (key, value))]
+
+
+def c_store_jobs(layout: PageLayout, fields, key: torch.Tensor, value: torch.Tensor) -> list | None:
+    """[(codec, x, codes field, norm field)] of the key and the value role where the C encoder stores both
+    (:func:`qjl.kernels.encode.store_cpu`'s jobs, as :func:`write_codes` passes them), else None."""
+    jobs = [(codec, x, *stored) for _, codec, _, x, stored in _roles(layout, fields, key, value) if stored is not None]
+    return jobs if len(jobs) == 2 else None
 
 
 def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torch.Tensor,

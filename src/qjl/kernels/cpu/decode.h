@@ -102,6 +102,30 @@ typedef struct {          /* one role's rows for qjl_encode_store (quantize.c) *
     float norm_max;
     qjl_field codes, norm_field;
 } qjl_encode_job;
+typedef struct {          /* one decode step of a layer in one call (step.c): B sequences, one new token each */
+    const uint8_t *k, *v;  /* the new keys / values: token b, KV head h at k + b * x_st + h * x_sh (bytes), dim
+                              contiguous elements in x_dtype (0 fp32, 1 fp16, 2 bf16) */
+    int64_t k_st, k_sh, v_st, v_sh;
+    int32_t k_dtype, v_dtype;
+    int64_t dim;
+    qjl_field mu;          /* key means: sequence b's at mu.base + block_table[b * max_blocks] * mu.stride_block
+                              + h * mu.stride_head (its block 0, slot 0), dim elements in mu.dtype; base NULL: none */
+    int64_t mu_max_block;  /* the largest block index the mean field's buffer holds */
+    qjl_field mu_v;        /* value means, as mu (base NULL: none); with them the attention of the smoothed values
+                              goes to decode.out (float32) and mu_v is added to each query row of its KV head in
+                              out_final, written in out_final_dtype (0 fp32, 1 fp16, 2 bf16, rounded as .to()) */
+    int64_t mu_v_max_block;
+    uint8_t *out_final;
+    int32_t out_final_dtype;
+    float *k_out, *v_out;  /* [B, H, dim] float32: k - mu and v - mu_v, what is stored and attended */
+    const qjl_encode_job *jobs; /* jobs[0] reads k_out, jobs[1] the values (v_out where mu_v is given) */
+    int32_t n_jobs;
+    const int64_t *blocks, *slots; /* [B]: where each token's codes go */
+    int32_t threads;
+    int32_t stage, failed; /* out: where a call failed (0 the arguments, 1 the store: `failed` its job, 2 the
+                              decode) */
+    qjl_decode_args decode; /* its last exact segment reads k_out / v_out (the current tokens) */
+} qjl_step_args;
 /* cdef end */
 
 /* norms, scales and zero points in their storage dtype */

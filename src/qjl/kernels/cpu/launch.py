@@ -20,8 +20,8 @@ import weakref
 import torch
 
 __all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "DecodeStep",
-           "paged_decode_step", "half_rounding", "bucket_norms",
-           "EncodeStore", "cell_moments", "store_bounds", "value_rows", "value_rows_reference", "IMPLS"]
+           "paged_decode_step", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore", "cell_moments",
+           "store_bounds", "value_rows", "value_rows_reference", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-portable")
 _SIMD = {"c": 1, "c-int": 2, "c-portable": 0}
@@ -599,7 +599,209 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     a.keep.append(tpl)
     c.threads = int(threads or torch.get_num_threads())
     c.simd = _SIMD[_impl_code(step.impl)]
-    rc = mod.lib.qjl_paged_decode(c)
+    _decode_status(mod.lib.qjl_paged_decode(c), q, key_codec, key_fields, value_codec, value_fields, step)
+    return out
+
+
+class DecodeStore:
+    """A layer's decode step in one C call (``qjl_decode_store``, step.c), with what does not change from step to
+    step checked and filled once: the new keys (values) less their sequences' key (value) means, both roles
+    quantized and stored, the paged decode with the new tokens as the last exact segment, the value mean added
+    back.  Equal bit for bit to the calls it replaces::
+
+        k = key.float() - mu                                   # mu: each sequence's key mean, read from mu_field
+        v = value.float() - mu_v                               # (value when there is no mu_v_field)
+        store((k, v), blocks, slots, bounds)                   # codes and norms into the pages
+        o = paged_decode_step(q, ..., segments=((k, v),))      # the attention
+        out.copy_(o + mu_v[:, :, None])                        # (with mu_v: in float32, then out's dtype)
+
+    Built for one layer from a first :class:`DecodeStep` ``step`` (``segments=1``) and query ``q`` [B, H_kv, R, D]:
+    its codecs and (key, value) fields (FieldMaps), ``store`` (the :class:`EncodeStore` of a key job then a value
+    job, :func:`qjl.kernels.encode.encode_store`), ``mu_field`` (None: no smoothing; or a PagedField of [D] means,
+    fp32/fp16/bf16, at each sequence's block 0, slot 0), ``mu_v_field`` (the same for value means, or None) and
+    ``exact_fields`` (the (key, value) PagedFields the steps' exact rows are read in, when ``step.rows`` is set).
+    :meth:`holds` tells whether a call's objects are these, their buffers unmoved (a call refuses moved buffers:
+    build another); the key codec's query maps must be the kernel's own (:attr:`served`; else the general launcher
+    serves the layer).  One caller at a time."""
+
+    def __init__(self, q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, store: "EncodeStore",
+                 *, mu_field=None, mu_v_field=None, exact_fields=None):
+        from qjl.kernels.paged import FieldMap, extent_bytes
+
+        if not isinstance(step, DecodeStep) or step.segments != 1:
+            raise ValueError("step must be a DecodeStep with one segment (the new tokens)")
+        if not isinstance(store, EncodeStore) or len(store.static) != 2:
+            raise TypeError(f"store must be an EncodeStore of a key and a value job, got {type(store).__name__}")
+        if not (isinstance(key_fields, FieldMap) and isinstance(value_fields, FieldMap)):
+            raise TypeError("key_fields and value_fields must be FieldMaps (their checks are kept between steps)")
+        b, h, r, d = q.shape
+        self.mod = mod = step.mod
+        ffi = mod.ffi
+        self.objects = (key_codec, key_fields, value_codec, value_fields, store, mu_field, exact_fields,
+                        mu_v_field)
+        self.prep = prep = _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, step.block_table,
+                                     step.block_size, step.code_start, step.code_end)
+        self.served = bool(prep.tpl.qmaps)
+        self.shape, self.block_size = (h, r, d), step.block_size
+        self.geometry = step.geometry if step.rows is not None else None
+        self.rows = step.bind_rows(exact_fields, key_fields.memo) if step.rows is not None else None
+        a = self.args = _Args(ffi)  # (its keep list holds what the template points at)
+        t = self.tpl = ffi.new("qjl_step_args *")
+        c = t.decode
+        ffi.memmove(ffi.addressof(c), prep.tpl.c, ffi.sizeof("qjl_decode_args"))
+        a.keep.append(prep.tpl)
+        c.heads, c.rows, c.block_size, c.max_block = h, r, step.block_size, min(prep.room[0], 2**62)
+        for i in range(c.n_terms):
+            c.key[i].q = ffi.NULL  # (the query is given raw: converted and scaled in the call)
+        n_seg = 0
+        if self.rows is not None:
+            self.rows.fill(c.xseg[0], step)
+            n_seg = 1
+        e = c.xseg[n_seg]  # the new tokens: k_out / v_out [B, H, D] float32, filled per call
+        e.n, e.dtype, e.k_sh, e.v_sh = 1, 0, d * 4, d * 4
+        e.k_sb = e.v_sb = h * d * 4
+        c.n_xseg, c.dx = n_seg + 1, d
+        self.jobs = ffi.new("qjl_encode_job[2]")
+        ffi.memmove(self.jobs, store.cj, 2 * ffi.sizeof("qjl_encode_job"))
+        j0 = self.jobs[0]  # the keys less their means: k_out
+        j0.x_dtype, j0.x_st, j0.x_sh = 0, h * d * 4, d * 4
+        t.jobs, t.n_jobs, t.dim = self.jobs, 2, d
+        self.limits = [(fixed, sb, st, extent) for _, fixed, sb, st, extent, *_ in store.limits]
+        buffers = [f.buffer for f in (*key_fields.values(), *value_fields.values())]
+        buffers += [x[5] for x in store.limits] + ([f.buffer for f in exact_fields] if self.rows is not None else [])
+        for name, f, dst in (("mu_field", mu_field, "mu"), ("mu_v_field", mu_v_field, "mu_v")):
+            if f is None:
+                continue
+            if f.dtype not in _X_DTYPES or tuple(f.shape) != (d,) or f.buffer.device.type != "cpu" or min(
+                    f.offset, f.stride_block, f.stride_head) < 0:
+                raise ValueError(f"{name} must hold [{d}] fp32/fp16/bf16 means in CPU memory at non-negative "
+                                 f"offsets, got {f.dtype} {tuple(f.shape)}")
+            room = extent_bytes(f.buffer) - (f.offset + (h - 1) * f.stride_head + f.entry_bytes)
+            if room < 0:
+                raise ValueError(f"{name}: its buffer cannot hold one block's means")
+            a.field(getattr(t, dst), f, True)
+            setattr(t, dst + "_max_block", room // f.stride_block if f.stride_block > 0 else 2**62)
+            buffers.append(f.buffer)
+        if mu_v_field is not None:  # the smoothed values: stored from v_out
+            j1 = self.jobs[1]
+            j1.x_dtype, j1.x_st, j1.x_sh = 0, h * d * 4, d * 4
+        self.smooth_values = mu_v_field is not None
+        seen = {}
+        for buf in buffers:  # every distinct buffer the template points at, as it is now
+            seen.setdefault(id(buf), (buf, buf.data_ptr(), tuple(buf.shape), buf.stride()))
+        self.buffers = tuple(seen.values())
+        a.keep.extend(buf for buf, *_ in self.buffers)
+
+    def holds(self, key_codec, key_fields, value_codec, value_fields, store, mu_field, exact_fields,
+              mu_v_field=None) -> bool:
+        """The call's objects are the ones this was built for, and every buffer kept its address and geometry."""
+        return all(x is y for x, y in zip(self.objects, (key_codec, key_fields, value_codec, value_fields, store,
+                                                          mu_field, exact_fields, mu_v_field))) and self.unmoved()
+
+    def unmoved(self) -> bool:
+        """Every buffer the C arguments point into kept its address and geometry (a caller that keeps one
+        DecodeStore per set of objects checks only this)."""
+        return all(t.data_ptr() == p and t.shape == sh and t.stride() == st for t, p, sh, st in self.buffers)
+
+    def __call__(self, q, key, value, step: DecodeStep, bounds: tuple, *, q_scale: float = 1.0,
+                 out: torch.Tensor | None = None, threads: int | None = None) -> tuple:
+        """One step: q [B, H_kv, R, D] float (scaled by ``q_scale`` in the call), key / value [B, H_kv, D]
+        fp32/fp16/bf16 with contiguous rows (one new token per sequence), ``step`` the step's :class:`DecodeStep`
+        (``segments=1``; its exact rows of the geometry this was built for), ``bounds`` :func:`store_bounds` of
+        the tokens' blocks and slots (sequence b's codes at entry b), out None or a contiguous [B, H_kv, R, D]
+        fp32/fp16/bf16 tensor the attention is written into.
+
+        Returns (status, job, out, k, v): status 0, or the store's status of its failing ``job`` (nothing stored,
+        nothing attended; :func:`qjl.kernels.encode.raise_store_error` names it); k, v [B, H_kv, D] float32 the keys
+        and values as stored and attended.  ValueError for arguments or positions that do not fit (nothing stored)."""
+        h, r, d = self.shape
+        if not self.unmoved():
+            raise ValueError("a buffer this DecodeStore points into moved or changed shape since it was built: build "
+                             "another (nothing stored)")
+        if not isinstance(step, DecodeStep) or step.segments != 1 or step.block_size != self.block_size:
+            raise ValueError("step must be a DecodeStep with one segment and this layer's block size")
+        if (step.rows is not None) != (self.rows is not None) or (step.rows is not None
+                                                                  and step.geometry != self.geometry):
+            raise ValueError("step: its exact rows differ from those this DecodeStore was built for")
+        b = step.batch
+        if (not isinstance(q, torch.Tensor) or tuple(q.shape) != (b, h, r, d) or q.device.type != "cpu"
+                or not q.dtype.is_floating_point):
+            raise ValueError(f"q must be a float CPU tensor [{b}, {h}, {r}, {d}], got {getattr(q, 'shape', q)!r}")
+        if q.dtype not in _X_DTYPES or not q.is_contiguous():
+            q = q.contiguous() if q.dtype in _X_DTYPES else q.float()
+        if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not abs(q_scale) < float("inf"):
+            raise ValueError(f"q_scale must be a finite float, got {q_scale!r}")
+        for name, x in (("key", key), ("value", value)):
+            if (not isinstance(x, torch.Tensor) or tuple(x.shape) != (b, h, d) or x.dtype not in _X_DTYPES
+                    or x.stride(2) != 1 or x.device.type != "cpu"):
+                raise ValueError(f"{name} must be a CPU fp32/fp16/bf16 tensor [{b}, {h}, {d}] with contiguous rows, "
+                                 f"got {getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        if out is None:
+            out = torch.empty(b, h, r, d)
+        elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (b, h, r, d) or out.dtype not in _X_DTYPES
+              or not out.is_contiguous() or out.device.type != "cpu"):
+            raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+        blk, slt, lo, top_block, top_slot = bounds
+        if blk.shape[0] != b or lo < 0 or any(fixed + top_block * sb + top_slot * st > extent
+                                              for fixed, sb, st, extent in self.limits):
+            raise ValueError(f"bounds: {blk.shape[0]} positions for {b} sequences, or blocks/slots beyond the "
+                             "fields' buffers (or negative): nothing stored")
+        xb, ne = step.xbias, step.n_rows + 1
+        if xb is not None and (xb.shape[1] not in (1, h) or xb.shape[2] not in (1, r) or xb.shape[3] != ne):
+            raise ValueError(f"the step's xbias {tuple(xb.shape)} does not broadcast over [B, {h}, {r}, {ne}]")
+        ffi = self.mod.ffi
+        k_out, v_out = torch.empty(b, h, d), torch.empty(b, h, d)
+        t = ffi.new("qjl_step_args *")
+        ffi.memmove(t, self.tpl, ffi.sizeof("qjl_step_args"))
+        c = t.decode
+        c.q_raw, c.q_dtype, c.q_scale = ffi.cast("const uint8_t *", q.data_ptr()), _X_DTYPES[q.dtype], float(q_scale)
+        c.batch, c.block_table, c.max_blocks = b, step.c_table, step.block_table.shape[1]
+        c.code_start, c.code_end, c.ne = step.c_start, step.c_end, ne
+        if step.rows is not None:
+            e = c.xseg[0]
+            e.n, e.dtype = step.n_rows, step.rows_dtype
+            e.k_off, e.v_off = step.c_offsets
+        e = c.xseg[c.n_xseg - 1]
+        e.k, e.v = ffi.cast("const uint8_t *", k_out.data_ptr()), ffi.cast("const uint8_t *", v_out.data_ptr())
+        if xb is not None:
+            c.xbias = step.c_xbias
+            c.xbias_sb, c.xbias_sh, c.xbias_sr = step.xbias_strides
+        if self.smooth_values:  # the attention in float32 here, the value mean added into out in C
+            mixed = torch.empty(b, h, r, d)
+            c.out = ffi.cast("float *", mixed.data_ptr())
+            t.out_final, t.out_final_dtype = ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype]
+        elif out.dtype == torch.float32:
+            c.out = ffi.cast("float *", out.data_ptr())
+        else:
+            c.out_raw, c.out_dtype = ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype]
+        c.threads = t.threads = int(threads or torch.get_num_threads())
+        c.simd = _SIMD[_impl_code(step.impl)]
+        ks, vs = key.element_size(), value.element_size()
+        t.k, t.k_st, t.k_sh, t.k_dtype = (ffi.cast("const uint8_t *", key.data_ptr()), key.stride(0) * ks,
+                                          key.stride(1) * ks, _X_DTYPES[key.dtype])
+        t.v, t.v_st, t.v_sh, t.v_dtype = (ffi.cast("const uint8_t *", value.data_ptr()), value.stride(0) * vs,
+                                          value.stride(1) * vs, _X_DTYPES[value.dtype])
+        t.k_out, t.v_out = ffi.cast("float *", k_out.data_ptr()), ffi.cast("float *", v_out.data_ptr())
+        self.jobs[0].x = ffi.cast("const uint8_t *", k_out.data_ptr())
+        j1 = self.jobs[1]
+        if self.smooth_values:
+            j1.x = ffi.cast("const uint8_t *", v_out.data_ptr())
+        else:
+            j1.x, j1.x_st, j1.x_sh, j1.x_dtype = t.v, t.v_st, t.v_sh, t.v_dtype
+        t.blocks, t.slots = ffi.cast("int64_t *", blk.data_ptr()), ffi.cast("int64_t *", slt.data_ptr())
+        rc = self.mod.lib.qjl_decode_store(t)  # (q, key, value, out, k_out, v_out, the step: alive through the call)
+        if rc == 0 or t.stage == 1:  # (1: the store refused a job: its status, for the caller to name)
+            return rc, int(t.failed), out, k_out, v_out
+        if t.stage == 0:
+            raise ValueError("the C step refused its arguments (a sequence's block 0 outside the means' buffer, or "
+                             "widths and dtypes it does not read): nothing stored")
+        key_codec, key_fields, value_codec, value_fields = self.objects[:4]
+        _decode_status(rc, q, key_codec, key_fields, value_codec, value_fields, step)
+
+
+def _decode_status(rc: int, q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep) -> None:
+    """Raise for a C decode status (0: none)."""
     if rc < -1:  # a range or a block out of bounds (nothing was read): the full check names it
         from qjl.kernels.paged import check_paged
 
@@ -608,7 +810,6 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     if rc != 0:
         raise ValueError("the C kernel refused its arguments (code widths, lengths, group sizes, ranges, blocks or "
                          "exact rows beyond their buffers)")
-    return out
 
 
 def _tensor_segment(i: int, kv, bhd: tuple) -> tuple:
