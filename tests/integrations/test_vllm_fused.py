@@ -110,14 +110,18 @@ def test_one_call_equals_the_general_path(case, out_dtype):
     twin.step({"a": 1, "c": 4}, out_dtype, fused_expected=False)  # a chunk row beside a decode row
 
 
-def test_steps_it_does_not_serve_are_left_alone():
-    """fp16 pages, and an output buffer that is not contiguous (the general path's)."""
+def test_fp16_pages_and_an_output_it_leaves_alone():
+    """fp16 pages and outputs are served bit for bit too; an output buffer that is not contiguous is left to the
+    general path (None, nothing stored)."""
     fp16 = Twin(VLLMSettings(preset="tq-k3v2"), dtype=torch.float16)
     fp16.step({"a": 30}, fused_expected=False)
     fp16.step({"a": 1}, torch.float16)
     plan = fp16.plan({"a": 1})
     q, k, v = fp16.tokens(1)
-    assert fused_decode(fp16.lay, fp16.fields[0], plan, q, k, v, SCALE, torch.empty(1, 6, D)[:, ::2]) is None
+    before = fp16.pages[0].clone()
+    strided = torch.empty(1, 6, 2 * D, dtype=torch.float16)[:, :, ::2]
+    assert fused_decode(fp16.lay, fp16.fields[0], plan, q, k, v, SCALE, strided) is None
+    assert torch.equal(fp16.pages[0].view(torch.uint8), before.view(torch.uint8))
 
 
 def test_a_non_finite_key_stores_nothing():
