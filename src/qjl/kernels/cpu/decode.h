@@ -103,8 +103,8 @@ typedef struct {          /* one role's rows for qjl_encode_store (quantize.c) *
     qjl_field codes, norm_field;
 } qjl_encode_job;
 typedef struct {          /* one decode step of a layer in one call (step.c): B sequences, one new token each */
-    const uint8_t *k, *v;  /* the new keys / values: token b, KV head h at k + b * x_st + h * x_sh (bytes), dim
-                              contiguous elements in x_dtype (0 fp32, 1 fp16, 2 bf16) */
+    const uint8_t *k, *v;  /* the new keys / values: token b, KV head h at k + b * k_st + h * k_sh (bytes; v
+                              alike), dim contiguous elements in k_dtype / v_dtype (0 fp32, 1 fp16, 2 bf16) */
     int64_t k_st, k_sh, v_st, v_sh;
     int32_t k_dtype, v_dtype;
     int64_t dim;
