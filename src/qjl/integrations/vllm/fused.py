@@ -49,14 +49,16 @@ def fused_decode(layout: PageLayout, fields, plan: StepPlan, query: torch.Tensor
         return None
     memo = fields.memo
     hit = memo.get("fused")  # (layout, the layer's DecodeStore or None where the one call cannot serve it)
-    if hit is None or hit[0] is not layout or (hit[1] is not None and not hit[1].unmoved()):
-        hit = memo["fused"] = (layout, _build(layout, fields, plan, query, key, value))
-    one = hit[1]
-    if one is None:
+    if hit is not None and hit[0] is layout and hit[1] is None:
         return None
     h = key.shape[1]
     ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
     step = plan.decode.cpu_step(ex, h, True)  # (the step's ranges, exact rows and bias: once for every layer)
+    if hit is None or hit[0] is not layout or not hit[1].unmoved():
+        hit = memo["fused"] = (layout, _build(layout, fields, step, ex, query, key, value))
+    one = hit[1]
+    if one is None:
+        return None
     rc, job, _, k, v = one(query.reshape(t, h, hq // h, d), key, value, step, plan.store_bounds(), q_scale=scale,
                            out=out.view(t, h, hq // h, d))
     if rc:
@@ -68,9 +70,10 @@ def fused_decode(layout: PageLayout, fields, plan: StepPlan, query: torch.Tensor
     return out
 
 
-def _build(layout: PageLayout, fields, plan: StepPlan, query, key, value):
-    """The layer's :class:`qjl.kernels.cpu.launch.DecodeStore`, or None where the one call cannot serve it (codecs
-    the C kernels do not read or store, query maps the kernel does not apply itself)."""
+def _build(layout: PageLayout, fields, step, ex, query, key, value):
+    """The layer's :class:`qjl.kernels.cpu.launch.DecodeStore` for the step's ``step`` (its
+    :class:`qjl.kernels.cpu.launch.DecodeStep`) and exact fields ``ex``, or None where the one call cannot serve it
+    (codecs the C kernels do not read or store, query maps the kernel does not apply itself)."""
     from ...kernels import pick_backend
     from ...kernels.cpu.launch import DecodeStore
     from ...kernels.encode import encode_store
@@ -83,8 +86,6 @@ def _build(layout: PageLayout, fields, plan: StepPlan, query, key, value):
         return None
     t, hq, d = query.shape
     h = key.shape[1]
-    ex = (fields["exact.key"], fields["exact.value"]) if layout.sinks + layout.window else None
-    step = plan.decode.cpu_step(ex, h, True)
     one = DecodeStore(query.reshape(t, h, hq // h, d), layout.key_codec, role_fields(fields, "key"),
                       layout.value_codec, role_fields(fields, "value"), step, encode_store(jobs, fields.memo)[0],
                       mu_field=fields["smooth.key"] if layout.smooth_keys else None,

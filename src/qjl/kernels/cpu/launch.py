@@ -482,6 +482,15 @@ class DecodeStep:
             raise ValueError("exact_fields must live in CPU memory")
         return PagedRows(kf, self.offsets[0], self.heads), PagedRows(vf, self.offsets[1], self.heads)
 
+    def fill(self, c) -> None:
+        """Write the step's block table, coded ranges and exact-token bias into the decode struct ``c``."""
+        c.batch, c.block_table, c.max_blocks, c.block_size = (self.batch, self.c_table, self.block_table.shape[1],
+                                                              self.block_size)
+        c.code_start, c.code_end = self.c_start, self.c_end
+        if self.xbias is not None:
+            c.xbias = self.c_xbias
+            c.xbias_sb, c.xbias_sh, c.xbias_sr = self.xbias_strides
+
     def bind_rows(self, exact_fields, memo: dict | None) -> "_RowsBinding":
         """The step's exact rows in a layer's exact fields as the C segment reads them (:class:`_RowsBinding`),
         checked as :meth:`rows_in` checks them; kept in ``memo`` (a dict living as long as the fields, e.g. the key
@@ -568,10 +577,9 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
         qf = a.ptr(_f32(q.float() * q_scale))
     for i in range(c.n_terms):
         c.key[i].q = qf
-    c.batch, c.heads, c.rows = b, h, r
-    c.block_table, c.max_blocks, c.block_size = step.c_table, step.block_table.shape[1], step.block_size
+    c.heads, c.rows = h, r
+    step.fill(c)
     c.max_block = min(prep.room[0], 2**62)
-    c.code_start, c.code_end = step.c_start, step.c_end
     a.keep.append(step)
     n_seg = 0
     if step.rows is not None:  # the layer's exact fields bound once (key fields' memo), the step's offsets
@@ -587,9 +595,6 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
             n_seg += 1
     if ne:
         c.ne, c.dx, c.qx, c.n_xseg = ne, d, qf, n_seg
-    if xb is not None:
-        c.xbias = step.c_xbias
-        c.xbias_sb, c.xbias_sh, c.xbias_sr = step.xbias_strides
     if out is None:
         out = torch.empty(b, h, r, d)
     if out.dtype == torch.float32:
@@ -634,6 +639,8 @@ class DecodeStore:
             raise TypeError(f"store must be an EncodeStore of a key and a value job, got {type(store).__name__}")
         if not (isinstance(key_fields, FieldMap) and isinstance(value_fields, FieldMap)):
             raise TypeError("key_fields and value_fields must be FieldMaps (their checks are kept between steps)")
+        if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != step.batch:
+            raise ValueError(f"q must be a tensor [B={step.batch}, H_kv, R, D], got {getattr(q, 'shape', q)!r}")
         b, h, r, d = q.shape
         self.mod = mod = step.mod
         ffi = mod.ffi
@@ -666,7 +673,7 @@ class DecodeStore:
         j0 = self.jobs[0]  # the keys less their means: k_out
         j0.x_dtype, j0.x_st, j0.x_sh = 0, h * d * 4, d * 4
         t.jobs, t.n_jobs, t.dim = self.jobs, 2, d
-        self.limits = [(fixed, sb, st, extent) for _, fixed, sb, st, extent, *_ in store.limits]
+        self.store = store
         buffers = [f.buffer for f in (*key_fields.values(), *value_fields.values())]
         buffers += [x[5] for x in store.limits] + ([f.buffer for f in exact_fields] if self.rows is not None else [])
         for name, f, dst in (("mu_field", mu_field, "mu"), ("mu_v_field", mu_v_field, "mu_v")):
@@ -742,11 +749,10 @@ class DecodeStore:
               or not out.is_contiguous() or out.device.type != "cpu"):
             raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
                              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
-        blk, slt, lo, top_block, top_slot = bounds
-        if blk.shape[0] != b or lo < 0 or any(fixed + top_block * sb + top_slot * st > extent
-                                              for fixed, sb, st, extent in self.limits):
-            raise ValueError(f"bounds: {blk.shape[0]} positions for {b} sequences, or blocks/slots beyond the "
-                             "fields' buffers (or negative): nothing stored")
+        blk, slt = bounds[:2]
+        if blk.shape[0] != b:
+            raise ValueError(f"bounds: {blk.shape[0]} positions for {b} sequences (nothing stored)")
+        self.store.check_positions(bounds)
         xb, ne = step.xbias, step.n_rows + 1
         if xb is not None and (xb.shape[1] not in (1, h) or xb.shape[2] not in (1, r) or xb.shape[3] != ne):
             raise ValueError(f"the step's xbias {tuple(xb.shape)} does not broadcast over [B, {h}, {r}, {ne}]")
@@ -756,17 +762,12 @@ class DecodeStore:
         ffi.memmove(t, self.tpl, ffi.sizeof("qjl_step_args"))
         c = t.decode
         c.q_raw, c.q_dtype, c.q_scale = ffi.cast("const uint8_t *", q.data_ptr()), _X_DTYPES[q.dtype], float(q_scale)
-        c.batch, c.block_table, c.max_blocks = b, step.c_table, step.block_table.shape[1]
-        c.code_start, c.code_end, c.ne = step.c_start, step.c_end, ne
+        step.fill(c)
+        c.ne = ne
         if step.rows is not None:
-            e = c.xseg[0]
-            e.n, e.dtype = step.n_rows, step.rows_dtype
-            e.k_off, e.v_off = step.c_offsets
+            self.rows.fill(c.xseg[0], step)
         e = c.xseg[c.n_xseg - 1]
         e.k, e.v = ffi.cast("const uint8_t *", k_out.data_ptr()), ffi.cast("const uint8_t *", v_out.data_ptr())
-        if xb is not None:
-            c.xbias = step.c_xbias
-            c.xbias_sb, c.xbias_sh, c.xbias_sr = step.xbias_strides
         if self.smooth_values:  # the attention in float32 here, the value mean added into out in C
             mixed = torch.empty(b, h, r, d)
             c.out = ffi.cast("float *", mixed.data_ptr())
@@ -949,6 +950,16 @@ class EncodeStore:
             a.field(j.norm_field, norm_field, True)
         self.failed = a.ffi.new("int32_t *")
 
+    def check_positions(self, bounds: tuple) -> None:
+        """ValueError (naming the field) unless every position of ``bounds`` (:func:`store_bounds`) lies inside every
+        field's buffer."""
+        _, _, lo, top_block, top_slot = bounds
+        for name, fixed, sb, st, extent, *_ in self.limits:
+            last = fixed + top_block * sb + top_slot * st
+            if lo < 0 or last > extent:
+                raise ValueError(f"{name}: the blocks/slots bounds reach byte {last} of a buffer of {extent} "
+                                 f"(or an index is negative): nothing stored")
+
     def matches(self, static) -> bool:
         """These jobs are the ones this store was built for (the same objects)."""
         return len(static) == len(self.static) and all(
@@ -963,12 +974,9 @@ class EncodeStore:
         blk, slt, lo, top_block, top_slot = bounds = store_bounds(blocks, slots) if bounds is None else bounds
         n_tok, h = blk.shape[0], self.heads
         for name, fixed, sb, st, extent, t, ptr, shape, stride in self.limits:
-            last = fixed + top_block * sb + top_slot * st
             if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
                 raise ValueError(f"{name}: its buffer moved or changed shape since this EncodeStore was built")
-            if lo < 0 or last > extent:
-                raise ValueError(f"{name}: blocks/slots reach byte {last} of a buffer of {extent} "
-                                 f"(or an index is negative): nothing stored")
+        self.check_positions(bounds)
         if len(xs) != len(self.static):
             raise ValueError(f"EncodeStore: {len(self.static)} inputs expected, got {len(xs)}")
         keep = []
