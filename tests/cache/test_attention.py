@@ -111,7 +111,7 @@ def test_unavailable_kernel_is_refused_before_anything_is_stored(monkeypatch):
 
 
 def test_decode_steps_across_flushes_read_every_code(monkeypatch):
-    """Unmasked decode steps keep the C kernel's step arguments (block table, coded range) between calls: steps
+    """Unmasked decode steps keep the C kernel's filled arguments (:class:`DecodeCall`) between calls: steps
     that cross flushes (more codes, same buffers) must still attend to every code, as the reference does."""
     from qjl.kernels.cpu import launch
 
@@ -121,8 +121,8 @@ def test_decode_steps_across_flushes_read_every_code(monkeypatch):
     store = LayerStore(0, QJLConfig.preset("tq-k3v2", kernel="cpu"), num_layers=30)
     store.append(torch.randn(b, hkv, 200, d, generator=g), torch.randn(b, hkv, 200, d, generator=g))
     store.flush()
-    calls, real = [], launch.paged_decode_step
-    monkeypatch.setattr(launch, "paged_decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], launch.DecodeCall.__call__
+    monkeypatch.setattr(launch.DecodeCall, "__call__", lambda *a, **k: calls.append(1) or real(*a, **k))
     seen = set()
     for _ in range(300):
         store.append(torch.randn(b, hkv, 1, d, generator=g), torch.randn(b, hkv, 1, d, generator=g))
@@ -134,3 +134,53 @@ def test_decode_steps_across_flushes_read_every_code(monkeypatch):
         assert torch.allclose(got, want, atol=1e-4 * want.abs().max().item()), (store.n_codes, (got - want).abs().max())
         seen.add(store.n_codes)
     assert len(seen) >= 3 and len(calls) == 300  # flushes crossed, every step through the kept step arguments
+
+
+@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper"])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_decode_call_equals_the_general_kernel_path(preset, qdtype, monkeypatch):
+    """A decode step through the layer's kept DecodeCall (value mean added and the output rounded in the C call)
+    equals, bit for bit, the step through paged_decode_step + the mean added in torch (the path it replaces), with
+    value smoothing on and off (``qjl-paper``'s per-block query maps are not served by it: the general path, the
+    same answers); a mask every row sees in full (a decode step's zeros, or all True) gives the same
+    output without the mask, through the kept call; a mask hiding a column keeps the masked path and the reference's
+    answer."""
+    from qjl.cache import attention
+    from qjl.kernels.cpu import launch
+
+    calls, real = [], launch.DecodeCall.__call__
+    monkeypatch.setattr(launch.DecodeCall, "__call__", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    b, hkv, hq, d, n = 2, 2, 6, 64, 300
+    for smooth in (True, False):
+        store = LayerStore(0, QJLConfig.preset(preset, kernel="cpu", smooth_values=smooth), num_layers=30)
+        store.append(torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g) + 2)
+        q = torch.randn(b, hq, 1, d, generator=g).to(qdtype)
+        store.before_attention(None, q, d ** -0.5, None)  # (fits the means, as a model's first forward does)
+        store.flush()
+        assert store.n_codes and (store.mu_v is not None) == smooth
+        for step in range(3):
+            store.append(torch.randn(b, hkv, 1, d, generator=g), torch.randn(b, hkv, 1, d, generator=g))
+            q = torch.randn(b, hq, 1, d, generator=g).to(qdtype)
+            calls.clear()
+            got = attend(store, q, None, d ** -0.5)
+            kept = preset != "qjl-paper"  # (its outlier channels: per-block query maps, the general launcher)
+            assert len(calls) == kept and got.dtype == qdtype and got.shape == (b, 1, hq, d)
+            with monkeypatch.context() as m:
+                m.setattr(attention, "_attend_cpu_call", lambda *a: None)
+                want = attend(store, q, None, d ** -0.5)
+            assert torch.equal(got, want), (preset, smooth, step)
+            for full in (torch.zeros(b, 1, 1, store.seq_length()), torch.ones(b, 1, 1, store.seq_length(),
+                                                                              dtype=torch.bool)):
+                calls.clear()
+                assert torch.equal(attend(store, q, full, d ** -0.5), got) and len(calls) == kept
+        for col in (5, -1):  # a sink / code, the current token
+            hidden = torch.zeros(b, 1, 1, store.seq_length())
+            hidden[1, ..., col] = float("-inf")
+            calls.clear()
+            masked = attend(store, q, hidden, d ** -0.5)
+            assert not calls and not torch.equal(masked[1], got[1])
+            ref = copy.copy(store)
+            ref.backend, ref.kernel_ok = "torch", False
+            want = attend(ref, q, hidden, d ** -0.5).float()
+            assert (masked.float() - want).abs().max() <= 3e-2 * want.abs().max()

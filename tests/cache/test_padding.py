@@ -2,6 +2,7 @@
 
 import torch
 
+from qjl.cache import padding
 from qjl.cache.padding import remap_mask, row_starts, sink_order
 
 
@@ -67,7 +68,6 @@ def test_store_order_width_follows_replaced_pads_and_heavy_positions():
     """``LayerStore.order_width`` is read on every decode step and memoized per (pads, heavy_pos): replacing either
     (rows selected, sinks formed again after a reset) gives the new width, never the memo's."""
     from qjl import QJLConfig
-    from qjl.cache import padding
     from qjl.cache.storage import LayerStore
 
     store = LayerStore(0, QJLConfig(sink_tokens=4))
@@ -84,26 +84,24 @@ def test_plainly_visible_is_asked_once_per_mask_and_sees_in_place_changes():
     """The layers of a step share one mask: the answer is kept per (mask object, version, width); an in-place
     change or another mask is asked again, never answered from the memo; each layer's width is answered from one
     read-back per mask."""
-    from qjl.cache import storage
-
     m = torch.zeros(2, 1, 1, 8)
-    assert storage._plainly_visible(m, 3)
+    assert padding.plainly_visible(m, 3)
     m[1, 0, 0, 2] = float("-inf")  # in place: a padded column now
-    assert not storage._plainly_visible(m, 3)
-    assert storage._plainly_visible(m, 2)  # another width
+    assert not padding.plainly_visible(m, 3)
+    assert padding.plainly_visible(m, 2)  # another width
     b = torch.ones(2, 1, 1, 8, dtype=torch.bool)
-    assert storage._plainly_visible(b, 3)
+    assert padding.plainly_visible(b, 3)
     b2 = b.clone()
     b2[0, 0, 0, 0] = False
-    assert not storage._plainly_visible(b2, 3)
+    assert not padding.plainly_visible(b2, 3)
     calls = []
     real = torch.Tensor.tolist
     torch.Tensor.tolist = lambda self: calls.append(1) or real(self)
     try:
         for width in (3, 1, 5, 3, 2):  # 5 layers of one step, each with its own width: one read-back
-            assert storage._plainly_visible(b2, width) == (width == 0)
+            assert padding.plainly_visible(b2, width) == (width == 0)
         c = torch.zeros(2, 1, 1, 8)
-        assert storage._plainly_visible(c, 8) and storage._plainly_visible(c, 4)
+        assert padding.plainly_visible(c, 8) and padding.plainly_visible(c, 4)
     finally:
         torch.Tensor.tolist = real
     assert len(calls) == 1  # b2 answered from the memo for every width; c read back once

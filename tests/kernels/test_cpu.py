@@ -452,3 +452,79 @@ def test_int_path_refused_where_the_cpu_lacks_it(monkeypatch):
     with pytest.raises(ValueError, match="AVX-512"):
         launch.paged_decode(*c.args(), impl="c-int")
     close(launch.paged_decode(*c.args(), impl="auto"), c.reference(), TOL)
+
+
+@pytest.mark.parametrize("impl", ("c", "c-int") if launch.has_int_path() else ("c",))
+@pytest.mark.parametrize("odtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_decode_call_equals_decode_step(impl, odtype, with_mean, monkeypatch):
+    """A kept DecodeCall (the transformers cache's decode step): equal bit for bit to paged_decode_step, then + the
+    value mean in float32 and ``.to(dtype)``, call after call with segments whose address and length change (a
+    window reallocated at each append), a segment that empties, a raw bf16 query scaled in the call."""
+    from qjl.kernels.paged import FieldMap
+
+    monkeypatch.setenv("QJL_CPU_IMPL", impl)
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=77, n_exact=5, seed=3, masked=False)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    kf, vf = FieldMap(kf), FieldMap(vf)
+    xk, xv, _ = c.exact
+    g = torch.Generator().manual_seed(9)
+    mean = torch.randn(2, 2, 64, generator=g) if with_mean else None
+    step = launch.DecodeStep(bt, bs, start, end, segments=2)
+    qr = (q * 3).bfloat16()
+    call = launch.DecodeCall(qr, kc, kf, vc, vf, step, mean=mean)
+    assert call.served
+    for n_win in (3, 1, 0, 4):
+        sinks = (xk[:, :, :1].half(), xv[:, :, :1].half())
+        win = (xk[:, :, 1:1 + n_win].clone().half(), xv[:, :, 1:1 + n_win].clone().half())
+        want = launch.paged_decode_step(qr, kc, kf, vc, vf, step, segments=(sinks, win), q_scale=0.37)
+        if mean is not None:
+            want = want + mean[:, :, None]
+        out = torch.full((2, 2, 4, 64), 7.0, dtype=odtype)
+        got = call(qr, (sinks, win), q_scale=0.37, out=out)
+        assert got is out and torch.equal(got, want.to(odtype)), n_win
+
+
+def test_decode_call_bad_input():
+    """Wrong query, output, segments or scale: a ValueError naming the argument; a buffer moved since the build is
+    refused; a step with exact rows, plain dict fields or a mean of the wrong shape/dtype refused at the build."""
+    from qjl.kernels.paged import FieldMap
+
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=40, n_exact=5, masked=False)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    fkf, fvf = FieldMap(kf), FieldMap(vf)
+    xk, xv, _ = c.exact
+    step = launch.DecodeStep(bt, bs, start, end, segments=1)
+    with pytest.raises(TypeError, match="FieldMaps"):
+        launch.DecodeCall(q, kc, kf, vc, vf, step)
+    for bad in (torch.zeros(2, 2, 64, dtype=torch.float16), torch.zeros(2, 1, 64), torch.zeros(2, 64, 2).mT):
+        with pytest.raises(ValueError, match="mean must be"):
+            launch.DecodeCall(q, kc, fkf, vc, fvf, step, mean=bad)
+    with pytest.raises(ValueError, match="q must be"):
+        launch.DecodeCall(q.double(), kc, fkf, vc, fvf, step)
+    rows, fields, _ = _paged_exact(c)
+    with pytest.raises(ValueError, match="without exact rows"):
+        launch.DecodeCall(q, kc, fkf, vc, fvf, launch.DecodeStep(bt, bs, start, end, rows=rows))
+    call = launch.DecodeCall(q, kc, fkf, vc, fvf, step)
+    out = torch.empty(2, 2, 4, 64)
+    seg = ((xk, xv),)
+    call(q, seg, q_scale=0.5, out=out)
+    for bad_q in (q[:1], q.half(), q.transpose(2, 3).contiguous().transpose(2, 3)):
+        with pytest.raises(ValueError, match="q must be"):
+            call(bad_q, seg, q_scale=0.5, out=out)
+    for bad_out in (out[:1], out.double(), torch.empty(2, 2, 64, 4).mT):
+        with pytest.raises(ValueError, match="out must be"):
+            call(q, seg, q_scale=0.5, out=bad_out)
+    for bad in (float("nan"), "0.1", True):
+        with pytest.raises(ValueError, match="q_scale"):
+            call(q, seg, q_scale=bad, out=out)
+    with pytest.raises(ValueError, match="segments must be"):
+        call(q, (seg[0], seg[0]), q_scale=0.5, out=out)
+    with pytest.raises(ValueError, match=r"segments\[0\] v"):
+        call(q, ((xk, xv[:1]),), q_scale=0.5, out=out)
+    buf = next(iter(fkf.values())).buffer
+    before = out.clone()
+    buf.resize_(buf.numel() * 2)  # a buffer reallocated in place (its address changes)
+    with pytest.raises(ValueError, match="moved"):
+        call(q, seg, q_scale=0.5, out=out)
+    assert torch.equal(out, before)  # nothing written

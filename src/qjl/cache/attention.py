@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from qjl import kernels
+from qjl.cache.padding import plainly_visible
 
 __all__ = ["attend", "masked_sdpa", "MAX_KERNEL_ROWS", "QUERY_CHUNK"]
 
@@ -51,11 +52,18 @@ def attend(store, query: torch.Tensor, attention_mask, scaling: float, softcap=N
 
     With value smoothing the store holds ``v - mu_v``; ``mu_v`` is added back here, after any path."""
     b, hq, t, d = query.shape
-    hkv = store.keys.shape[1]
+    hkv = store.heads
     g = hq // hkv
     _check_mask(store, attention_mask)
+    if attention_mask is not None and attention_mask.device.type == "cpu" and plainly_visible(
+            attention_mask, attention_mask.shape[-1]):
+        attention_mask = None  # every row sees every key (a decode step's mask): the same attention without it
+    if t == 1 and attention_mask is None and softcap is None and store.backend == "cpu" and store.kernel_ok:
+        out = _attend_cpu_call(store, query, scaling)  # (value mean added, in query's dtype)
+        if out is not None:
+            return out
     out = None
-    if store.kernel_ok and softcap is None and store.key_codes is not None and g * t <= MAX_KERNEL_ROWS:
+    if store.kernel_ok and softcap is None and store.n_codes and g * t <= MAX_KERNEL_ROWS:
         qg = query.float().reshape(b, hkv, g * t, d)  # query head h reads KV head h // g
         out = _attend_kernel(store, qg, attention_mask, scaling, hq, t)
     if out is None and store.backend != "torch" and softcap is None:
@@ -156,6 +164,42 @@ def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: 
                                block_table, max(capacity, 1), start, end, exact=(keys, values, bias_x),
                                code_bias=bias, backend=store.backend, max_codes=n_codes)
     return out.reshape(b, hq, t, d).transpose(1, 2)
+
+
+def _attend_cpu_call(store, query: torch.Tensor, scaling: float):
+    """A decode step (one new token per sequence, no mask) through the layer's kept
+    :class:`qjl.kernels.cpu.launch.DecodeCall` (one C call: codes, sinks and window, the value mean added, the output
+    in query's dtype) -> [B, 1, H_q, D], or None where it does not serve the layer (no codes yet, value and key
+    dims that differ, a query not fp32/fp16/bf16, a key codec with per-block query maps, a value mean not held as
+    contiguous float32)."""
+    b, hq, _, d = query.shape
+    n_codes, hkv, mu_v = store.n_codes, store.heads, store.mu_v
+    if (not n_codes or store.value_dim != d or query.dtype not in _KERNEL_DTYPES
+            or (mu_v is not None and (mu_v.dtype != torch.float32 or not mu_v.is_contiguous()))):
+        return None
+    from qjl.kernels.cpu.launch import DecodeCall
+
+    g = hq // hkv
+    q = query.reshape(b, hkv, g, d).contiguous()  # query head h reads KV head h // g
+    keys = tuple(x for x in (store.sink_k, store.keys) if x is not None)
+    values = tuple(x for x in (store.sink_v, store.values) if x is not None)
+    key_fields, value_fields, capacity = store.kernel_fields()
+    kc, vc = store.key_codec, store.value_codec
+    params = (b, hkv, g, d, q.dtype, n_codes, capacity, len(keys), id(value_fields), id(kc), id(vc), id(mu_v))
+
+    def build():  # (the call holds every object whose id is in params: no id is reused while it is kept)
+        step = _cpu_step(key_fields, b, n_codes, max(capacity, 1), len(keys))
+        return DecodeCall(q, kc, key_fields, vc, value_fields, step, mean=mu_v)
+
+    call = _kept(key_fields, "attend_call", params, build)
+    if not call.served:
+        return None
+    out = torch.empty(b, 1, hq, d, dtype=query.dtype)
+    call(q, tuple(zip(keys, values)), q_scale=scaling, out=out.view(b, hkv, g, d))
+    return out
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _ranges(b: int, n_codes: int, dev) -> tuple:

@@ -13,9 +13,11 @@ key column some query of that row may attend to.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-__all__ = ["row_starts", "order_width", "sink_order", "to_slots", "remap_mask", "zero_padding", "visible"]
+__all__ = ["row_starts", "order_width", "sink_order", "to_slots", "remap_mask", "zero_padding", "visible", "plainly_visible"]
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:
@@ -90,3 +92,18 @@ def remap_mask(mask: torch.Tensor | None, order: torch.Tensor | None) -> torch.T
     p = order.shape[1]
     idx = order.to(mask.device, torch.long)[:, None, None, :].expand(mask.shape[0], mask.shape[1], mask.shape[2], p)
     return torch.cat([mask[..., :p].gather(-1, idx), mask[..., p:]], dim=-1)
+
+
+_VISIBLE = [None]  # (weakref to the last mask, its in-place version, its first hidden column)
+
+
+def plainly_visible(mask: torch.Tensor, width: int) -> bool:
+    """Every row sees the mask's first ``width`` columns (bool True / additive 0).  Every layer of a step asks about
+    the same mask tensor (with its own width): the first column hidden from some row is found once per (mask
+    object, in-place version), so a GPU synchronizes once per step, not once per layer."""
+    hit = _VISIBLE[0]
+    if hit is None or hit[0]() is not mask or hit[1] != mask._version:
+        hidden = (~mask if mask.dtype == torch.bool else mask != 0).reshape(-1, mask.shape[-1]).any(0).to(torch.int32)
+        first, some = torch.stack([hidden.argmax(), hidden.amax()]).tolist() if hidden.numel() else (0, 0)
+        hit = _VISIBLE[0] = (weakref.ref(mask), mask._version, first if some else mask.shape[-1])
+    return width <= hit[2]

@@ -30,8 +30,6 @@ the transformers cache layer is :mod:`qjl.integrations.transformers.layer`.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from qjl import kernels
@@ -54,21 +52,6 @@ def exact_storage(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
     if name == "half":
         return model_dtype if model_dtype.itemsize == 2 else torch.float16
     return STORAGE_DTYPES.get(name, model_dtype)
-
-
-_VISIBLE = [None]  # (weakref to the last mask, its in-place version, its first hidden column)
-
-
-def _plainly_visible(mask: torch.Tensor, width: int) -> bool:
-    """Every row sees the mask's first ``width`` columns (bool True / additive 0).  Every layer of a step asks about
-    the same mask tensor (with its own width): the first column hidden from some row is found once per (mask
-    object, in-place version), so a GPU synchronizes once per step, not once per layer."""
-    hit = _VISIBLE[0]
-    if hit is None or hit[0]() is not mask or hit[1] != mask._version:
-        hidden = (~mask if mask.dtype == torch.bool else mask != 0).reshape(-1, mask.shape[-1]).any(0).to(torch.int32)
-        first, some = torch.stack([hidden.argmax(), hidden.amax()]).tolist() if hidden.numel() else (0, 0)
-        hit = _VISIBLE[0] = (weakref.ref(mask), mask._version, first if some else mask.shape[-1])
-    return width <= hit[2]
 
 
 class LayerStore:
@@ -289,7 +272,7 @@ class LayerStore:
         mask, and the order is not rebuilt."""
         if attention_mask is None or self.pads is None:
             return attention_mask
-        if _plainly_visible(attention_mask, self.order_width()):
+        if padding.plainly_visible(attention_mask, self.order_width()):
             return attention_mask
         return padding.remap_mask(attention_mask, self.slot_order)
 

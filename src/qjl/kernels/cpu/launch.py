@@ -20,7 +20,7 @@ import weakref
 import torch
 
 __all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "DecodeStep",
-           "paged_decode_step", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore", "cell_moments",
+           "paged_decode_step", "DecodeCall", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore", "cell_moments",
            "store_bounds", "value_rows", "value_rows_reference", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-portable")
@@ -357,21 +357,29 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
 def _segment(a: _Args, e, k, v) -> None:
     """Fill the C exact segment ``e`` from a (key, value) pair: tensors [B, H, n, D] (or [B, H, D], one token) with
     contiguous rows, or :class:`qjl.kernels.paged.PagedRows`."""
-    e.n, e.dtype = (k.shape[2] if len(k.shape) == 4 else 1), _X_DTYPES[k.dtype]
     if isinstance(k, torch.Tensor):
-        es = k.element_size()
-        e.k, e.v = a.ptr(k, "const uint8_t *"), a.ptr(v, "const uint8_t *")
-        e.k_sb, e.k_sh, e.v_sb, e.v_sh = k.stride(0) * es, k.stride(1) * es, v.stride(0) * es, v.stride(1) * es
-        if k.ndim == 4:
-            e.k_st, e.v_st = k.stride(2) * es, v.stride(2) * es
+        a.keep += (k, v)
+        _tensor_fill(a.ffi, e, k, v)
     else:  # PagedRows: the pages' bytes from each buffer's start, one offset per sequence and token (the kernel
         # checks every offset against the buffer's extent before it reads anything)
+        e.n, e.dtype = k.shape[2], _X_DTYPES[k.dtype]
         from qjl.kernels.paged import extent_bytes
 
         e.k, e.v = a.ptr(k.field.buffer, "const uint8_t *"), a.ptr(v.field.buffer, "const uint8_t *")
         e.k_sh, e.v_sh = k.field.stride_head, v.field.stride_head
         e.k_off, e.v_off = a.ptr(_i64(k.offsets), "int64_t *"), a.ptr(_i64(v.offsets), "int64_t *")
         e.k_room, e.v_room = extent_bytes(k.field.buffer), extent_bytes(v.field.buffer)
+
+
+def _tensor_fill(ffi, e, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Fill the C exact segment ``e`` from tensors k, v [B, H, n, D] (or [B, H, D], one token) of one fp32/fp16/bf16
+    dtype with contiguous rows, read in place (the caller keeps them alive through the call)."""
+    es = k.element_size()
+    e.n, e.dtype = (k.shape[2] if k.ndim == 4 else 1), _X_DTYPES[k.dtype]
+    e.k, e.v = ffi.cast("const uint8_t *", k.data_ptr()), ffi.cast("const uint8_t *", v.data_ptr())
+    e.k_sb, e.k_sh, e.v_sb, e.v_sh = k.stride(0) * es, k.stride(1) * es, v.stride(0) * es, v.stride(1) * es
+    if k.ndim == 4:
+        e.k_st, e.v_st = k.stride(2) * es, v.stride(2) * es
 
 
 class _RowsBinding:
@@ -606,6 +614,105 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     c.simd = _SIMD[_impl_code(step.impl)]
     _decode_status(mod.lib.qjl_paged_decode(c), q, key_codec, key_fields, value_codec, value_fields, step)
     return out
+
+
+class DecodeCall:
+    """:func:`paged_decode_step` of one layer with everything but the query, the exact segments and the output
+    filled once (a transformers cache layer between two flushes: its codes, fields and ranges do not change), and
+    optionally a value mean added in the same C call (``qjl_decode_mean``, step.c).  Equal bit for bit to::
+
+        o = paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step, segments=segments,
+                              q_scale=q_scale)                          # float32 [B, H_kv, R, D]
+        out.copy_(o + mean[:, :, None])                                 # (without a mean: out.copy_(o))
+
+    Built from a first query ``q`` [B, H_kv, R, D] (every call's query has its shape and dtype), the layer's codecs
+    and :class:`qjl.kernels.paged.FieldMap` fields, a :class:`DecodeStep` without exact rows, and ``mean``: None or a
+    contiguous float32 [B, H_kv, D] tensor (each sequence's value mean, read at every call: kept by reference).
+    :attr:`served` is False where the key codec's query maps are not the kernel's own (per-block maps): there
+    :func:`paged_decode_step` serves the layer.  A call refuses buffers that moved or changed shape since the build
+    (build another).  One caller at a time (the struct is filled in place)."""
+
+    __slots__ = ("mod", "objects", "prep", "step", "qshape", "qdtype", "mean", "tmp", "c", "served")
+
+    def __init__(self, q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, *, mean=None):
+        from qjl.kernels.paged import FieldMap
+
+        if not isinstance(step, DecodeStep) or step.rows is not None:
+            raise ValueError("step must be a DecodeStep without exact rows")
+        if not (isinstance(key_fields, FieldMap) and isinstance(value_fields, FieldMap)):
+            raise TypeError("key_fields and value_fields must be FieldMaps (their checks are kept between calls)")
+        if (not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != step.batch or q.device.type != "cpu"
+                or q.dtype not in _X_DTYPES):
+            raise ValueError(f"q must be a fp32/fp16/bf16 CPU tensor [B={step.batch}, H_kv, R, D], got "
+                             f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+        b, h, r, d = q.shape
+        if mean is not None and (not isinstance(mean, torch.Tensor) or tuple(mean.shape) != (b, h, d)
+                                 or mean.dtype != torch.float32 or not mean.is_contiguous()
+                                 or mean.device.type != "cpu"):
+            raise ValueError(f"mean must be None or a contiguous float32 CPU tensor [{b}, {h}, {d}], got "
+                             f"{getattr(mean, 'dtype', type(mean).__name__)} {tuple(getattr(mean, 'shape', ()))}")
+        self.mod = mod = step.mod
+        ffi = mod.ffi
+        self.prep = prep = _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, step.block_table,
+                                     step.block_size, step.code_start, step.code_end)
+        self.objects = (key_codec, key_fields, value_codec, value_fields)
+        self.served = bool(prep.tpl.qmaps)
+        self.step, self.qshape, self.qdtype, self.mean = step, q.shape, q.dtype, mean
+        self.c = c = ffi.new("qjl_decode_args *")
+        ffi.memmove(c, prep.tpl.c, ffi.sizeof("qjl_decode_args"))
+        for i in range(c.n_terms):
+            c.key[i].q = ffi.NULL  # (the query is given raw: converted and scaled in the call)
+        c.heads, c.rows, c.q_dtype, c.dx = h, r, _X_DTYPES[q.dtype], d
+        step.fill(c)
+        c.max_block = min(prep.room[0], 2**62)
+        self.tmp = None if mean is None else torch.empty(b, h, r, d)  # the kernel's float32 output, then + mean
+
+    def __call__(self, q, segments: tuple, *, q_scale: float, out: torch.Tensor) -> torch.Tensor:
+        """q [B, H_kv, R, D] contiguous, of the build's shape and dtype, multiplied by ``q_scale`` in the call;
+        segments: the step's ``segments`` (k, v) pairs of exact tokens [B, H_kv, n, D] (as
+        :func:`paged_decode_step`'s); out: a contiguous fp32/fp16/bf16 [B, H_kv, R, D] tensor, written and
+        returned."""
+        if not isinstance(q, torch.Tensor) or q.shape != self.qshape or q.dtype != self.qdtype or not q.is_contiguous():
+            raise ValueError(f"q must be a contiguous {self.qdtype} tensor {tuple(self.qshape)} (this DecodeCall's), "
+                             f"got {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+        if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not abs(q_scale) < float("inf"):
+            raise ValueError(f"q_scale must be a finite float, got {q_scale!r}")
+        b, h, r, d = self.qshape
+        if (not isinstance(out, torch.Tensor) or out.shape != self.qshape or out.dtype not in _X_DTYPES
+                or not out.is_contiguous() or out.device.type != "cpu"):
+            raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+        step = self.step
+        if not isinstance(segments, tuple) or len(segments) != step.segments:
+            raise ValueError(f"segments must be a tuple of the step's {step.segments} (k, v) pairs")
+        kc, kf, vc, vf = self.objects
+        if not self.prep.matches(vf, kc, vc):
+            raise ValueError("a buffer this DecodeCall points into moved or changed shape since it was built: build "
+                             "another")
+        segs = [_tensor_segment(i, kv, (b, h, d)) for i, kv in enumerate(segments)]
+        mod, c = self.mod, self.c
+        ffi = mod.ffi
+        n_seg = ne = 0
+        for k, v, n in segs:
+            if n:
+                _tensor_fill(ffi, c.xseg[n_seg], k, v)
+                n_seg, ne = n_seg + 1, ne + n
+        c.ne, c.n_xseg = ne, n_seg
+        c.q_raw, c.q_scale = ffi.cast("const uint8_t *", q.data_ptr()), float(q_scale)
+        c.threads = torch.get_num_threads()
+        c.simd = _SIMD[_impl_code(step.impl)]
+        if self.mean is not None:
+            c.out, c.out_raw = ffi.cast("float *", self.tmp.data_ptr()), ffi.NULL
+            rc = mod.lib.qjl_decode_mean(c, ffi.cast("float *", self.mean.data_ptr()),
+                                         ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype])
+        else:
+            if out.dtype == torch.float32:
+                c.out, c.out_raw = ffi.cast("float *", out.data_ptr()), ffi.NULL
+            else:
+                c.out, c.out_raw, c.out_dtype = ffi.NULL, ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype]
+            rc = mod.lib.qjl_paged_decode(c)
+        _decode_status(rc, q, kc, kf, vc, vf, step)
+        return out
 
 
 class DecodeStore:
