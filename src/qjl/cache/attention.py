@@ -177,8 +177,6 @@ def _attend_cpu_call(store, query: torch.Tensor, scaling: float):
     if (not n_codes or store.value_dim != d or query.dtype not in _KERNEL_DTYPES
             or (mu_v is not None and (mu_v.dtype != torch.float32 or not mu_v.is_contiguous()))):
         return None
-    from qjl.kernels.cpu.launch import DecodeCall
-
     g = hq // hkv
     q = query.reshape(b, hkv, g, d).contiguous()  # query head h reads KV head h // g
     keys = tuple(x for x in (store.sink_k, store.keys) if x is not None)
@@ -188,6 +186,8 @@ def _attend_cpu_call(store, query: torch.Tensor, scaling: float):
     params = (b, hkv, g, d, q.dtype, n_codes, capacity, len(keys), id(value_fields), id(kc), id(vc), id(mu_v))
 
     def build():  # (the call holds every object whose id is in params: no id is reused while it is kept)
+        from qjl.kernels.cpu.launch import DecodeCall
+
         step = _cpu_step(key_fields, b, n_codes, max(capacity, 1), len(keys))
         return DecodeCall(q, kc, key_fields, vc, value_fields, step, mean=mu_v)
 

@@ -51,7 +51,9 @@ class TokenBuffer:
         self.dtype, self.data, self.n, self.spare = dtype, None, 0, spare
 
     def view(self) -> torch.Tensor | None:
-        return None if self.data is None else self.data[:, :, : self.n]
+        if self.data is None or self.n == self.data.shape[2]:  # (the window's tight buffer: no view built per call)
+            return self.data
+        return self.data[:, :, : self.n]
 
     @property
     def capacity(self) -> int:
