@@ -255,6 +255,18 @@ static void encode_row(void *ctx, int64_t i) {
     c->status[i] = !finite ? -2 : !(norm <= j->norm_max) ? -3 : !(fabsf(v) <= j->norm_max) ? -4 : 0;
 }
 
+#define ENCODE_BLOCK 32 /* rows per work item of qjl_encode_store (one dynamic grab per row cost more than a row) */
+typedef struct {
+    const qjl_encode_ctx *c;
+    int64_t rows;
+} qjl_encode_blocks;
+
+static void encode_block(void *ctx, int64_t b) {
+    const qjl_encode_blocks *e = ctx;
+    const int64_t end = (b + 1) * ENCODE_BLOCK < e->rows ? (b + 1) * ENCODE_BLOCK : e->rows;
+    for (int64_t i = b * ENCODE_BLOCK; i < end; i++) encode_row((void *)e->c, i);
+}
+
 /* Several roles (a layer's keys and values) quantized as encode_row says and stored into paged fields, the rows
  * never leaving C: row i of a job is token i / heads, KV head i % heads, stored at (blocks[i / heads],
  * slots[i / heads]) of its codes and norm fields (the norm converted to the field's dtype as torch's .to(dtype)).
@@ -283,7 +295,9 @@ QJL_EXPORT int qjl_encode_store(const qjl_encode_job *jobs, int32_t n_jobs, int6
         stored[k] = malloc(sizeof(float) * (size_t)rows);
         if (!codes[k] || !stored[k]) { rc = -1; break; }
         const qjl_encode_ctx ctx = {j, heads, blocks, slots, codes[k], stored[k], status};
-        parallel_for(rows, rows >= 64 && threads > 1 ? threads : 1, encode_row, (void *)&ctx);
+        const qjl_encode_blocks blocks_of = {&ctx, rows};
+        parallel_for((rows + ENCODE_BLOCK - 1) / ENCODE_BLOCK, rows >= 64 && threads > 1 ? threads : 1, encode_block,
+                     (void *)&blocks_of);
         for (int64_t i = 0; i < rows && !rc; i++) rc = status[i];
     }
     for (int k = 0; k < n_jobs && !rc; k++) {
