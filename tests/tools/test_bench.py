@@ -75,3 +75,23 @@ def test_bad_arguments_are_named():
         bench.run_e2e(context=64, methods=("static",))
     with pytest.raises(ValueError, match="parts"):
         bench.main_bench(None, (64,), 1, 0, 64, 1, parts=("speed",))
+
+
+def test_flush_exceeds_the_largest_reported_cache(tmp_path):
+    """The read before every timed call is twice the largest cache Linux reports (a VM's 480 MiB L3 included), at
+    least 128 MiB and at most 2 GiB; unreadable or odd entries are skipped."""
+    from qjl.tools import bench
+
+    def caches(*sizes):
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        for i, size in enumerate(sizes):
+            (root / f"index{i}").mkdir(parents=True)
+            (root / f"index{i}" / "size").write_text(size + "\n")
+        return root
+
+    assert bench.largest_cache_mib(caches("48K", "2048K", "491520K")) == 480
+    assert bench.flush_mib(caches("48K", "2048K", "491520K")) == 960
+    assert bench.flush_mib(caches("32K", "1024K", "32768K")) == 128  # a 32 MiB L3: the 128 MiB floor
+    assert bench.flush_mib(caches("4G")) == 2048
+    assert bench.flush_mib(caches("junk", "64M")) == 128
+    assert bench.flush_mib(tmp_path / "none") == 128

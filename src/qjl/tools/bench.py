@@ -71,7 +71,32 @@ def _median_ms(fn, repeats: int, warmup: int) -> float:
     return _interleaved_ms({"": fn}, repeats, warmup)[""]
 
 
-FLUSH_MIB = 128  # more than the last-level cache of the CPUs this runs on
+FLUSH_MIB = 128  # the least read before a timed call (more than the last-level caches of the CPUs this ran on)
+FLUSH_MAX_MIB = 2048
+
+
+def largest_cache_mib(root=Path("/sys/devices/system/cpu/cpu0/cache")) -> float:
+    """The largest CPU cache Linux reports for cpu0 (``index*/size``, e.g. "491520K"), in MiB; 0 where none is."""
+    largest = 0.0
+    for f in Path(root).glob("index*/size"):
+        try:
+            text = f.read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 / 1024, "M": 1.0, "G": 1024.0}.get(text[-1:].upper())
+        try:
+            size = float(text[:-1]) * unit if unit else float(text) / 2**20
+        except ValueError:
+            continue
+        largest = max(largest, size)
+    return largest
+
+
+def flush_mib(root=Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """MiB read before every timed call: twice the largest cache the CPU reports, at least ``FLUSH_MIB``, at most
+    ``FLUSH_MAX_MIB`` (a virtual machine may report its host's whole last-level cache: 480 MiB on the Intel Xeon of
+    stops 33-36, where a 128 MiB read left a 4k layer's 32 MiB of fp32 K/V partly cached)."""
+    return int(min(FLUSH_MAX_MIB, max(FLUSH_MIB, 2 * largest_cache_mib(root))))
 
 
 def _interleaved_ms(fns: dict, repeats: int, warmup: int, flush=None) -> dict:
@@ -169,16 +194,16 @@ def run_attention(contexts=(1024, 4096, 16384, 65536), layers=("llama3-8b", "smo
     bytes: what the method reads per call (fp32/bf16 K and V; the codes, norms, sinks and window held);
     gbps = bytes / time; roofline = gbps / ``bandwidth_gbps`` (None when no bandwidth is given).
     The methods of one layer and context are timed in interleaved rounds (:func:`_interleaved_ms`), each call
-    after reading a ``FLUSH_MIB`` buffer (``flush_caches``; untimed) so that none finds its data in cache."""
+    after reading a :func:`flush_mib` buffer (``flush_caches``; untimed) so that none finds its data in cache."""
     _check_layers(layers)
     if not contexts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in contexts):
         raise ValueError(f"contexts must be positive ints, got {contexts!r}")
     if not isinstance(flush_caches, bool):
         raise TypeError(f"flush_caches must be a bool, got {type(flush_caches).__name__} {flush_caches!r}")
     rows = []
-    # float32, FLUSH_MIB MiB, read before every call: it evicts the method's data without leaving dirty lines
+    # float32, flush_mib() MiB, read before every call: it evicts the method's data without leaving dirty lines
     # whose write-back would load the next timed call
-    flush = torch.zeros(FLUSH_MIB << 18) if flush_caches else None
+    flush = torch.zeros(flush_mib() << 18) if flush_caches else None
     for name in layers:
         hq, hkv, d = LAYERS[name]
         g = hq // hkv
@@ -406,6 +431,7 @@ def main_bench(out_dir: Path, contexts, repeats: int, warmup: int, e2e_context: 
     env["torch_threads"] = torch.get_num_threads()
     env["device"] = "cpu"
     env["cpu_kernel"] = f"{cpu_kernels.implementation()} ({cpu_kernels.simd_path()})"
+    env["flush_mib"] = flush_mib()  # read before every timed attention call
     log("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     result = {"environment": env}
     if "attention" in parts:

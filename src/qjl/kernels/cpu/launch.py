@@ -632,7 +632,7 @@ class DecodeCall:
     :func:`paged_decode_step` serves the layer.  A call refuses buffers that moved or changed shape since the build
     (build another).  One caller at a time (the struct is filled in place)."""
 
-    __slots__ = ("mod", "objects", "prep", "step", "qshape", "qdtype", "mean", "tmp", "c", "served")
+    __slots__ = ("mod", "objects", "prep", "step", "qshape", "qdtype", "mean", "c", "served")
 
     def __init__(self, q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, *, mean=None):
         from qjl.kernels.paged import FieldMap
@@ -665,7 +665,6 @@ class DecodeCall:
         c.heads, c.rows, c.q_dtype, c.dx = h, r, _X_DTYPES[q.dtype], d
         step.fill(c)
         c.max_block = min(prep.room[0], 2**62)
-        self.tmp = None if mean is None else torch.empty(b, h, r, d)  # the kernel's float32 output, then + mean
 
     def __call__(self, q, segments: tuple, *, q_scale: float, out: torch.Tensor) -> torch.Tensor:
         """q [B, H_kv, R, D] contiguous, of the build's shape and dtype, multiplied by ``q_scale`` in the call;
@@ -701,8 +700,9 @@ class DecodeCall:
         c.q_raw, c.q_scale = ffi.cast("const uint8_t *", q.data_ptr()), float(q_scale)
         c.threads = torch.get_num_threads()
         c.simd = _SIMD[_impl_code(step.impl)]
-        if self.mean is not None:
-            c.out, c.out_raw = ffi.cast("float *", self.tmp.data_ptr()), ffi.NULL
+        if self.mean is not None:  # the kernel's float32 output (scratch per call: nothing held between calls)
+            tmp = torch.empty(self.qshape)
+            c.out, c.out_raw = ffi.cast("float *", tmp.data_ptr()), ffi.NULL
             rc = mod.lib.qjl_decode_mean(c, ffi.cast("float *", self.mean.data_ptr()),
                                          ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype])
         else:
