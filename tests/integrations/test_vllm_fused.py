@@ -110,6 +110,20 @@ def test_one_call_equals_the_general_path(case, out_dtype):
     twin.step({"a": 1, "c": 4}, out_dtype, fused_expected=False)  # a chunk row beside a decode row
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=["5x", "default", "sliding"])
+def test_a_kept_store_serves_steps_that_differ(case):
+    """A layer's DecodeStore fills one kept struct in place: steps of other batch sizes, with and without exact
+    rows, and outputs of other dtypes, one after another, each equal bit for bit to the general path (nothing of
+    one step's fields is left for the next)."""
+    preset, over, hkv, hq, bs, sliding = case
+    twin = Twin(VLLMSettings(preset=preset, **over), hkv, hq, bs, sliding=sliding)
+    twin.step({"a": 40, "b": 3, "c": 2 * bs + 5}, fused_expected=False)
+    for chunks, dtype in (({"a": 1, "b": 1, "c": 1}, torch.bfloat16), ({"b": 1}, torch.float32),
+                          ({"a": 1, "c": 1}, torch.bfloat16), ({"a": 1, "b": 1, "c": 1}, torch.float32),
+                          ({"c": 1}, torch.bfloat16)):
+        twin.step(chunks, dtype)
+
+
 def test_fp16_pages_and_an_output_it_leaves_alone():
     """fp16 pages and outputs are served bit for bit too; an output buffer that is not contiguous is left to the
     general path (None, nothing stored)."""

@@ -473,6 +473,17 @@ class DecodeStep:
             self.xbias = xb if xb.stride(3) == 1 else xb.contiguous()
             self.c_xbias = ffi.cast("float *", self.xbias.data_ptr())
             self.xbias_strides = tuple(self.xbias.stride(i) if self.xbias.shape[i] > 1 else 0 for i in range(3))
+        self._scratch = None
+
+    def scratch(self, *shapes) -> tuple:
+        """Float32 tensors of ``shapes``, made once and handed to every call of this step that asks for the same
+        shapes: the layers of one vLLM step, one after another, so a layer's call allocates nothing (a cold
+        ``torch.empty`` costs tens of microseconds between two layers).  What one call leaves there is valid until the
+        next call of the step."""
+        hit = self._scratch
+        if hit is None or hit[0] != shapes:
+            hit = self._scratch = (shapes, tuple(torch.empty(s) for s in shapes))
+        return hit[1]
 
     def rows_in(self, exact_fields) -> tuple:
         """The step's exact rows read in a layer's exact fields: (key, value) :class:`qjl.kernels.paged.PagedRows`.
@@ -827,7 +838,8 @@ class DecodeStore:
 
         Returns (status, job, out, k, v): status 0, or the store's status of its failing ``job`` (nothing stored,
         nothing attended; :func:`qjl.kernels.encode.raise_store_error` names it); k, v [B, H_kv, D] float32 the keys
-        and values as stored and attended.  ValueError for arguments or positions that do not fit (nothing stored)."""
+        and values as stored and attended (the step's :meth:`DecodeStep.scratch`: valid until the step's next call).
+        ValueError for arguments or positions that do not fit (nothing stored)."""
         h, r, d = self.shape
         if not self.unmoved():
             raise ValueError("a buffer this DecodeStore points into moved or changed shape since it was built: build "
@@ -864,7 +876,7 @@ class DecodeStore:
         if xb is not None and (xb.shape[1] not in (1, h) or xb.shape[2] not in (1, r) or xb.shape[3] != ne):
             raise ValueError(f"the step's xbias {tuple(xb.shape)} does not broadcast over [B, {h}, {r}, {ne}]")
         ffi = self.mod.ffi
-        k_out, v_out = torch.empty(b, h, d), torch.empty(b, h, d)
+        k_out, v_out, mixed = step.scratch((b, h, d), (b, h, d), (b, h, r, d) if self.smooth_values else (0,))
         t = ffi.new("qjl_step_args *")
         ffi.memmove(t, self.tpl, ffi.sizeof("qjl_step_args"))
         c = t.decode
@@ -876,7 +888,6 @@ class DecodeStore:
         e = c.xseg[c.n_xseg - 1]
         e.k, e.v = ffi.cast("const uint8_t *", k_out.data_ptr()), ffi.cast("const uint8_t *", v_out.data_ptr())
         if self.smooth_values:  # the attention in float32 here, the value mean added into out in C
-            mixed = torch.empty(b, h, r, d)
             c.out = ffi.cast("float *", mixed.data_ptr())
             t.out_final, t.out_final_dtype = ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype]
         elif out.dtype == torch.float32:
