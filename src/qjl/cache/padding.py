@@ -17,7 +17,8 @@ import weakref
 
 import torch
 
-__all__ = ["row_starts", "order_width", "sink_order", "to_slots", "remap_mask", "zero_padding", "visible", "plainly_visible"]
+__all__ = ["row_starts", "order_width", "sink_order", "to_slots", "remap_mask", "zero_padding", "visible",
+           "plainly_visible"]
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ import weakref
 import torch
 
 __all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "DecodeStep",
-           "paged_decode_step", "DecodeCall", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore", "cell_moments",
-           "store_bounds", "value_rows", "value_rows_reference", "IMPLS"]
+           "paged_decode_step", "DecodeCall", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore",
+           "cell_moments", "store_bounds", "value_rows", "value_rows_reference", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-portable")
 _SIMD = {"c": 1, "c-int": 2, "c-portable": 0}
