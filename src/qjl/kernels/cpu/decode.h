@@ -126,6 +126,18 @@ typedef struct {          /* one decode step of a layer in one call (step.c): B 
                               decode) */
     qjl_decode_args decode; /* its last exact segment reads k_out / v_out (the current tokens) */
 } qjl_step_args;
+typedef struct {          /* what every layer's call of one decode step shares (step.c's qjl_decode_store_at): the
+                             step's block table, coded ranges, exact-token bias and exact rows' offsets, threads and
+                             kernel path, filled once per step (launch.DecodeStep.shared) */
+    int64_t batch, max_blocks;
+    const int32_t *block_table, *code_start, *code_end;
+    const float *xbias;   /* or NULL */
+    int64_t xbias_sb, xbias_sh, xbias_sr;
+    int64_t n_rows;       /* exact rows read in the layer's pages (segment 0 of the template), 0: none */
+    int32_t rows_dtype;
+    const int64_t *k_off, *v_off;
+    int32_t threads, simd;
+} qjl_step_shared;
 /* cdef end */
 
 /* norms, scales and zero points in their storage dtype */

@@ -473,7 +473,26 @@ class DecodeStep:
             self.xbias = xb if xb.stride(3) == 1 else xb.contiguous()
             self.c_xbias = ffi.cast("float *", self.xbias.data_ptr())
             self.xbias_strides = tuple(self.xbias.stride(i) if self.xbias.shape[i] > 1 else 0 for i in range(3))
-        self._scratch = None
+        self._scratch = self._shared = None
+
+    def shared(self):
+        """The step's ``qjl_step_shared`` (decode.h): its block table, ranges, bias and exact rows' offsets, with the
+        threads (``torch.get_num_threads()``) and the kernel path (``impl`` resolved) of its first call, filled once
+        for every layer's :class:`DecodeStore` call of the step (a vLLM step's layers follow each other at once)."""
+        if self._shared is None:
+            ffi = self.mod.ffi
+            sh = ffi.new("qjl_step_shared *")
+            sh.batch, sh.max_blocks = self.batch, self.block_table.shape[1]
+            sh.block_table, sh.code_start, sh.code_end = self.c_table, self.c_start, self.c_end
+            if self.xbias is not None:
+                sh.xbias = self.c_xbias
+                sh.xbias_sb, sh.xbias_sh, sh.xbias_sr = self.xbias_strides
+            if self.rows is not None:
+                sh.n_rows, sh.rows_dtype = self.n_rows, self.rows_dtype
+                sh.k_off, sh.v_off = self.c_offsets
+            sh.threads, sh.simd = torch.get_num_threads(), _SIMD[_impl_code(self.impl)]
+            self._shared = sh
+        return self._shared
 
     def scratch(self, *shapes) -> tuple:
         """Float32 tensors of ``shapes``, made once and handed to every call of this step that asks for the same
@@ -787,6 +806,7 @@ class DecodeStore:
         e.k_sb = e.v_sb = h * d * 4
         c.n_xseg, c.dx = n_seg + 1, d
         self.jobs = ffi.new("qjl_encode_job[2]")
+        self.status = ffi.new("int32_t[2]")  # (a call's stage and failed job, written by C)
         ffi.memmove(self.jobs, store.cj, 2 * ffi.sizeof("qjl_encode_job"))
         j0 = self.jobs[0]  # the keys less their means: k_out
         j0.x_dtype, j0.x_st, j0.x_sh = 0, h * d * 4, d * 4
@@ -875,44 +895,18 @@ class DecodeStore:
         xb, ne = step.xbias, step.n_rows + 1
         if xb is not None and (xb.shape[1] not in (1, h) or xb.shape[2] not in (1, r) or xb.shape[3] != ne):
             raise ValueError(f"the step's xbias {tuple(xb.shape)} does not broadcast over [B, {h}, {r}, {ne}]")
-        ffi = self.mod.ffi
         k_out, v_out, mixed = step.scratch((b, h, d), (b, h, d), (b, h, r, d) if self.smooth_values else (0,))
-        t = ffi.new("qjl_step_args *")
-        ffi.memmove(t, self.tpl, ffi.sizeof("qjl_step_args"))
-        c = t.decode
-        c.q_raw, c.q_dtype, c.q_scale = ffi.cast("const uint8_t *", q.data_ptr()), _X_DTYPES[q.dtype], float(q_scale)
-        step.fill(c)
-        c.ne = ne
-        if step.rows is not None:
-            self.rows.fill(c.xseg[0], step)
-        e = c.xseg[c.n_xseg - 1]
-        e.k, e.v = ffi.cast("const uint8_t *", k_out.data_ptr()), ffi.cast("const uint8_t *", v_out.data_ptr())
-        if self.smooth_values:  # the attention in float32 here, the value mean added into out in C
-            c.out = ffi.cast("float *", mixed.data_ptr())
-            t.out_final, t.out_final_dtype = ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype]
-        elif out.dtype == torch.float32:
-            c.out = ffi.cast("float *", out.data_ptr())
-        else:
-            c.out_raw, c.out_dtype = ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype]
-        c.threads = t.threads = int(threads or torch.get_num_threads())
-        c.simd = _SIMD[_impl_code(step.impl)]
-        ks, vs = key.element_size(), value.element_size()
-        t.k, t.k_st, t.k_sh, t.k_dtype = (ffi.cast("const uint8_t *", key.data_ptr()), key.stride(0) * ks,
-                                          key.stride(1) * ks, _X_DTYPES[key.dtype])
-        t.v, t.v_st, t.v_sh, t.v_dtype = (ffi.cast("const uint8_t *", value.data_ptr()), value.stride(0) * vs,
-                                          value.stride(1) * vs, _X_DTYPES[value.dtype])
-        t.k_out, t.v_out = ffi.cast("float *", k_out.data_ptr()), ffi.cast("float *", v_out.data_ptr())
-        self.jobs[0].x = ffi.cast("const uint8_t *", k_out.data_ptr())
-        j1 = self.jobs[1]
-        if self.smooth_values:
-            j1.x = ffi.cast("const uint8_t *", v_out.data_ptr())
-        else:
-            j1.x, j1.x_st, j1.x_sh, j1.x_dtype = t.v, t.v_st, t.v_sh, t.v_dtype
-        t.blocks, t.slots = ffi.cast("int64_t *", blk.data_ptr()), ffi.cast("int64_t *", slt.data_ptr())
-        rc = self.mod.lib.qjl_decode_store(t)  # (q, key, value, out, k_out, v_out, the step: alive through the call)
-        if rc == 0 or t.stage == 1:  # (1: the store refused a job: its status, for the caller to name)
-            return rc, int(t.failed), out, k_out, v_out
-        if t.stage == 0:
+        ks, vs, st = key.element_size(), value.element_size(), self.status
+        # one crossing: the template copied and this call's addresses filled in C (q, key, value, out, the scratch
+        # and the step's tensors stay alive through the call)
+        rc = self.mod.lib.qjl_decode_store_at(
+            self.tpl, self.jobs, step.shared(), q.data_ptr(), _X_DTYPES[q.dtype], float(q_scale), key.data_ptr(),
+            key.stride(0) * ks, key.stride(1) * ks, _X_DTYPES[key.dtype], value.data_ptr(), value.stride(0) * vs,
+            value.stride(1) * vs, _X_DTYPES[value.dtype], out.data_ptr(), _X_DTYPES[out.dtype], k_out.data_ptr(),
+            v_out.data_ptr(), mixed.data_ptr(), blk.data_ptr(), slt.data_ptr(), int(threads or 0), st)
+        if rc == 0 or st[0] == 1:  # (1: the store refused a job: its status, for the caller to name)
+            return rc, int(st[1]), out, k_out, v_out
+        if st[0] == 0:
             raise ValueError("the C step refused its arguments (a sequence's block 0 outside the means' buffer, or "
                              "widths and dtypes it does not read): nothing stored")
         key_codec, key_fields, value_codec, value_fields = self.objects[:4]

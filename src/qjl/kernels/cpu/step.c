@@ -54,6 +54,87 @@ QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
     return 0;
 }
 
+/* qjl_decode_store of a layer's kept template `tpl` (everything that does not change from step to step: codecs,
+ * fields, exact-row binding, means, the jobs' static parts) with the step's shared arguments `sh` and this call's
+ * tensors given as addresses and strides (bytes): the query q [B, H, R, D] in q_dtype times q_scale, the new keys /
+ * values k, v (token b, head h at k + b * k_st + h * k_sh), out [B, H, R, D] in out_dtype, the float32 scratch
+ * k_out, v_out [B, H, D] and mixed [B, H, R, D] (with value means), the codes' blocks and slots [B], threads (0: the
+ * step's).  The template
+ * is copied, never written; `jobs` (the template's two encode jobs) get this call's rows.  status[0] / status[1]:
+ * qjl_decode_store's stage and failed job.  The same call as filling the struct field by field (launch.DecodeStore),
+ * in one crossing from Python. */
+QJL_EXPORT int qjl_decode_store_at(const qjl_step_args *tpl, qjl_encode_job *jobs, const qjl_step_shared *sh,
+                                   intptr_t q, int32_t q_dtype, float q_scale, intptr_t k, int64_t k_st,
+                                   int64_t k_sh, int32_t k_dtype, intptr_t v, int64_t v_st, int64_t v_sh,
+                                   int32_t v_dtype, intptr_t out, int32_t out_dtype, intptr_t k_out,
+                                   intptr_t v_out, intptr_t mixed, intptr_t blocks, intptr_t slots,
+                                   int32_t threads, int32_t *status) {
+    qjl_step_args s = *tpl;
+    qjl_decode_args *c = &s.decode;
+    c->q_raw = (const uint8_t *)q;
+    c->q_dtype = q_dtype;
+    c->q_scale = q_scale;
+    c->batch = sh->batch;
+    c->block_table = sh->block_table;
+    c->max_blocks = sh->max_blocks;
+    c->code_start = sh->code_start;
+    c->code_end = sh->code_end;
+    if (sh->xbias) {
+        c->xbias = sh->xbias;
+        c->xbias_sb = sh->xbias_sb;
+        c->xbias_sh = sh->xbias_sh;
+        c->xbias_sr = sh->xbias_sr;
+    }
+    c->ne = sh->n_rows + 1;
+    if (sh->n_rows) { /* segment 0: the step's exact rows in this layer's pages (the binding is the template's) */
+        qjl_exact_seg *e0 = &c->xseg[0];
+        e0->n = sh->n_rows;
+        e0->dtype = sh->rows_dtype;
+        e0->k_off = sh->k_off;
+        e0->v_off = sh->v_off;
+    }
+    qjl_exact_seg *e = &c->xseg[c->n_xseg - 1]; /* the new tokens, as stored */
+    e->k = (const uint8_t *)k_out;
+    e->v = (const uint8_t *)v_out;
+    if (s.mu_v.base) { /* the attention in float32, the value mean added into out */
+        c->out = (float *)mixed;
+        s.out_final = (uint8_t *)out;
+        s.out_final_dtype = out_dtype;
+    } else if (out_dtype == 0) {
+        c->out = (float *)out;
+    } else {
+        c->out_raw = (uint8_t *)out;
+        c->out_dtype = out_dtype;
+    }
+    c->threads = s.threads = threads > 0 ? threads : sh->threads;
+    c->simd = sh->simd;
+    s.k = (const uint8_t *)k;
+    s.k_st = k_st;
+    s.k_sh = k_sh;
+    s.k_dtype = k_dtype;
+    s.v = (const uint8_t *)v;
+    s.v_st = v_st;
+    s.v_sh = v_sh;
+    s.v_dtype = v_dtype;
+    s.k_out = (float *)k_out;
+    s.v_out = (float *)v_out;
+    jobs[0].x = (const uint8_t *)k_out; /* the keys less their means */
+    if (s.mu_v.base) jobs[1].x = (const uint8_t *)v_out;
+    else {
+        jobs[1].x = (const uint8_t *)v;
+        jobs[1].x_st = v_st;
+        jobs[1].x_sh = v_sh;
+        jobs[1].x_dtype = v_dtype;
+    }
+    s.jobs = jobs;
+    s.blocks = (const int64_t *)blocks;
+    s.slots = (const int64_t *)slots;
+    const int rc = qjl_decode_store(&s);
+    status[0] = s.stage;
+    status[1] = s.failed;
+    return rc;
+}
+
 /* a->out (float32 [B, H, R, D]) plus each sequence's value mean added to every query row of its KV head in float32
  * (as torch's add), written to out_final in dtype (0 fp32, 1 fp16, 2 bf16; rounded as .to()).  Sequence b's mean of
  * head h: D elements in mu_v->dtype at mu_v->base + blk * mu_v->stride_block + h * mu_v->stride_head, blk its first
