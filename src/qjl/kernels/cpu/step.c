@@ -59,10 +59,9 @@ QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
  * tensors given as addresses and strides (bytes): the query q [B, H, R, D] in q_dtype times q_scale, the new keys /
  * values k, v (token b, head h at k + b * k_st + h * k_sh), out [B, H, R, D] in out_dtype, the float32 scratch
  * k_out, v_out [B, H, D] and mixed [B, H, R, D] (with value means), the codes' blocks and slots [B], threads (0: the
- * step's).  The template
- * is copied, never written; `jobs` (the template's two encode jobs) get this call's rows.  status[0] / status[1]:
- * qjl_decode_store's stage and failed job.  The same call as filling the struct field by field (launch.DecodeStore),
- * in one crossing from Python. */
+ * step's).  The template is copied, never written; `jobs` (the template's two encode jobs) get this call's rows.
+ * status[0] / status[1]: qjl_decode_store's stage and failed job.  The same call as filling the struct field by
+ * field from Python (launch.DecodeStore before stop 36), in one crossing. */
 QJL_EXPORT int qjl_decode_store_at(const qjl_step_args *tpl, qjl_encode_job *jobs, const qjl_step_shared *sh,
                                    intptr_t q, int32_t q_dtype, float q_scale, intptr_t k, int64_t k_st,
                                    int64_t k_sh, int32_t k_dtype, intptr_t v, int64_t v_st, int64_t v_sh,
