@@ -73,9 +73,10 @@ def _median_ms(fn, repeats: int, warmup: int) -> float:
 
 FLUSH_MIB = 128  # the least read before a timed call (more than the last-level caches of the CPUs this ran on)
 FLUSH_MAX_MIB = 2048
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")  # index*/size: what Linux reports of cpu0's caches
 
 
-def largest_cache_mib(root=Path("/sys/devices/system/cpu/cpu0/cache")) -> float:
+def largest_cache_mib(root=CPU_CACHES) -> float:
     """The largest CPU cache Linux reports for cpu0 (``index*/size``, e.g. "491520K"), in MiB; 0 where none is."""
     largest = 0.0
     for f in Path(root).glob("index*/size"):
@@ -92,7 +93,7 @@ def largest_cache_mib(root=Path("/sys/devices/system/cpu/cpu0/cache")) -> float:
     return largest
 
 
-def flush_mib(root=Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+def flush_mib(root=CPU_CACHES) -> int:
     """MiB read before every timed call: twice the largest cache the CPU reports, at least ``FLUSH_MIB``, at most
     ``FLUSH_MAX_MIB`` (a virtual machine may report its host's whole last-level cache: 480 MiB on the Intel Xeon of
     stops 33-36, where a 128 MiB read left a 4k layer's 32 MiB of fp32 K/V partly cached)."""

@@ -371,6 +371,15 @@ def _segment(a: _Args, e, k, v) -> None:
         e.k_room, e.v_room = extent_bytes(k.field.buffer), extent_bytes(v.field.buffer)
 
 
+def _set_out(ffi, c, out: torch.Tensor) -> None:
+    """Point the decode struct ``c``'s output at ``out``: float32 as ``out``, fp16 / bf16 as ``out_raw`` (the other
+    pointer NULL, so a struct filled again keeps nothing of its last output)."""
+    if out.dtype == torch.float32:
+        c.out, c.out_raw = ffi.cast("float *", out.data_ptr()), ffi.NULL
+    else:
+        c.out, c.out_raw, c.out_dtype = ffi.NULL, ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype]
+
+
 def _tensor_fill(ffi, e, k: torch.Tensor, v: torch.Tensor) -> None:
     """Fill the C exact segment ``e`` from tensors k, v [B, H, n, D] (or [B, H, D], one token) of one fp32/fp16/bf16
     dtype with contiguous rows, read in place (the caller keeps them alive through the call)."""
@@ -635,10 +644,7 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
         c.ne, c.dx, c.qx, c.n_xseg = ne, d, qf, n_seg
     if out is None:
         out = torch.empty(b, h, r, d)
-    if out.dtype == torch.float32:
-        c.out = a.ptr(out)
-    else:
-        c.out_raw, c.out_dtype = a.ptr(out, "uint8_t *"), _X_DTYPES[out.dtype]
+    _set_out(mod.ffi, c, out)  # (out is returned: alive through the call)
     a.keep.append(tpl)
     c.threads = int(threads or torch.get_num_threads())
     c.simd = _SIMD[_impl_code(step.impl)]
@@ -736,10 +742,7 @@ class DecodeCall:
             rc = mod.lib.qjl_decode_mean(c, ffi.cast("float *", self.mean.data_ptr()),
                                          ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype])
         else:
-            if out.dtype == torch.float32:
-                c.out, c.out_raw = ffi.cast("float *", out.data_ptr()), ffi.NULL
-            else:
-                c.out, c.out_raw, c.out_dtype = ffi.NULL, ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype]
+            _set_out(ffi, c, out)
             rc = mod.lib.qjl_paged_decode(c)
         _decode_status(rc, q, kc, kf, vc, vf, step)
         return out
@@ -849,19 +852,20 @@ class DecodeStore:
         return all(t.data_ptr() == p and t.shape == sh and t.stride() == st for t, p, sh, st in self.buffers)
 
     def __call__(self, q, key, value, step: DecodeStep, bounds: tuple, *, q_scale: float = 1.0,
-                 out: torch.Tensor | None = None, threads: int | None = None) -> tuple:
+                 out: torch.Tensor | None = None, threads: int | None = None, checked: bool = False) -> tuple:
         """One step: q [B, H_kv, R, D] float (scaled by ``q_scale`` in the call), key / value [B, H_kv, D]
         fp32/fp16/bf16 with contiguous rows (one new token per sequence), ``step`` the step's :class:`DecodeStep`
         (``segments=1``; its exact rows of the geometry this was built for), ``bounds`` :func:`store_bounds` of
         the tokens' blocks and slots (sequence b's codes at entry b), out None or a contiguous [B, H_kv, R, D]
-        fp32/fp16/bf16 tensor the attention is written into.
+        fp32/fp16/bf16 tensor the attention is written into; ``checked``: the caller has just found
+        :meth:`unmoved` true (it is not asked again).
 
         Returns (status, job, out, k, v): status 0, or the store's status of its failing ``job`` (nothing stored,
         nothing attended; :func:`qjl.kernels.encode.raise_store_error` names it); k, v [B, H_kv, D] float32 the keys
         and values as stored and attended (the step's :meth:`DecodeStep.scratch`: valid until the step's next call).
         ValueError for arguments or positions that do not fit (nothing stored)."""
         h, r, d = self.shape
-        if not self.unmoved():
+        if not checked and not self.unmoved():
             raise ValueError("a buffer this DecodeStore points into moved or changed shape since it was built: build "
                              "another (nothing stored)")
         if not isinstance(step, DecodeStep) or step.segments != 1 or step.block_size != self.block_size:
