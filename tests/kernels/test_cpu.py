@@ -91,6 +91,9 @@ def test_exact_rows_read_from_pages(impl):
     with pytest.raises(ValueError, match="heads"):
         PagedRows.at(rows[0].field, blocks, slots, 0)
 
+# the C paths this CPU runs (the integer path and its AMX engine where it has them)
+IMPLS_HERE = ("c",) + (("c-int",) if launch.has_int_path() else ()) + (("c-amx",) if launch.has_amx_path() else ())
+
 
 def _paged_exact(c, seed: int = 4):
     """Case ``c``'s first 4 exact tokens as fp16 PagedRows in a page pool (one per role), its last one as a bf16
@@ -114,7 +117,7 @@ def _paged_exact(c, seed: int = 4):
     return tuple(rows), tuple(fields), (xk[:, :, 4:].bfloat16(), xv[:, :, 4:].bfloat16())
 
 
-@pytest.mark.parametrize("impl", ("c", "c-int") if launch.has_int_path() else ("c",))
+@pytest.mark.parametrize("impl", IMPLS_HERE)
 @pytest.mark.parametrize("name", ["tq3-tq2", "qjl-outliers-uni2"])  # the kernel maps the queries / the general path
 def test_decode_step_equals_paged_decode(name, impl):
     """paged_decode_step (a step's ranges, exact offsets and bias converted once, each layer's fields, exact
@@ -439,22 +442,30 @@ def test_pick_backend(monkeypatch):
 
 
 def test_implementation_names():
-    assert launch.implementation() == "c" and launch.simd_path() in ("int", "avx2", "portable")
-    assert set(launch.IMPLS) == {"c", "c-int", "c-portable"} and launch.default_impl() in ("c", "c-int")
+    assert launch.implementation() == "c" and launch.simd_path() in ("amx", "int", "avx2", "portable")
+    assert set(launch.IMPLS) == {"c", "c-int", "c-amx", "c-portable"}
+    assert launch.default_impl() in ("c", "c-int", "c-amx")
 
 
 def test_int_path_refused_where_the_cpu_lacks_it(monkeypatch):
-    """On a CPU without AVX-512 VBMI / VNNI: "auto" runs the fp32 path, "c-int" is refused by name."""
+    """On a CPU without AVX-512 VBMI / VNNI: "auto" runs the fp32 path, "c-int" and "c-amx" are refused by name;
+    without AMX, "auto" runs "c-int" and "c-amx" is refused."""
     monkeypatch.delenv("QJL_CPU_IMPL", raising=False)
     monkeypatch.setattr(launch, "has_int_path", lambda: False)
+    monkeypatch.setattr(launch, "has_amx_path", lambda: False)
     assert launch.default_impl() == "c"
     c = Case("tq3-tq2", b=1, h=1, rows=2, n=20)
-    with pytest.raises(ValueError, match="AVX-512"):
-        launch.paged_decode(*c.args(), impl="c-int")
+    for impl in ("c-int", "c-amx"):
+        with pytest.raises(ValueError, match="AVX-512"):
+            launch.paged_decode(*c.args(), impl=impl)
     close(launch.paged_decode(*c.args(), impl="auto"), c.reference(), TOL)
+    monkeypatch.setattr(launch, "has_int_path", lambda: True)
+    assert launch.default_impl() == "c-int"
+    with pytest.raises(ValueError, match="AMX"):
+        launch.paged_decode(*c.args(), impl="c-amx")
 
 
-@pytest.mark.parametrize("impl", ("c", "c-int") if launch.has_int_path() else ("c",))
+@pytest.mark.parametrize("impl", IMPLS_HERE)
 @pytest.mark.parametrize("odtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_mean", [False, True])
 def test_decode_call_equals_decode_step(impl, odtype, with_mean, monkeypatch):

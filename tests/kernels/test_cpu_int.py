@@ -168,7 +168,8 @@ def test_non_finite_queries_take_the_fp32_path(bad):
 
 def test_impl_choice(monkeypatch):
     monkeypatch.delenv("QJL_CPU_IMPL")  # the test suite runs the fp32 path by default (conftest)
-    assert launch.simd_path() == "int" and launch.default_impl() == "c-int"
+    amx = launch.has_amx_path()  # the same integers on AMX tiles (test_cpu_amx.py)
+    assert launch.simd_path() == ("amx" if amx else "int") and launch.default_impl() == ("c-amx" if amx else "c-int")
     c = Case("tq3-tq2", b=1, h=1, rows=2, n=20)
     assert torch.equal(launch.paged_decode(*c.args(), impl="auto"), launch.paged_decode(*c.args(), impl="c-int"))
 

@@ -46,10 +46,13 @@ def test_decode_rows_are_timed_in_interleaved_rounds(monkeypatch):
 
 
 def test_cpu_rows_name_the_kernel_path(monkeypatch):
-    """Where the integer path is the default, the fp32 path is timed beside it (the tests run "c": conftest)."""
+    """Where the integer path is the default, the fp32 path is timed beside it, and the integer path on vpdpbusd
+    beside its AMX engine (the tests run "c": conftest)."""
     from qjl.kernels.cpu import launch
 
     assert bench._impls("triton") == [("triton", None)]
+    monkeypatch.setenv("QJL_CPU_IMPL", "c-amx")
+    assert bench._impls("cpu") == [("cpu c-amx", "c-amx"), ("cpu c-int", "c-int"), ("cpu c", "c")]
     monkeypatch.setenv("QJL_CPU_IMPL", "c-int" if launch.has_int_path() else "c")
     want = [("cpu c-int", "c-int"), ("cpu c", "c")] if launch.has_int_path() else [("cpu c", "c")]
     assert bench._impls("cpu") == want

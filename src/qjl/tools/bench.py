@@ -162,14 +162,15 @@ def _kivi(k: torch.Tensor, v: torch.Tensor):
 
 
 def _impls(backend: str) -> list:
-    """[(row label, CPU kernel impl or None)]: on CPU the default path ("c-int" where the CPU has it) and, beside
-    it, the fp32 path "c"."""
+    """[(row label, CPU kernel impl or None)]: on CPU the default path ("c-amx" or "c-int" where the CPU has it)
+    and, beside it, the integer path on vpdpbusd ("c-int", where the default is "c-amx") and the fp32 path "c"."""
     if backend != "cpu":
         return [(backend, None)]
     from qjl.kernels.cpu import launch
 
     first = launch.default_impl()
-    return [(f"cpu {first}", first)] + ([("cpu c", "c")] if first != "c" else [])
+    rest = [impl for impl in (("c-int",) if first == "c-amx" else ()) + ("c",) if impl != first]
+    return [(f"cpu {first}", first)] + [(f"cpu {impl}", impl) for impl in rest]
 
 
 def _with_impl(impl, fn, *args):

@@ -8,7 +8,7 @@ processes load it without compiling.  When cffi, a compiler, OpenMP or a source 
 it returns None and warns once, so callers fall back to their next backend instead of raising.
 
 :func:`load` is the CPU kernels' module: the decode (``decode.h`` shared declarations and helpers,
-``decode_portable.c``, ``decode_avx2.c``, ``decode_vnni.c``, ``decode.c`` the entry) and TurboQuant's bucketing
+``decode_portable.c``, ``decode_avx2.c``, ``decode_vnni.c``, ``decode_amx.c``, ``decode.c`` the entry) and TurboQuant's bucketing
 (``quantize.c``), the decoded rows of paged codes (``rows.c``) and a layer's whole decode step in one call
 (``step.c``); ``QJL_CPU_KERNEL=off`` disables it (the cache then uses the torch reference).
 """
@@ -29,7 +29,7 @@ __all__ = ["load", "load_extension", "declaration", "kernels_cdef", "DECODE_SOUR
 
 _HERE = Path(__file__).parent
 DECODE_SOURCE = _HERE / "decode.c"
-SOURCES = tuple(_HERE / f for f in ("decode.h", "decode_portable.c", "decode_avx2.c", "decode_vnni.c", "decode.c",
+SOURCES = tuple(_HERE / f for f in ("decode.h", "decode_portable.c", "decode_avx2.c", "decode_vnni.c", "decode_amx.c", "decode.c",
                                      "quantize.c", "rows.c", "step.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c99", "-fno-math-errno", "-fno-trapping-math")
 

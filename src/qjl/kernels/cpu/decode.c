@@ -88,7 +88,8 @@ static int64_t pass_spans(const qjl_decode_args *a, const qjl_item *it, const qj
 }
 
 /* one work item: the partial softmax (m, l, o [RW][n_v]) of its coded tokens.  mode: 0 portable, 1 AVX2 (fp32),
- * 2 integer (decode_vnni.c) for the codes of <= VNNI_MAX_BITS bits, AVX2 for the rest */
+ * 2 integer (decode_vnni.c) for the codes of <= VNNI_MAX_BITS bits, AVX2 for the rest, 3 the integer path on AMX
+ * tiles (decode_amx.c; the same sums) */
 static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, float *m, float *l, float *o) {
     const qjl_value_view *v = &a->value;
     const int64_t nv = v->n, G = v->groups;
@@ -110,16 +111,33 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     int32_t qsum[2][RW], koff[2][RW];
     uint8_t ktab[2][32], vtab[32];
     for (int k = 0; k < a->n_terms; k++) {
-        ik[k] = mode == 2 && a->key[k].bits <= VNNI_MAX_BITS;
+        ik[k] = mode >= 2 && a->key[k].bits <= VNNI_MAX_BITS;
         if (ik[k]) {
             q8[k] = malloc((size_t)RW * (size_t)((a->key[k].n + 31) / 32 * 32));
             ksc[k] = int8_table(a->key[k].cent, a->key[k].bits, 128, ktab[k]);
         }
     }
-    const int iv = mode == 2 && v->bits <= VNNI_MAX_BITS && (G == 1 || v->group_size % 32 == 0);
+    const int iv = mode >= 2 && v->bits <= VNNI_MAX_BITS && (G == 1 || v->group_size % 32 == 0);
     int16_t *w16 = iv ? malloc(sizeof(int16_t) * (size_t)(G * RW * (SUB + 2))) : NULL;
     float *vmul = iv ? malloc(sizeof(float) * (size_t)(G * RW)) : NULL;
     const float vsc = iv ? int8_table(v->cent, v->bits, 0, vtab) : 1.0f;
+#endif
+#if QJL_HAVE_AMX
+    /* the integer path on tiles (decode_amx.c): per key term its query rows as B tiles; for values the weights'
+     * bytes and the pass's rows */
+    int ak[2] = {0, 0}, amx_used = 0;
+    int64_t kb[2] = {0, 0};
+    int8_t *qv[2] = {NULL, NULL};
+    uint8_t ktab64[2][64] __attribute__((aligned(64))), vtab64[64] __attribute__((aligned(64)));
+    for (int k = 0; k < a->n_terms; k++) {
+        ak[k] = mode == 3 && ik[k] && a->key[k].n <= 64 * AMX_MAX_KB;
+        kb[k] = (a->key[k].n + 63) / 64;
+        if (ak[k]) qv[k] = malloc((size_t)(kb[k] * 256)), table64(ktab[k], ktab64[k]);
+    }
+    const int av = mode == 3 && iv;
+    uint8_t *wb = av ? malloc((size_t)(G * 2 * RW * SUB)) : NULL;
+    const uint8_t **vrows = av ? malloc(sizeof(uint8_t *) * SUB) : NULL;
+    if (av) table64(vtab, vtab64);
 #endif
     for (int r = 0; r < RW; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     memset(o, 0, sizeof(float) * RW * (size_t)nv);
@@ -134,6 +152,10 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
         for (int r = 0; r < nr; r++) memset(logits + r * SUB, 0, sizeof(float) * (size_t)len);
         for (int k = 0; k < a->n_terms; k++) {
             const qjl_key_term *kt = &a->key[k];
+#if QJL_HAVE_AMX
+            if (ak[k] && loaded[k] >= 0) /* the keys' tiles (the values' configuration replaced them) */
+                amx_load_keys(qv[k], kb[k]);
+#endif
             for (int si = 0; si < ns; si++) {
                 const int64_t j = sp_j[si], blk = sp_blk[si], slot = sp_slot[si], off = sp_off[si], cnt = sp_cnt[si];
                 if (loaded[k] < 0 || (kt->q_per_block && loaded[k] != j)) {
@@ -145,10 +167,18 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                         for (int r = 0; r < RW; r++) kmul[k][r] = sq[k][r] * ksc[k], koff[k][r] = 128 * qsum[k][r];
                     }
 #endif
+#if QJL_HAVE_AMX
+                    ak[k] = ak[k] && ik[k];
+                    if (ak[k]) amx_key_rows(q8[k], kt->n, qv[k]), amx_load_keys(qv[k], kb[k]), amx_used = 1;
+#endif
                     loaded[k] = j;
                 }
                 const uint8_t *codes = at(&kt->codes, blk, it->h, slot);
                 read_scalars(&kt->norm, at(&kt->norm, blk, it->h, slot), 1, cnt, knorm + off);
+#if QJL_HAVE_AMX
+                if (ak[k]) score_amx(kt, nr, codes, knorm + off, cnt, ktab64[k], kmul[k], koff[k], logits + off);
+                else
+#endif
 #if QJL_HAVE_VNNI
                 if (ik[k]) score_vnni(kt, nr, codes, knorm + off, cnt, q8[k], ktab[k], kmul[k], koff[k], logits + off);
                 else
@@ -182,6 +212,18 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
             if (v->has_zero)
                 read_scalars(&v->zero, at(&v->zero, sp_blk[si], it->h, sp_slot[si]), G, sp_cnt[si], vzero + sp_off[si]);
         }
+#if QJL_HAVE_AMX
+        if (av) {
+            value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
+            int16_weights(G, nr, len, pw, vsc, w16, vmul);
+            amx_weight_bytes(G, nr, len, w16, wb);
+            for (int si = 0; si < ns; si++) /* the pass's value rows; past len (to 64) the last one, weight zero */
+                for (int64_t i = 0; i < sp_cnt[si]; i++) vrows[sp_off[si] + i] = sp_v[si] + i * v->codes.stride_token;
+            for (int64_t i = len; i < (len + 63) / 64 * 64; i++) vrows[i] = vrows[len - 1];
+            amx_configure(&AMX_VALUES), amx_used = 1;
+            mix_amx(v, nr, len, vrows, wb, vtab64, vmul, o);
+        } else
+#endif
 #if QJL_HAVE_VNNI
         if (iv) {
             value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
@@ -207,6 +249,11 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
 #if QJL_HAVE_VNNI
     for (int k = 0; k < a->n_terms; k++) free(q8[k]);
     free(w16), free(vmul);
+#endif
+#if QJL_HAVE_AMX
+    if (amx_used) amx_release();
+    for (int k = 0; k < a->n_terms; k++) free(qv[k]);
+    free(wb), free(vrows);
 #endif
     free(logits), free(pw), free(zsum), free(buf), free(knorm), free(vscale), free(vzero);
 }
@@ -459,7 +506,8 @@ static int decode_checked(const qjl_decode_args *a) {
     const int bad = check_ranges(a);
     if (bad) return bad;
     const int avx2 = a->simd && QJL_HAVE_AVX2 && cpu_has_avx2();
-    const int mode = a->simd == 2 && avx2 && QJL_HAVE_VNNI && cpu_has_vnni() ? 2 : avx2;
+    const int vnni = a->simd >= 2 && avx2 && QJL_HAVE_VNNI && cpu_has_vnni();
+    const int mode = vnni && a->simd == 3 && QJL_HAVE_AMX && amx_ready() ? 3 : vnni ? 2 : avx2;
     const int64_t B = a->batch, H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.n;
     const int64_t units = B * H * rchunks;
     const int threads = a->threads > 0 ? a->threads : 1;

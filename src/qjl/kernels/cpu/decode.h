@@ -88,7 +88,9 @@ typedef struct {
     float *out_ox;                        /* [B, H, R, dx] exact values, at the same max (if ne > 0), or NULL */
     int64_t split_tokens;                 /* coded tokens per work item (0: automatic) */
     int32_t threads, simd;                /* simd 0: portable path; 1: the AVX2 path where the CPU has it; 2: the
-                                             integer path (decode_vnni.c) where it has AVX-512 VBMI + VNNI, else 1 */
+                                             integer path (decode_vnni.c) where it has AVX-512 VBMI + VNNI, else 1;
+                                             3: the integer path on AMX tiles (decode_amx.c) where the CPU and
+                                             the OS allow them, else 2 */
 } qjl_decode_args;
 
 typedef struct {          /* one role's rows for qjl_encode_store (quantize.c) */

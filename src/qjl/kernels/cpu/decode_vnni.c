@@ -108,6 +108,39 @@ static inline __mmask32 chunk_mask(int64_t n, int64_t c, int bits) { /* bytes of
     return bytes >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << bytes) - 1u);
 }
 
+/* logits[r * SUB + i] += norm[i] * mul[r] * (dots[4 i + r] - off[r]), i < count, r < nr: the int32 sums
+ * [token][4 rows] transposed 8 tokens at a time, offset, scaled and multiplied by the tokens' norms (one load) */
+QJL_VNNI static inline void add_dots(const int nr, int64_t count, const int32_t *dots, const float *norm,
+                                     const float *mul, const int32_t *off, float *logits) {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) { /* [8 tokens][4 rows] -> [4 rows][8 tokens], then scaled and added */
+        const __m256 x0 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i)));
+        const __m256 x1 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 8)));
+        const __m256 x2 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 16)));
+        const __m256 x3 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 24)));
+        /* x0 = t0r0..3 t1r0..3, x1 = t2.. t3.., x2 = t4 t5, x3 = t6 t7 */
+        const __m256 y0 = _mm256_permute2f128_ps(x0, x2, 0x20), y1 = _mm256_permute2f128_ps(x0, x2, 0x31);
+        const __m256 y2 = _mm256_permute2f128_ps(x1, x3, 0x20), y3 = _mm256_permute2f128_ps(x1, x3, 0x31);
+        /* y0 = t0 | t4, y1 = t1 | t5, y2 = t2 | t6, y3 = t3 | t7 (4 rows each) */
+        const __m256 z0 = _mm256_unpacklo_ps(y0, y1), z1 = _mm256_unpackhi_ps(y0, y1);
+        const __m256 z2 = _mm256_unpacklo_ps(y2, y3), z3 = _mm256_unpackhi_ps(y2, y3);
+        /* z0 = r0t0 r0t1 r1t0 r1t1 | (t4 t5), z1 = r2.. r3.., z2 = r0t2 r0t3 r1t2 r1t3, z3 = r2 r3 */
+        const __m256 w[4] = {_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2))),
+                             _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3)))};
+        /* w[r] = row r's sums of tokens i..i+7 */
+        const __m256 nv = _mm256_loadu_ps(norm + i);
+        for (int r = 0; r < nr; r++) {
+            const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_castps_si256(w[r]), _mm256_set1_epi32(off[r])));
+            float *lg = logits + r * SUB + i;
+            _mm256_storeu_ps(lg, _mm256_add_ps(_mm256_loadu_ps(lg), _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(mul[r])), nv)));
+        }
+    }
+    for (; i < count; i++)
+        for (int r = 0; r < nr; r++) logits[r * SUB + i] += (float)(dots[4 * i + r] - off[r]) * mul[r] * norm[i];
+}
+
 /* logits[r * SUB + i] += norm[i] * mul[r] * (sum_c q8[r][c] (c8[code[i][c]] + 128) - off[r]), i < count;
  * q8 [RW][n32], mul[r] = sq[r] * sc, off[r] = 128 * qsum[r].  Two tokens x 4 rows accumulate in 8 registers (named,
  * so that they stay in registers), reduced by one horizontal-add tree into lanes [row + 4 * token] of the int32
@@ -149,33 +182,7 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
         _mm256_store_si256((__m256i *)(dots + 4 * i), _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
                                                                        _mm256_permute2x128_si256(u0, u1, 0x31)));
     }
-    int64_t i = 0;
-    for (; i + 8 <= count; i += 8) { /* [8 tokens][4 rows] -> [4 rows][8 tokens], then scaled and added */
-        const __m256 x0 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i)));
-        const __m256 x1 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 8)));
-        const __m256 x2 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 16)));
-        const __m256 x3 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 24)));
-        /* x0 = t0r0..3 t1r0..3, x1 = t2.. t3.., x2 = t4 t5, x3 = t6 t7 */
-        const __m256 y0 = _mm256_permute2f128_ps(x0, x2, 0x20), y1 = _mm256_permute2f128_ps(x0, x2, 0x31);
-        const __m256 y2 = _mm256_permute2f128_ps(x1, x3, 0x20), y3 = _mm256_permute2f128_ps(x1, x3, 0x31);
-        /* y0 = t0 | t4, y1 = t1 | t5, y2 = t2 | t6, y3 = t3 | t7 (4 rows each) */
-        const __m256 z0 = _mm256_unpacklo_ps(y0, y1), z1 = _mm256_unpackhi_ps(y0, y1);
-        const __m256 z2 = _mm256_unpacklo_ps(y2, y3), z3 = _mm256_unpackhi_ps(y2, y3);
-        /* z0 = r0t0 r0t1 r1t0 r1t1 | (t4 t5), z1 = r2.. r3.., z2 = r0t2 r0t3 r1t2 r1t3, z3 = r2 r3 */
-        const __m256 w[4] = {_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2))),
-                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2))),
-                             _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3))),
-                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3)))};
-        /* w[r] = row r's sums of tokens i..i+7 */
-        const __m256 nv = _mm256_loadu_ps(norm + i);
-        for (int r = 0; r < nr; r++) {
-            const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_castps_si256(w[r]), _mm256_set1_epi32(off[r])));
-            float *lg = logits + r * SUB + i;
-            _mm256_storeu_ps(lg, _mm256_add_ps(_mm256_loadu_ps(lg), _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(mul[r])), nv)));
-        }
-    }
-    for (; i < count; i++)
-        for (int r = 0; r < nr; r++) logits[r * SUB + i] += (float)(dots[4 * i + r] - off[r]) * mul[r] * norm[i];
+    add_dots(nr, count, dots, norm, mul, off, logits);
 }
 
 #define QJL_BY_BITS5(F, NR, ...)                                                                                        \

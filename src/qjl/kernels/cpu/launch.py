@@ -5,10 +5,12 @@ views and the paged fields and makes one C call for the whole layer (all sequenc
 rows; OpenMP threads over them, libgomp's pool shared with torch), which returns the attention output:
 the key terms' query maps and the value codec's ``unmix`` (TurboQuant's rotation and its inverse) are
 applied inside the call as matrices built once per codec (:func:`qjl.kernels.paged.query_maps`).
-``impl``: "auto" (default; ``$QJL_CPU_IMPL`` when set): "c-int" where the CPU has AVX-512 VBMI + VNNI, else "c";
-"c" (fp32 sums: the AVX2 path where the CPU has it); "c-int" (integer products: int8 queries and centroids for
-keys, int16 softmax weights for values, at the error bound stated in ``decode_vnni.c``, for codes of <= 5 bits;
-the rest as "c"); "c-portable" (the C build without SIMD).  The tests run every one the CPU has.
+``impl``: "auto" (default; ``$QJL_CPU_IMPL`` when set): "c-amx" where the CPU has AMX tiles, else "c-int" where
+it has AVX-512 VBMI + VNNI, else "c"; "c" (fp32 sums: the AVX2 path where the CPU has it); "c-int" (integer
+products: int8 queries and centroids for keys, int16 softmax weights for values, at the error bound stated in
+``decode_vnni.c``, for codes of <= 5 bits; the rest as "c"); "c-amx" (the same integers summed on AMX tiles,
+``decode_amx.c``: "c-int"'s outputs bit for bit; "c-int" where the OS refuses the tiles); "c-portable" (the C
+build without SIMD).  The tests run every one the CPU has.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import weakref
 
 import torch
 
-__all__ = ["available", "implementation", "simd_path", "has_int_path", "default_impl", "paged_decode", "DecodeStep",
+__all__ = ["available", "implementation", "simd_path", "has_int_path", "has_amx_path", "default_impl", "paged_decode", "DecodeStep",
            "paged_decode_step", "DecodeCall", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore",
            "cell_moments", "store_bounds", "value_rows", "value_rows_reference", "IMPLS"]
 
-IMPLS = ("c", "c-int", "c-portable")
-_SIMD = {"c": 1, "c-int": 2, "c-portable": 0}
+IMPLS = ("c", "c-int", "c-amx", "c-portable")
+_SIMD = {"c": 1, "c-int": 2, "c-amx": 3, "c-portable": 0}
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
 
 
@@ -53,9 +55,9 @@ def implementation() -> str:
 
 
 def simd_path() -> str:
-    """The path ``impl="auto"`` runs on this CPU: "int" (AVX-512 VBMI + VNNI integer products), "avx2" (AVX2 +
-    FMA) or "portable"."""
-    return "int" if has_int_path() else "avx2" if _has_avx2() else "portable"
+    """The path ``impl="auto"`` runs on this CPU: "amx" (the integer products on AMX tiles), "int" (AVX-512 VBMI +
+    VNNI integer products), "avx2" (AVX2 + FMA) or "portable"."""
+    return "amx" if has_amx_path() else "int" if has_int_path() else "avx2" if _has_avx2() else "portable"
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,15 +67,23 @@ def has_int_path() -> bool:
                                                              "avx512_vnni"))
 
 
+@functools.lru_cache(maxsize=None)
+def has_amx_path() -> bool:
+    """The CPU has what ``impl="c-amx"`` needs: the integer path's features and AMX-TILE + AMX-INT8 (the kernel
+    also asks Linux for the tiles and runs "c-int" where it refuses them)."""
+    return has_int_path() and {"amx_tile", "amx_int8"} <= _cpu_flags()
+
+
 def default_impl() -> str:
-    """``$QJL_CPU_IMPL`` if set, else "c-int" where the CPU has it (the embedded model's KL and perplexity
-    unchanged, ~1.5x faster per token: docs/kernels.md), else "c"."""
+    """``$QJL_CPU_IMPL`` if set, else "c-amx" where the CPU has AMX tiles, "c-int" where it has AVX-512 VNNI (the
+    embedded model's KL and perplexity unchanged, ~1.5x faster per token than "c": docs/kernels.md; "c-amx" the
+    same outputs, faster again), else "c"."""
     env = os.environ.get("QJL_CPU_IMPL", "").strip()
     if env and env != "auto":
         if env not in IMPLS:
             raise ValueError(f"QJL_CPU_IMPL must be one of {('auto',) + IMPLS}, got {env!r}")
         return env
-    return "c-int" if has_int_path() else "c"
+    return "c-amx" if has_amx_path() else "c-int" if has_int_path() else "c"
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,8 +287,10 @@ def _impl_code(impl) -> str:
         impl = default_impl()
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"impl must be one of {('auto',) + IMPLS}, got {impl!r}")
-    if impl == "c-int" and not has_int_path():
-        raise ValueError("impl='c-int' needs AVX-512 F/BW/VL/VBMI/VNNI, which this CPU lacks; use 'c' or 'auto'")
+    if impl in ("c-int", "c-amx") and not has_int_path():
+        raise ValueError(f"impl={impl!r} needs AVX-512 F/BW/VL/VBMI/VNNI, which this CPU lacks; use 'c' or 'auto'")
+    if impl == "c-amx" and not has_amx_path():
+        raise ValueError("impl='c-amx' needs AMX-TILE and AMX-INT8, which this CPU lacks; use 'c-int' or 'auto'")
     return impl
 
 
