@@ -235,16 +235,42 @@ QJL_AMX static void score_amx(const qjl_key_term *k, int nr, const uint8_t *code
 #undef QJL_AMX_KB
 }
 
-/* Two tokens' codes of a 32-coordinate chunk interleaved (bytes (c0[j], c1[j]) in 16-bit word j' of the result),
- * with the coordinates in the order the 16-bit unpacks of amx_quads put back in order: qword i holds coordinates
- * s_i .. s_i + 3, s_i = 2i (i even) or 14 + 2i (i odd), token 0's 3 bytes then token 1's (vpermt2b), and
- * vpmultishiftqb moves code s_i + m of token t to byte 2m + t. */
+/* A B tile row is four tokens' codes of 16 coordinates, (c0[j], c1[j], c2[j], c3[j]) in dword j.
+ *
+ * Codes of <= 4 bits: the four tokens' 4b bytes of a 32-coordinate chunk are loaded two to a register (token 0 in
+ * bytes 0-31, token 1 in 32-63: a zero-masked load and a merge-masked one 32 bytes before its row, no byte outside
+ * the rows read), and for the 16 coordinates 16h .. 16h + 15 one vpermt2b gives qword i the two bytes of each
+ * token that hold coordinates 16h + 2i and 16h + 2i + 1 (2b bits from a bit offset < 8 fit in two bytes),
+ * vpmultishiftqb moves code 16h + 2i + m of token t to byte 4m + t, and the table maps it: three shuffles per 64
+ * codes (spread[h], shifts[h]).
+ * Codes of 5 bits (3 bytes for two coordinates): two tokens' codes interleaved per register (bytes (c0[j], c1[j])
+ * in 16-bit word j' of the result) with the coordinates in the order the 16-bit unpacks put back in order: qword i
+ * holds coordinates s_i .. s_i + 3, s_i = 2i (i even) or 14 + 2i (i odd), token 0's 3 bytes then token 1's
+ * (vpermt2b), and vpmultishiftqb moves code s_i + m of token t to byte 2m + t (spread[0], shifts[0]); then two
+ * such pairs interleaved by vpunpck{l,h}wd: four shuffles per 64 codes. */
 typedef struct {
-    __m512i spread, shifts, table;
+    __m512i spread[2], shifts[2], table;
 } unpack_quads_t;
 
 QJL_AMX static inline __attribute__((always_inline)) unpack_quads_t unpack_quads_setup(const int bits,
                                                                                      const uint8_t *t64) {
+    unpack_quads_t u;
+    u.table = _mm512_loadu_si512(t64);
+    if (bits <= 4) {
+        for (int h = 0; h < 2; h++) {
+            uint8_t sp[64], sh[64];
+            for (int i = 0; i < 8; i++) {
+                const int first = (16 * h + 2 * i) * bits, byte = first / 8, off = first % 8;
+                for (int k = 0; k < 8; k++) { /* byte k: token k / 2's byte `byte + k % 2` (its register's half) */
+                    sp[8 * i + k] = (uint8_t)(32 * (k / 2) + byte + k % 2);
+                    sh[8 * i + k] = (uint8_t)(16 * (k % 4) + off + bits * (k / 4)); /* byte 4m + t: code m, token t */
+                }
+            }
+            u.spread[h] = _mm512_loadu_si512(sp);
+            u.shifts[h] = _mm512_loadu_si512(sh);
+        }
+        return u;
+    }
     uint8_t sp[64], sh[64];
     for (int i = 0; i < 8; i++) {
         const int s = i % 2 ? 14 + 2 * i : 2 * i, first = s * bits, byte = first / 8, off = first % 8;
@@ -253,28 +279,43 @@ QJL_AMX static inline __attribute__((always_inline)) unpack_quads_t unpack_quads
             sh[8 * i + k] = (uint8_t)((k & 1 ? 24 : 0) + off + bits * (k >> 1));
         }
     }
-    unpack_quads_t u;
-    u.spread = _mm512_loadu_si512(sp);
-    u.shifts = _mm512_loadu_si512(sh);
-    u.table = _mm512_loadu_si512(t64);
+    u.spread[0] = _mm512_loadu_si512(sp);
+    u.shifts[0] = _mm512_loadu_si512(sh);
     return u;
 }
 
 QJL_AMX static inline __attribute__((always_inline)) __m512i unpack_pair(const uint8_t *r0, const uint8_t *r1,
                                                                       __mmask64 m, const unpack_quads_t *u) {
     const __m512i a = _mm512_maskz_loadu_epi8(m, r0), b = _mm512_maskz_loadu_epi8(m, r1);
-    const __m512i cd = _mm512_multishift_epi64_epi8(u->shifts, _mm512_permutex2var_epi8(a, u->spread, b));
+    const __m512i cd = _mm512_multishift_epi64_epi8(u->shifts[0], _mm512_permutex2var_epi8(a, u->spread[0], b));
     return _mm512_permutexvar_epi8(cd, u->table);
+}
+
+/* two rows' chunk bytes (4b <= 16 of them, `m`) in one register: r0's in bytes 0-31, r1's in 32-63 */
+QJL_AMX static inline __attribute__((always_inline)) __m512i two_rows(const uint8_t *r0, const uint8_t *r1,
+                                                                   __mmask64 m) {
+    const __m512i a = _mm512_maskz_loadu_epi8(m, r0);
+    return _mm512_mask_loadu_epi8(a, m << 32, (const void *)((uintptr_t)r1 - 32)); /* masked: nothing else read */
 }
 
 /* 64 tokens' codes of a 32-coordinate chunk (rows rq[0..63] + at) -> the B tiles of coordinates 0-15 (bt) and
  * 16-31 (bt + 1024) */
-QJL_AMX static inline __attribute__((always_inline)) void unpack_values(const uint8_t *const *rq, int64_t at,
+QJL_AMX static inline __attribute__((always_inline)) void unpack_values(const int bits, const uint8_t *const *rq,
+                                                                     int64_t at,
                                                                      __mmask64 m, int first, int64_t ahead,
                                                                      const unpack_quads_t *u, uint8_t *bt) {
     for (int j = 0; j < 16; j++) {
         if (first) /* the first chunk reads DRAM: the rows `ahead` bytes on (a prefetch never faults) */
             for (int t = 0; t < 4; t++) _mm_prefetch((const char *)(rq[4 * j + t] + ahead), _MM_HINT_T0);
+        if (bits <= 4) {
+            const __m512i a = two_rows(rq[4 * j] + at, rq[4 * j + 1] + at, m);
+            const __m512i b = two_rows(rq[4 * j + 2] + at, rq[4 * j + 3] + at, m);
+            for (int h = 0; h < 2; h++) {
+                const __m512i cd = _mm512_multishift_epi64_epi8(u->shifts[h], _mm512_permutex2var_epi8(a, u->spread[h], b));
+                _mm512_store_si512(bt + 1024 * h + 64 * j, _mm512_permutexvar_epi8(cd, u->table));
+            }
+            continue;
+        }
         const __m512i p01 = unpack_pair(rq[4 * j] + at, rq[4 * j + 1] + at, m, u);
         const __m512i p23 = unpack_pair(rq[4 * j + 2] + at, rq[4 * j + 3] + at, m, u);
         _mm512_store_si512(bt + 64 * j, _mm512_unpacklo_epi16(p01, p23));
@@ -302,7 +343,7 @@ QJL_AMX static inline __attribute__((always_inline)) void mix_amx_(const int bit
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t q = 0; q <= groups; q++) {
-            if (q < groups) unpack_values(rows + 64 * q, at, m, c == 0, ahead, &u, bt[q % 2]);
+            if (q < groups) unpack_values(bits, rows + 64 * q, at, m, c == 0, ahead, &u, bt[q % 2]);
             if (q == 0) continue;
             const uint8_t *bp = bt[(q - 1) % 2], *wp = w + 64 * (q - 1);
             if ((q - 1) % 2 == 0) {
