@@ -41,8 +41,10 @@ def _joined(*parts) -> torch.Tensor:
 
 
 def _check_mask(store, attention_mask) -> None:
+    if attention_mask is None:  # (a decode step's usual case: nothing to compare, no lengths read)
+        return
     total = store.seq_length()
-    if attention_mask is not None and attention_mask.shape[-1] != total:
+    if attention_mask.shape[-1] != total:
         raise RuntimeError(f"attention mask covers {attention_mask.shape[-1]} keys but layer {store.layer_idx} holds "
                            f"{total}; was this cache used by another model?")
 
