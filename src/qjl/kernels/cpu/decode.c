@@ -121,6 +121,9 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     int16_t *w16 = iv ? malloc(sizeof(int16_t) * (size_t)(G * RW * (SUB + 2))) : NULL;
     float *vmul = iv ? malloc(sizeof(float) * (size_t)(G * RW)) : NULL;
     const float vsc = iv ? int8_table(v->cent, v->bits, 0, vtab) : 1.0f;
+    /* one scale group and no zero points: the softmax and the weights fused (exp_weights) */
+    const int fused = iv && G == 1 && !v->has_zero;
+    float pmax[RW];
 #endif
 #if QJL_HAVE_AMX
     /* the integer path on tiles (decode_amx.c): per key term its query rows as B tiles; for values the weights'
@@ -138,7 +141,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
         if (ak[k]) qv[k] = malloc((size_t)(kb[k] * 256)), table64(ktab[k], ktab64[k]);
     }
     const int av = amx_here && iv;
-    uint8_t *wb = av ? malloc((size_t)(G * 2 * RW * SUB)) : NULL;
+    uint8_t *wb = av ? calloc((size_t)(G * 2 * RW * SUB), 1) : NULL; /* rows past nr stay zero */
     const uint8_t **vrows = av ? malloc(sizeof(uint8_t *) * SUB) : NULL;
     if (av) table64(vtab, vtab64);
 #endif
@@ -198,6 +201,11 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
             for (int r = 0; r < nr; r++)
                 for (int64_t i = 0; i < len; i++) logits[r * SUB + i] += br[i];
         }
+        for (int si = 0; si < ns; si++) {
+            read_scalars(&v->scale, at(&v->scale, sp_blk[si], it->h, sp_slot[si]), G, sp_cnt[si], vscale + sp_off[si]);
+            if (v->has_zero)
+                read_scalars(&v->zero, at(&v->zero, sp_blk[si], it->h, sp_slot[si]), G, sp_cnt[si], vzero + sp_off[si]);
+        }
         for (int r = 0; r < nr; r++) { /* online softmax */
             float *x = logits + r * SUB;
             const float mx = max_run(x, len, m[r]);
@@ -208,18 +216,23 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                 for (int64_t g = 0; g < G; g++) zsum[r * G + g] *= w;
             }
             m[r] = mx;
+#if QJL_HAVE_VNNI
+            if (fused) { /* p, its sum, the weights p * scale and their max in one pass (the same numbers) */
+                l[r] += exp_weights(x, len, mx == -INFINITY ? 0.0f : mx, vscale, pw + r * SUB, &pmax[r]);
+                continue;
+            }
+#endif
             l[r] += exp_sum(x, len, mx == -INFINITY ? 0.0f : mx); /* masked logits give p = 0 */
-        }
-        for (int si = 0; si < ns; si++) {
-            read_scalars(&v->scale, at(&v->scale, sp_blk[si], it->h, sp_slot[si]), G, sp_cnt[si], vscale + sp_off[si]);
-            if (v->has_zero)
-                read_scalars(&v->zero, at(&v->zero, sp_blk[si], it->h, sp_slot[si]), G, sp_cnt[si], vzero + sp_off[si]);
         }
 #if QJL_HAVE_AMX
         if (av) {
-            value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
-            int16_weights(G, nr, len, pw, vsc, w16, vmul);
-            amx_weight_bytes(G, nr, len, w16, wb);
+            if (fused)
+                for (int r = 0; r < nr; r++) vmul[r] = amx_bytes_row(pw + r * SUB, len, pmax[r], vsc, wb + r * SUB, wb + (RW + r) * SUB);
+            else {
+                value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
+                int16_weights(G, nr, len, pw, vsc, w16, vmul);
+                amx_weight_bytes(G, nr, len, w16, wb);
+            }
             for (int si = 0; si < ns; si++) /* the pass's value rows; past len (to 64) the last one, weight zero */
                 for (int64_t i = 0; i < sp_cnt[si]; i++) vrows[sp_off[si] + i] = sp_v[si] + i * v->codes.stride_token;
             for (int64_t i = len; i < (len + 63) / 64 * 64; i++) vrows[i] = vrows[len - 1];
@@ -229,8 +242,12 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
 #endif
 #if QJL_HAVE_VNNI
         if (iv) {
-            value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
-            int16_weights(G, nr, len, pw, vsc, w16, vmul);
+            if (fused)
+                for (int r = 0; r < nr; r++) vmul[r] = int16_row(pw + r * SUB, len, pmax[r], vsc, w16 + r * (SUB + 2));
+            else {
+                value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
+                int16_weights(G, nr, len, pw, vsc, w16, vmul);
+            }
             mix_vnni(v, nr, ns, sp_v, sp_off, sp_cnt, w16, vtab, vmul, o);
         } else
 #endif

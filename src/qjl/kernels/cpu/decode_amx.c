@@ -399,6 +399,25 @@ QJL_AMX static void amx_weight_bytes(int64_t G, int nr, int64_t len, const int16
         }
 }
 
+/* one row's weights x [len] (floats) with their max mx -> bytes hi / lo of w = round(x 32767 / mx) (w16 of
+ * int16_row, split; zero from len to the next multiple of 64); returns the row's scale W / 32767 * sc */
+QJL_AMX static float amx_bytes_row(const float *x, int64_t len, float mx, float sc, uint8_t *hi, uint8_t *lo) {
+    const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+    const __m512 vi = _mm512_set1_ps(inv);
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16) {
+        const __m512i w = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), vi)); /* nearest even */
+        _mm_storeu_si128((__m128i *)(hi + i), _mm512_cvtepi32_epi8(_mm512_srli_epi32(w, 8)));
+        _mm_storeu_si128((__m128i *)(lo + i), _mm512_cvtepi32_epi8(_mm512_and_si512(w, _mm512_set1_epi32(255))));
+    }
+    for (; i < len; i++) {
+        const int w = (int)lrintf(x[i] * inv);
+        hi[i] = (uint8_t)(w >> 8), lo[i] = (uint8_t)(w & 255);
+    }
+    for (; i < (len + 63) / 64 * 64; i++) hi[i] = lo[i] = 0;
+    return mx / 32767.0f * sc;
+}
+
 QJL_AMX static void mix_amx(const qjl_value_view *v, int nr, int64_t len, const uint8_t *const *rows,
                             const uint8_t *wb, const uint8_t *t64, const float *mul, float *acc) {
     switch (v->bits) {

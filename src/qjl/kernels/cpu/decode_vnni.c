@@ -206,6 +206,20 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
     }
 }
 
+/* one row's weights x [count] (floats) with their max mx -> dst int16 (zero at count, count + 1); returns the
+ * row's scale W / 32767 * sc (W = mx) */
+QJL_VNNI static float int16_row(const float *x, int64_t count, float mx, float sc, int16_t *dst) {
+    const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) /* round to nearest even, then narrow (values in [0, 32767]) */
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtepi32_epi16(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi))));
+    for (; i < count; i++) dst[i] = (int16_t)lrintf(x[i] * inv);
+    dst[count] = dst[count + 1] = 0;
+    return mx / 32767.0f * sc;
+}
+
 /* the pass's weights pw [G][RW][SUB] (floats) -> w16 [G][RW][SUB + 2] int16 (zero past count) and mul[g][r] =
  * W / 32767 * sc, W = max_i pw[g][r][i] */
 QJL_VNNI static void int16_weights(int64_t G, int nr, int64_t count, const float *pw, float sc, int16_t *w16,
@@ -213,18 +227,58 @@ QJL_VNNI static void int16_weights(int64_t G, int nr, int64_t count, const float
     for (int64_t g = 0; g < G; g++)
         for (int r = 0; r < nr; r++) {
             const float *x = pw + (g * RW + r) * SUB;
-            int16_t *dst = w16 + (g * RW + r) * (SUB + 2);
-            const float mx = max_run(x, count, 0.0f);
-            const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
-            const __m256 vi = _mm256_set1_ps(inv);
-            int64_t i = 0;
-            for (; i + 8 <= count; i += 8) /* round to nearest even, then narrow (values in [0, 32767]) */
-                _mm_storeu_si128((__m128i *)(dst + i),
-                                 _mm256_cvtepi32_epi16(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi))));
-            for (; i < count; i++) dst[i] = (int16_t)lrintf(x[i] * inv);
-            dst[count] = dst[count + 1] = 0;
-            mul[g * RW + r] = mx / 32767.0f * sc;
+            mul[g * RW + r] = int16_row(x, count, max_run(x, count, 0.0f), sc, w16 + (g * RW + r) * (SUB + 2));
         }
+}
+
+/* A row's softmax weights in one pass (one scale group, no zero points): p = exp(x - m) as exp_sum computes it
+ * (returned: their sum, in exp_sum's order), pw = p * s, *pmax = max(0, pw[..]) as max_run(pw, len, 0.0f) gives
+ * it (a NaN weight ignored); x is left as it was.  Equal to exp_sum, then value_weights' product, then max_run. */
+QJL_VNNI static float exp_weights(const float *x, int64_t len, float m, const float *s, float *pw, float *pmax) {
+    v8f tot = {0, 0, 0, 0, 0, 0, 0, 0};
+    __m256 mx = _mm256_setzero_ps();
+    int64_t i = 0;
+#if QJL_HAVE_EXP16
+    __m512 mx16 = _mm512_setzero_ps();
+    for (; i + 16 <= len; i += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(m)));
+        v8f e0, e1;
+        const __m256 h0 = _mm512_castps512_ps256(e), h1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1));
+        memcpy(&e0, &h0, 32);
+        memcpy(&e1, &h1, 32);
+        tot += e0;
+        tot += e1;
+        const __m512 w = _mm512_mul_ps(e, _mm512_loadu_ps(s + i));
+        _mm512_storeu_ps(pw + i, w);
+        mx16 = _mm512_max_ps(w, mx16); /* `w > acc ? w : acc`: a NaN w keeps acc */
+    }
+    mx = _mm256_max_ps(_mm512_castps512_ps256(mx16), mx);
+    mx = _mm256_max_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mx16), 1)), mx);
+#endif
+    for (; i + 8 <= len; i += 8) {
+        const v8f e = exp8(load8(x + i) - m);
+        tot += e;
+        __m256 ev;
+        memcpy(&ev, &e, 32);
+        const __m256 w = _mm256_mul_ps(ev, _mm256_loadu_ps(s + i));
+        _mm256_storeu_ps(pw + i, w);
+        mx = _mm256_max_ps(w, mx);
+    }
+    float sum = hsum8(tot), t[8], pm = 0.0f;
+    _mm256_storeu_ps(t, mx);
+    for (int j = 0; j < 8; j++) pm = t[j] > pm ? t[j] : pm;
+    if (i < len) {
+        float buf[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        memcpy(buf, x + i, sizeof(float) * (size_t)(len - i));
+        const v8f e = exp8(load8(buf) - m);
+        sum += hsum8(e);
+        for (int64_t j = 0; i + j < len; j++) {
+            pw[i + j] = e[j] * s[i + j];
+            pm = pw[i + j] > pm ? pw[i + j] : pm;
+        }
+    }
+    *pmax = pm;
+    return sum;
 }
 
 /* Two tokens' codes of coordinates [16h, 16h + 16) of a chunk, interleaved: spread (one vpermt2b from both
