@@ -368,6 +368,15 @@ static inline __m512 exp16(__m512 x) {
     const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(ki, _mm512_set1_epi32(127)), 23));
     return _mm512_maskz_mov_ps(live, _mm512_mul_ps(p, scale));
 }
+/* tot + e's lanes 0-7 + its lanes 8-15: 16 exponentials added as exp8's loop adds two groups of 8 */
+static inline v8f add16_as_exp8(v8f tot, __m512 e) {
+    v8f e0, e1;
+    const __m256 h0 = _mm512_castps512_ps256(e), h1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1));
+    memcpy(&e0, &h0, 32);
+    memcpy(&e1, &h1, 32);
+    tot += e0;
+    return tot + e1;
+}
 #define QJL_HAVE_EXP16 1
 #else
 #define QJL_HAVE_EXP16 0
@@ -381,12 +390,7 @@ static inline float exp_sum(float *x, int64_t len, float m) {
     for (; i + 16 <= len; i += 16) {
         const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(m)));
         _mm512_storeu_ps(x + i, e);
-        v8f e0, e1;
-        const __m256 h0 = _mm512_castps512_ps256(e), h1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1));
-        memcpy(&e0, &h0, 32);
-        memcpy(&e1, &h1, 32);
-        tot += e0;
-        tot += e1;
+        tot = add16_as_exp8(tot, e);
     }
 #endif
     for (; i + 8 <= len; i += 8) {

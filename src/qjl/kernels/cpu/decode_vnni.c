@@ -242,12 +242,7 @@ QJL_VNNI static float exp_weights(const float *x, int64_t len, float m, const fl
     __m512 mx16 = _mm512_setzero_ps();
     for (; i + 16 <= len; i += 16) {
         const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(m)));
-        v8f e0, e1;
-        const __m256 h0 = _mm512_castps512_ps256(e), h1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1));
-        memcpy(&e0, &h0, 32);
-        memcpy(&e1, &h1, 32);
-        tot += e0;
-        tot += e1;
+        tot = add16_as_exp8(tot, e);
         const __m512 w = _mm512_mul_ps(e, _mm512_loadu_ps(s + i));
         _mm512_storeu_ps(pw + i, w);
         mx16 = _mm512_max_ps(w, mx16); /* `w > acc ? w : acc`: a NaN w keeps acc */
