@@ -255,6 +255,53 @@ static void encode_row(void *ctx, int64_t i) {
     c->status[i] = !finite ? -2 : !(norm <= j->norm_max) ? -3 : !(fabsf(v) <= j->norm_max) ? -4 : 0;
 }
 
+/* encode_row for the 4 rows i0 .. i0 + 3, each computed in encode_row's order (the same bits), their serial sums
+ * interleaved: the float64 squares and the rotation (one column of M read for the 4 rows) are chains of dependent
+ * additions per row, so one row at a time waits on each addition's latency (interleaving the cosine sums of the
+ * cells as well measured slower: its gathers). */
+#define ENCODE_ILP 4
+static void encode_rows4(const qjl_encode_ctx *c, int64_t i0) {
+    const qjl_encode_job *j = c->j;
+    const int64_t d = j->dim, n = j->n, nbytes = (n * j->bits + 7) / 8;
+    float xb[ENCODE_ILP][d], yb[ENCODE_ILP][n], norm[ENCODE_ILP];
+    double ss[ENCODE_ILP];
+    int finite[ENCODE_ILP];
+    for (int r = 0; r < ENCODE_ILP; r++) {
+        const int64_t t = (i0 + r) / c->heads, h = (i0 + r) % c->heads;
+        read_row(j->x + t * j->x_st + h * j->x_sh, j->x_dtype, d, xb[r]);
+        ss[r] = 0.0, finite[r] = 1;
+    }
+    for (int64_t k = 0; k < d; k++)
+        for (int r = 0; r < ENCODE_ILP; r++) {
+            finite[r] &= isfinite(xb[r][k]) != 0;
+            ss[r] += (double)xb[r][k] * (double)xb[r][k];
+        }
+    for (int r = 0; r < ENCODE_ILP; r++) {
+        norm[r] = (float)sqrt(ss[r]);
+        const float div = norm[r] > 0.0f ? norm[r] : 1.0f;
+        for (int64_t k = 0; k < d; k++) xb[r][k] = xb[r][k] / div;
+        for (int64_t o = 0; o < n; o++) yb[r][o] = 0.0f;
+    }
+    for (int64_t k = 0; k < d; k++) { /* y += u_k * M[:, k] for the 4 rows: each output summed over k in order */
+        const float *col = j->matrix_t + k * n;
+        const float u0 = xb[0][k], u1 = xb[1][k], u2 = xb[2][k], u3 = xb[3][k];
+        for (int64_t o = 0; o < n; o++) {
+            const float m = col[o];
+            yb[0][o] = yb[0][o] + u0 * m;
+            yb[1][o] = yb[1][o] + u1 * m;
+            yb[2][o] = yb[2][o] + u2 * m;
+            yb[3][o] = yb[3][o] + u3 * m;
+        }
+    }
+    for (int r = 0; r < ENCODE_ILP; r++) {
+        const int64_t i = i0 + r;
+        const float cos = cells_packed(yb[r], n, j->bnd, j->nbnd, j->cent, j->bits, c->codes + i * nbytes);
+        const float v = j->correct ? norm[r] / (cos > 0.0f ? cos : 1.0f) : norm[r];
+        c->stored[i] = v;
+        c->status[i] = !finite[r] ? -2 : !(norm[r] <= j->norm_max) ? -3 : !(fabsf(v) <= j->norm_max) ? -4 : 0;
+    }
+}
+
 #define ENCODE_BLOCK 32 /* rows per work item of qjl_encode_store (one dynamic grab per row cost more than a row) */
 typedef struct {
     const qjl_encode_ctx *c;
@@ -264,7 +311,9 @@ typedef struct {
 static void encode_block(void *ctx, int64_t b) {
     const qjl_encode_blocks *e = ctx;
     const int64_t end = (b + 1) * ENCODE_BLOCK < e->rows ? (b + 1) * ENCODE_BLOCK : e->rows;
-    for (int64_t i = b * ENCODE_BLOCK; i < end; i++) encode_row((void *)e->c, i);
+    int64_t i = b * ENCODE_BLOCK;
+    for (; i + ENCODE_ILP <= end; i += ENCODE_ILP) encode_rows4(e->c, i);
+    for (; i < end; i++) encode_row((void *)e->c, i);
 }
 
 /* Several roles (a layer's keys and values) quantized as encode_row says and stored into paged fields, the rows
