@@ -169,8 +169,8 @@ def _impls(backend: str) -> list:
     from qjl.kernels.cpu import launch
 
     first = launch.default_impl()
-    rest = [impl for impl in (("c-int",) if first == "c-amx" else ()) + ("c",) if impl != first]
-    return [(f"cpu {first}", first)] + [(f"cpu {impl}", impl) for impl in rest]
+    beside = {"c-amx": ("c-int", "c"), "c": ()}.get(first, ("c",))
+    return [(f"cpu {impl}", impl) for impl in (first, *beside)]
 
 
 def _with_impl(impl, fn, *args):

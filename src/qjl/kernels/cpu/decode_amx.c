@@ -117,11 +117,7 @@ typedef struct {
 
 QJL_AMX static inline __attribute__((always_inline)) unpack64_t unpack64_setup(const int bits, const uint8_t *t64) {
     uint8_t sp[64], sh[64];
-    for (int i = 0; i < 8; i++)
-        for (int k = 0; k < 8; k++) {
-            sp[8 * i + k] = (uint8_t)(bits * i + (k < bits ? k : 0));
-            sh[8 * i + k] = (uint8_t)(k * bits);
-        }
+    unpack_indices(bits, 8, sp, sh); /* decode_vnni.c's, for 8 qwords */
     unpack64_t u;
     u.spread = _mm512_loadu_si512(sp);
     u.shifts = _mm512_loadu_si512(sh);
@@ -176,23 +172,19 @@ QJL_AMX static inline __attribute__((always_inline)) void score_amx_(const int b
             }
             if (g == 0 || g > groups) continue;
             const uint8_t *ap = a[(g - 1) % 2];
-            if ((g - 1) % 2 == 0) {
-                _tile_zero(0);
-                _tile_loadd(2, ap, row);
-                _tile_dpbusd(0, 2, 6);
-                if (kb == 2) {
-                    _tile_loadd(3, ap + 64, row);
-                    _tile_dpbusd(0, 3, 7);
-                }
-            } else {
-                _tile_zero(1);
-                _tile_loadd(4, ap, row);
-                _tile_dpbusd(1, 4, 6);
-                if (kb == 2) {
-                    _tile_loadd(5, ap + 64, row);
-                    _tile_dpbusd(1, 5, 7);
-                }
-            }
+#define QJL_KEY_SET(C, A0, A1) /* tile set: sums C, the blocks' A tiles A0, A1 (tile numbers are immediates) */     \
+    do {                                                                                                               \
+        _tile_zero(C);                                                                                                 \
+        _tile_loadd(A0, ap, row);                                                                                      \
+        _tile_dpbusd(C, A0, 6);                                                                                        \
+        if (kb == 2) {                                                                                                 \
+            _tile_loadd(A1, ap + 64, row);                                                                             \
+            _tile_dpbusd(C, A1, 7);                                                                                    \
+        }                                                                                                              \
+    } while (0)
+            if ((g - 1) % 2 == 0) QJL_KEY_SET(0, 2, 3);
+            else QJL_KEY_SET(1, 4, 5);
+#undef QJL_KEY_SET
         }
     } else
         for (int64_t g = 0; g < groups; g++) {

@@ -71,13 +71,19 @@ typedef struct {
     __m256i spread, shifts, table;
 } unpack32_t;
 
-QJL_VNNI static inline __attribute__((always_inline)) unpack32_t unpack32_setup(const int bits, const uint8_t *table) {
-    uint8_t sp[32], sh[32];
-    for (int i = 0; i < 4; i++)
+/* the byte-granular unpacking's index vectors for `qwords` qwords: spread (vpermb: qword i <- the `bits` bytes
+ * holding codes 8i .. 8i + 7) and shifts (vpmultishiftqb: code k of the qword to byte k) */
+static inline void unpack_indices(const int bits, int qwords, uint8_t *sp, uint8_t *sh) {
+    for (int i = 0; i < qwords; i++)
         for (int k = 0; k < 8; k++) {
             sp[8 * i + k] = (uint8_t)(bits * i + (k < bits ? k : 0));
             sh[8 * i + k] = (uint8_t)(k * bits);
         }
+}
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack32_t unpack32_setup(const int bits, const uint8_t *table) {
+    uint8_t sp[32], sh[32];
+    unpack_indices(bits, 4, sp, sh);
     unpack32_t u;
     u.spread = _mm256_loadu_si256((const __m256i *)sp);
     u.shifts = _mm256_loadu_si256((const __m256i *)sh);
