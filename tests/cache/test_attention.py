@@ -58,7 +58,14 @@ def test_kernel_path_equals_reference_path(preset, impl, tol, monkeypatch):
     assert torch.allclose(got, want, atol=tol * scale), (got - want).abs().max()
 
 
-def test_cache_picks_cpu_kernel_and_matches_torch_path(monkeypatch):
+KEY_SPECS_WITH_FIT = {  # key codecs whose query maps read a per-sequence fit
+    "qjl-outliers": ("qjl", {"n_outliers": 4}, {"sketch_dim": 2.0, "outlier_sketch_dim": 0.5}),
+    "tq-split": ("turboquant_split", {"bits": 2, "split_bits": 4, "norm_dtype": "fp8"}, {"n_split": 0.5}),
+}
+
+
+@pytest.mark.parametrize("key", sorted(KEY_SPECS_WITH_FIT))
+def test_cache_picks_cpu_kernel_and_matches_torch_path(monkeypatch, key):
     """Decode steps of a tiny model through the CPU kernel equal the reference path from the same cache
     state (a copy of the prefilled cache switched to kernel "torch": prefilling each separately would
     differ by float error in the prefill's attention, which can flip a QJL sign bit of a later layer)."""
@@ -77,8 +84,9 @@ def test_cache_picks_cpu_kernel_and_matches_torch_path(monkeypatch):
     batch = torch.stack([a, torch.cat([torch.zeros(9, dtype=torch.long), b[9:]])])
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[1, :9] = 0
-    cfg = QJLConfig(key=CodecSpec("qjl", {"n_outliers": 4}, per_dim={"sketch_dim": 2.0, "outlier_sketch_dim": 0.5}),
-                    value=CodecSpec("uniform", {"bits": 4}), residual_length=8, flush_block=4)
+    name, params, per_dim = KEY_SPECS_WITH_FIT[key]
+    cfg = QJLConfig(key=CodecSpec(name, params, per_dim=per_dim), value=CodecSpec("uniform", {"bits": 4}),
+                    residual_length=8, flush_block=4)
     cache = QJLCache(model, cfg)
     tok = model(batch, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
     ref = copy.deepcopy(cache)

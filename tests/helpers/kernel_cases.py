@@ -7,6 +7,7 @@ import torch
 
 from qjl.codecs.outliers import OutlierQJL
 from qjl.codecs.sketch import QJLSketch
+from qjl.codecs.split import SplitTurboQuant
 from qjl.codecs.tokenwise import TokenwiseQuantizer
 from qjl.codecs.turboquant import TurboQuantMSE
 from qjl.kernels.paged import PagedField
@@ -37,13 +38,15 @@ def codec_pair(name: str, d: int):
         return QJLSketch(d, 2 * d, "gaussian", seed=3), TokenwiseQuantizer(d, 2, group_size=32)
     if name == "qjl-outliers-uni2":
         return OutlierQJL(d, 2 * d, n_outliers=8, outlier_sketch_dim=d // 2, seed=3), TokenwiseQuantizer(d, 2)
+    if name == "tqsplit-tq3":  # two TurboQuant key terms whose query maps read the per-sequence split_idx
+        return SplitTurboQuant(d, 2, 4, d // 4, seed=1, norm_dtype="fp8", correct_norm=True), TurboQuantMSE(d, 3, seed=2)
     if name == "qjl-hadamard-tq2":
         return QJLSketch(d, 2 * d, "hadamard", seed=3), TurboQuantMSE(d, 2, seed=2)
     raise ValueError(name)
 
 
 PAIRS = ["tq3-tq2", "tq4-uni3", "tq5-tq3", "tq1-uni4", "tq8-tq6", "tq7-tq5", "qjl-uni2", "qjl-outliers-uni2",
-         "qjl-hadamard-tq2"]
+         "qjl-hadamard-tq2", "tqsplit-tq3"]
 
 
 def fields_of(codes) -> dict:

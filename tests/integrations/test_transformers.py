@@ -44,6 +44,7 @@ CODEC_SPECS = [
     CodecSpec("qjl", {"n_outliers": 4}, per_dim={"sketch_dim": 4.0, "outlier_sketch_dim": 0.5}),
     CodecSpec("turboquant_mse", {"bits": 4}),
     CodecSpec("turboquant_prod", {"bits": 4}),
+    CodecSpec("turboquant_split", {"bits": 3, "split_bits": 5}, per_dim={"n_split": 0.5}),
     CodecSpec("polarquant", {"bits_per_level": (5, 4)}),
     CodecSpec("kivi", {"bits": 4, "group_size": 4}),
     CodecSpec("uniform", {"bits": 4, "group_size": 32}),

@@ -178,25 +178,33 @@ def test_codes_in_pages_are_the_codecs_codes():
             assert torch.equal(got.fields[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
-def test_qjl_keys_with_per_block_outliers():
-    """QJL keys with outlier channels: chosen per (block, KV head) from the first tokens written to a block;
-    attention equals the codec's own estimator with those channels."""
-    keys = qjl.CodecSpec("qjl", {"n_outliers": 4, "sketch_dim": 128, "outlier_sketch_dim": 32})
+PER_BLOCK_FIT = {  # key codecs with a per-block fit (a shared field): its name
+    "qjl-outliers": (qjl.CodecSpec("qjl", {"n_outliers": 4, "sketch_dim": 128, "outlier_sketch_dim": 32}), "outlier_idx"),
+    "tq-split": (qjl.CodecSpec("turboquant_split", {"bits": 2, "split_bits": 4, "n_split": 16}), "split_idx"),
+}
+
+
+@pytest.mark.parametrize("which", sorted(PER_BLOCK_FIT))
+def test_keys_with_a_per_block_fit(which):
+    """Keys whose codec fits per sequence (QJL's outlier channels, a split codec's chosen channels): fitted per
+    (block, KV head) from the first tokens written to a block (keys alone: no queries there); attention equals the
+    codec's own estimator with that fit."""
+    keys, name = PER_BLOCK_FIT[which]
     sim = Sim(keys, UNI, sinks=0, window=0, block_size=16)
     outs, qs = sim.step({"a": 30})
     outs, qs = sim.step({"a": 1})
     s, lay = sim.seqs["a"], sim.layout
     kf = {kk[4:]: f for kk, f in sim.fields.items() if kk.startswith("key.")}
     codes = history_codes(kf, torch.tensor(s["blocks"]), 0, 30, 16, 2)
-    idx0 = codes.shared["outlier_idx"][:, 0].long()
-    want = lay.key_codec.select_outliers(s["k"][:16].transpose(0, 1))
+    idx0 = codes.shared[name][:, 0].long()
+    want, = lay.key_codec.fit(s["k"][:16].transpose(0, 1))
     assert torch.equal(idx0, want)
-    assert torch.equal(codes.shared["outlier_idx"][:, 16].long(), lay.key_codec.select_outliers(s["k"][16:30].transpose(0, 1)))
+    assert torch.equal(codes.shared[name][:, 16].long(), lay.key_codec.fit(s["k"][16:30].transpose(0, 1))[0])
     # decode output against the codec's estimator, block by block
     q = qs["a"][0].reshape(2, 3, D)
     logits = []
     for b0, b1 in ((0, 16), (16, 30)):
-        c = lay.key_codec.quantize(s["k"][b0:b1].transpose(0, 1), codes.shared["outlier_idx"][:, b0].long())
+        c = lay.key_codec.quantize(s["k"][b0:b1].transpose(0, 1), codes.shared[name][:, b0].long())
         logits.append(lay.key_codec.inner_product(q, c))
     logits.append(torch.einsum("hgd,hd->hg", q, s["k"][30]).unsqueeze(-1))
     p = torch.softmax(torch.cat(logits, -1) * D ** -0.5, -1)

@@ -251,3 +251,15 @@ def test_a_run_equals_each_method_on_its_own(lm, text_file, tmp_path):
                                                     pad_token_id=tok.eos_token_id)[0, p.shape[1]:])
                    for p, key in prompts)
         assert res[name]["passkey"]["700"]["hits"] == hits, name
+
+
+def test_over_seeds_means_the_worst_held_out_text():
+    def run(kls, dppls, top1s):
+        texts = {t: {"512": {"kl": k, "dppl": p, "top1": a}} for t, k, p, a in zip("ab", kls, dppls, top1s)}
+        return {"texts": texts, "worst": {"512": evalrun.worst_over({t: v["512"] for t, v in texts.items()}, ["a", "b"])}}
+
+    runs = [run([0.01, 0.02], [1.0, -1.0], [0.9, 0.95]), run([0.03, 0.01], [0.5, 2.0], [0.97, 0.93])]
+    got = evalrun.over_seeds(runs, ["a", "b"])["512"]
+    assert got["seeds"] == 2 and got["kl"] == pytest.approx(0.025) and got["kl_max"] == 0.03
+    assert got["dppl"] == pytest.approx(1.5) and got["top1"] == pytest.approx(0.915)
+    assert got["kl_mean"] == pytest.approx(0.0175)

@@ -65,3 +65,22 @@ def test_cache_memory_of_transformers_quantized_cache():
     mem = methods.cache_memory(cache)
     assert 0 < mem["compressed_bytes"] and mem["exact_bits"] in (0.0, 32.0)
     assert 2.0 < mem["key_bits"] < 4.0  # 2-bit codes + per-group scales and shifts
+
+
+def test_seeds_are_method_names():
+    """``name@seed`` is the configuration with another base seed; --seeds N adds seeds 1..N-1 to our methods only."""
+    from qjl import QJLConfig
+
+    cfg = methods.make_method("tq-k3v3@3")
+    assert cfg == QJLConfig.preset("tq-k3v3", seed=3) and cfg != methods.make_method("tq-k3v3")
+    assert methods.make_method("auto-3.0@2").seed == 2
+    got = methods.resolve_methods(["tq-k3v3", "tq-k3v2@5"], seeds=3)
+    assert got == [methods.REFERENCE, "tq-k3v3", "tq-k3v3@1", "tq-k3v3@2", "tq-k3v2@5"]
+    with pytest.raises(ValueError, match="seed"):
+        methods.resolve_methods(["tq-k3v3@x"])
+    with pytest.raises(ValueError, match="unknown"):
+        methods.resolve_methods(["tq-k9@1"])
+    with pytest.raises(ValueError, match="seeds must be a positive int"):
+        methods.resolve_methods(["tq-k3v3"], seeds=0)
+    with pytest.raises(ValueError, match="only our cache methods"):
+        methods.resolve_methods([f"{methods.REFERENCE}@1"])

@@ -39,12 +39,23 @@ from qjl.cache import padding
 from qjl.cache.config import CodecSpec
 
 __all__ = ["AutoBits", "Allocator", "layer_sensitivity", "choose_widths", "candidate_codecs", "predicted_error",
-           "planned_budget"]
+           "planned_budget", "query_weights"]
 
 
 def _tq(bits, norm="fp16"):
     params = {"bits": bits, "correct_norm": True}
     return CodecSpec("turboquant_mse", params if norm == "fp16" else {**params, "norm_dtype": norm})
+
+
+def _split(share, split_bits, bits):
+    """Keys split by importance (:class:`qjl.codecs.split.SplitTurboQuant`): ``share`` of the channels at
+    ``split_bits``, the rest at ``bits``, fp8 norms (two per vector)."""
+    return CodecSpec("turboquant_split", {"bits": bits, "split_bits": split_bits, "correct_norm": True,
+                                          "norm_dtype": "fp8"}, per_dim={"n_split": share})
+
+
+# split keys offered besides the single-rotation widths (bits per value at d = 64, both fp8 norms counted)
+SPLIT_KEYS = (_split(0.25, 5, 2), _split(0.5, 4, 2), _split(0.5, 4, 3), _split(0.5, 5, 3), _split(0.5, 5, 4))
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,8 @@ class AutoBits:
             # 2-bit keys only below 3 bits per value: the proxy (additive per-layer output error) ranks 2-bit keys
             # in the early half like k4v2, but they measure worse than k3v2 (KL 0.027 vs 0.017 on GPL-3,
             # benchmarks/auto_bits.py --rank): early layers' score errors grow through the later layers
-            object.__setattr__(self, "key_candidates", tuple(_tq(k) for k in ((2, 3, 4, 5, 6) if b < 3 else (3, 4, 5, 6))))
+            widths = (2, 3, 4, 5, 6) if b < 3 else (3, 4, 5, 6)
+            object.__setattr__(self, "key_candidates", tuple(_tq(k) for k in widths) + SPLIT_KEYS)
         for name in ("key_candidates", "value_candidates"):
             specs = tuple(getattr(self, name))
             if not specs or any(not isinstance(s, CodecSpec) for s in specs):
@@ -130,11 +142,23 @@ def layer_sensitivity(query, keys, values, mask, scaling: float, tokens: slice) 
     return float(s_k), float(s_v.double().sum())
 
 
-def _distortion_parts(codec, x: torch.Tensor, *fit) -> tuple:
-    """``(sum ||x - x_hat||^2, sum ||x||^2)`` of ``codec`` on ``x: [B, H, n, D]``."""
+def _distortion_parts(codec, x: torch.Tensor, *fit, weights: torch.Tensor | None = None) -> tuple:
+    """``(sum ||x - x_hat||^2, sum ||x||^2)`` of ``codec`` on ``x: [B, H, n, D]``; with ``weights`` [B, H, D] the
+    errors' channels weighed (``sum_i w_i (x_i - x_hat_i)^2``)."""
     xf = x.float()
-    err = (codec.dequantize(codec.quantize(xf, *fit)) - xf).square().sum()
+    e2 = (codec.dequantize(codec.quantize(xf, *fit)) - xf).square()
+    err = e2.sum() if weights is None else (e2 * weights.unsqueeze(-2)).sum()
     return float(err), float(xf.square().sum())
+
+
+def query_weights(queries: torch.Tensor) -> torch.Tensor:
+    """Channel weights of the queries' metric: queries [B, H, r, D] -> w [B, H, D], ``w_i = D E[q_i^2] / sum_j
+    E[q_j^2]`` (mean 1; uniform for a head whose queries are all zero).  A score's squared error is
+    ``sum_i q_i^2 e_i^2``, so ``sum_i w_i e_i^2`` is the key error the scores see, in units where an error spread
+    evenly over the channels (a rotation-based codec's) counts its plain ``||e||^2``."""
+    e = queries.float().square().mean(dim=-2)
+    tot = e.sum(-1, keepdim=True)
+    return torch.where(tot > 0, e * e.shape[-1] / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.ones_like(e))
 
 
 def _distortion(codec, x: torch.Tensor, *fit) -> float:
@@ -153,10 +177,14 @@ def _rotation_key(codec):
     return codec.dim, codec.rotation.kind, codec.rotation.seed
 
 
-def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False) -> list:
+def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False,
+                queries: torch.Tensor | None = None) -> list:
     """[relative distortion ``sum ||x - x_hat||^2 / sum ||x||^2`` of each codec on ``x: [B, H, n, D]``] (``parts``:
     [(the sum of errors, the sum of ||x||^2)], for summing over ranks first); ``fit``: quantize with each codec's
-    per-sequence fit of ``x`` (keys).  TurboQuant MSE candidates that share a rotation (a layer's candidates
+    per-sequence fit of ``x`` (keys).  ``queries`` [B, H, r, D]: the prompt's last queries per KV head; a codec that
+    fits to them (``fits_queries``: its error is not spread evenly over the channels) is fitted with them and its
+    error measured in their metric (:func:`query_weights`), which for an even spread has the plain error's
+    expectation.  TurboQuant MSE candidates that share a rotation (a layer's candidates
     differ only in widths and norm dtypes) rotate ``x`` once; each width's cells are then read once as two
     moments per vector (:func:`qjl.core.lloyd_max.cell_moments`, in C on the CPU), from which every norm dtype's
     error follows without packing or the inverse rotation: ``||r y - s c||^2 = r^2 - 2 r s cos + s^2 cc`` with
@@ -174,11 +202,13 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False)
     unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
     r = norm.double()
     rotated, moments, out = {}, {}, []
+    weights = None if queries is None else query_weights(queries)
     for codec in codecs:
-        args = codec.fit(xf) if fit else ()
+        by_queries = getattr(codec, "fits_queries", False)
+        args = (codec.fit(xf, queries=queries) if by_queries else codec.fit(xf)) if fit else ()
         key = None if args else _rotation_key(codec)
         if key is None:
-            out.append(_distortion_parts(codec, xf, *args))
+            out.append(_distortion_parts(codec, xf, *args, weights=weights if by_queries else None))
             continue
         if key not in rotated:
             rotated[key] = codec.rotation.apply(unit)
@@ -310,7 +340,9 @@ class Allocator:
         pick = torch.linspace(tokens.start, tokens.start + max(n - 1, 0), min(n, self.auto.sample_tokens)).round().long()
         ks, vs = keys[:, :, pick], values[:, :, pick]
         kc, vc = store.candidates
-        kd, vd = distortions(kc, ks, fit=True, parts=True), distortions(vc, vs, parts=True)
+        b, hq, _, d = query.shape
+        qk = query[:, :, -r:].float().reshape(b, keys.shape[1], hq // keys.shape[1] * r, d)  # per KV head
+        kd, vd = distortions(kc, ks, fit=True, parts=True, queries=qk), distortions(vc, vs, parts=True)
         if store.rank_sum is not None:  # tensor parallelism: every rank's heads, so every rank chooses alike
             flat = store.rank_sum(torch.tensor([s_k, s_v, *(x for pair in kd + vd for x in pair)], dtype=torch.float64,
                                                device=query.device)).tolist()

@@ -35,7 +35,7 @@ import torch
 from qjl import kernels
 from qjl.cache import checks, padding
 from qjl.cache.buffers import CodeBuffer, TokenBuffer, storage_bytes
-from qjl.cache.smoothing import attention_weighted_mean, attention_weights, channel_mean
+from qjl.cache.smoothing import VALUE_MEAN_ROWS, attention_weighted_mean, attention_weights, channel_mean
 from qjl.codecs.base import Codes
 from qjl.core.validation import STORAGE_DTYPES
 
@@ -81,6 +81,7 @@ class LayerStore:
         self.sink_k = self.sink_v = None
         self._kc, self._vc = CodeBuffer(), CodeBuffer()
         self.key_fit = None  # the key codec's per-sequence fit (e.g. outlier channels), from the first block
+        self.fit_q = None  # [B, H, g r, D] float32: the prompt's last queries, for a key codec that fits to them
         self.heavy_w = None  # heavy tokens: [B, n] the prompt's attention per position (until the sinks form)
         self.mu = None  # key smoothing: [B, H, D] float32
         self.mu_v = None  # value smoothing: [B, H, D_v] float32
@@ -228,6 +229,10 @@ class LayerStore:
             w = self._wk.view()
             self.mu = channel_mean(w, self.row_start)
             self._wk.replace((w.float() - self.mu.unsqueeze(2)).to(self.exact_dtype))
+        if query is not None and self.key_fit is None and self.fit_q is None and self._wants_queries():
+            b, hq, t, d = query.shape
+            r = min(VALUE_MEAN_ROWS, t)
+            self.fit_q = query[:, :, t - r:].float().reshape(b, self.heads, hq // self.heads * r, d)
         weights = None
         if query is not None and ((self.config.smooth_values and self.mu_v is None)
                                   or (self.config.heavy_tokens and self.heavy_w is None and not self.sinks_done)):
@@ -292,13 +297,28 @@ class LayerStore:
             return
         wk, wv = self._wk.view(), self._wv.view()
         if self.key_fit is None:
-            self.key_fit = self.key_codec.fit(self._without_padding(wk[:, :, :n]))
+            self.key_fit = self._fit_keys(self._without_padding(wk[:, :, :n]))
         key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit)
         value_codes = self._quantize(self.value_codec, wv[:, :, :n])
         self._kc.append(key_codes)
         self._vc.append(value_codes)
         self._wk.replace(wk[:, :, n:])
         self._wv.replace(wv[:, :, n:])
+
+    def _fit_keys(self, block: torch.Tensor) -> tuple:
+        """The key codec's per-sequence fit from the first flushed block [B, H, n, D] (and the prompt's last queries
+        for a codec that fits to them: ``fits_queries``); the queries are dropped once used."""
+        if getattr(self.key_codec, "fits_queries", False):
+            fit = self.key_codec.fit(block, queries=self.fit_q)
+        else:
+            fit = self.key_codec.fit(block)
+        self.fit_q = None
+        return fit
+
+    def _wants_queries(self) -> bool:
+        """Whether the key codec (or, before an allocation, one of its candidates) fits to the prompt's queries."""
+        codecs = [self.key_codec] if self.key_codec is not None else list((self.candidates or ((),))[0])
+        return any(getattr(c, "fits_queries", False) for c in codecs)
 
     def _form_sinks(self) -> bool:
         """Each row's first ``sink_tokens`` real tokens, and its ``heavy_tokens`` heaviest, become its sinks (False:
@@ -404,7 +424,7 @@ class LayerStore:
         self._vc.select(index)
         self.mu, self.mu_v = sel(self.mu), sel(self.mu_v)
         self.row_start, self.pads, self.heavy_pos = sel(self.row_start), sel(self.pads), sel(self.heavy_pos)
-        self.heavy_w = sel(self.heavy_w)
+        self.heavy_w, self.fit_q = sel(self.heavy_w), sel(self.fit_q)
         if self.key_fit is not None:
             self.key_fit = tuple(sel(t) for t in self.key_fit)
         self.batch = index.numel()
@@ -416,7 +436,7 @@ class LayerStore:
                 "exact": [*(self._wk.tensors() if self._wk else []), *(self._wv.tensors() if self._wv else []),
                           self.sink_k, self.sink_v],
                 "smoothing": [self.mu, self.mu_v],
-                "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos, self.heavy_w]}
+                "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos, self.heavy_w, self.fit_q]}
 
     def nbytes(self) -> dict:
         """Bytes of storage held by part (each storage counted once, capacity included)."""

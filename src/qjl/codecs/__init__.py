@@ -6,8 +6,9 @@ from qjl.codecs.outliers import OutlierQJL
 from qjl.codecs.polarquant import PolarQuant
 from qjl.codecs.registry import CODECS, codec_parameters, make_codec
 from qjl.codecs.sketch import QJLSketch
+from qjl.codecs.split import SplitTurboQuant
 from qjl.codecs.tokenwise import TokenwiseQuantizer
 from qjl.codecs.turboquant import TurboQuantMSE, TurboQuantProd
 
 __all__ = ["BitBudget", "CODECS", "Codec", "Codes", "KIVIKeys", "OutlierQJL", "PolarQuant", "QJLSketch",
-           "TokenwiseQuantizer", "TurboQuantMSE", "TurboQuantProd", "codec_parameters", "make_codec"]
+           "SplitTurboQuant", "TokenwiseQuantizer", "TurboQuantMSE", "TurboQuantProd", "codec_parameters", "make_codec"]

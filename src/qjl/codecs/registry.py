@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | ``qjl`` | :class:`OutlierQJL` | keys: 1-bit JL sketch (+ optional outlier sketch) |
 | ``turboquant_mse`` | :class:`TurboQuantMSE` | keys or values: rotation + Lloyd-Max |
+| ``turboquant_split`` | :class:`SplitTurboQuant` | keys: chosen channels at more bits, two TurboQuant MSE parts |
 | ``turboquant_prod`` | :class:`TurboQuantProd` | keys: MSE stage + QJL residual, unbiased scores |
 | ``polarquant`` | :class:`PolarQuant` | keys or values: recursive polar angles |
 | ``kivi`` | :class:`KIVIKeys` | keys: per-channel over token groups (baseline) |
@@ -18,6 +19,7 @@ from qjl.codecs.base import Codec
 from qjl.codecs.kivi import KIVIKeys
 from qjl.codecs.outliers import OutlierQJL
 from qjl.codecs.polarquant import PolarQuant
+from qjl.codecs.split import SplitTurboQuant
 from qjl.codecs.turboquant import TurboQuantMSE, TurboQuantProd
 from qjl.codecs.tokenwise import TokenwiseQuantizer
 
@@ -27,6 +29,7 @@ CODECS = {
     "qjl": OutlierQJL,
     "turboquant_mse": TurboQuantMSE,
     "turboquant_prod": TurboQuantProd,
+    "turboquant_split": SplitTurboQuant,
     "polarquant": PolarQuant,
     "kivi": KIVIKeys,
     "uniform": TokenwiseQuantizer,

@@ -24,7 +24,7 @@ import torch
 __all__ = ["PagedField", "FieldMap", "PagedRows", "role_fields", "paged_decode", "check_paged", "views",
            "kernel_readable", "view_fields", "term_queries", "query_maps", "unmix_matrix", "check_exact",
            "joined_exact", "check_static", "mix_room", "mix_view", "rotation_matrix", "check_args", "check_table", "fields_signature",
-           "extent_bytes", "field_geometry"]
+           "extent_bytes", "field_geometry", "fit_field"]
 
 _VIEWS = weakref.WeakKeyDictionary()  # codec -> its views, centroids as contiguous float32 (codecs are immutable)
 
@@ -87,6 +87,18 @@ def rotation_matrix(codec) -> torch.Tensor | None:
 def mix_view(codec):
     """``codec.mix_view()`` (None where it declares none), centroids contiguous float32, built once per codec."""
     return _view(codec, "mix_view")
+
+
+def fit_field(key_codec) -> str | None:
+    """The per-sequence (per-block, in pages) shared field a key codec's query maps read -- its ``fit``, e.g. QJL's
+    ``outlier_idx`` or a split codec's ``split_idx`` -- or None (one view built once per codec)."""
+    view = _view(key_codec, "score_view")
+    if view is None or not view.shared:
+        return None
+    if len(view.shared) != 1:
+        raise ValueError(f"{type(key_codec).__name__}: a score view reading {len(view.shared)} shared fields is not "
+                         "paged (one per-sequence fit at most)")
+    return view.shared[0]
 
 
 def views(key_codec, value_codec) -> tuple:

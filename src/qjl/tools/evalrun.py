@@ -21,7 +21,7 @@ from qjl.tools.evaluate import (EvalSetup, capture_kv, held_kv, load_text_ids, m
 from qjl.tools.methods import REFERENCE, make_cache, make_method
 from qjl.tools.passkey import passkey_hits_by_method, passkey_prompts
 
-__all__ = ["EvalPlan", "run_eval", "worst_over", "fix_threads"]
+__all__ = ["EvalPlan", "run_eval", "worst_over", "over_seeds", "fix_threads"]
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,37 @@ def _summarize(results: dict, held: list) -> None:
                       for c in sorted(ctxs, key=int)}
         r["held_mean"] = {c: mean_over({t: per[c] for t, per in r["texts"].items() if c in per}, held)
                           for c in sorted(ctxs, key=int)}
+    for base, names in _seed_groups(results).items():
+        results[base]["over_seeds"] = over_seeds([results[n] for n in names], held)
+
+
+def _seed_groups(results: dict) -> dict:
+    """{method: [method, method@1, ...]} for the methods run at more than one seed."""
+    from qjl.tools.methods import split_seed
+
+    groups = {}
+    for name in results:
+        base, _ = split_seed(name)
+        if base in results:
+            groups.setdefault(base, []).append(name)
+    return {b: ns for b, ns in groups.items() if len(ns) > 1}
+
+
+def over_seeds(runs: list, held: list) -> dict:
+    """One method at several seeds (each a result with ``texts`` and ``worst``) -> per context the mean over seeds of
+    the worst held-out KL, perplexity change and top-1, the KL averaged over seeds and held-out texts, and the
+    largest worst-text KL over the seeds: ``{ctx: {"seeds", "kl", "dppl", "top1", "kl_mean", "kl_max"}}``."""
+    out = {}
+    for c in sorted({c for r in runs for c in r["worst"]}, key=int):
+        worst = [r["worst"][c] for r in runs if r["worst"].get(c)]
+        if len(worst) != len(runs):
+            continue
+        kls = [r["texts"][t][c]["kl"] for r in runs for t in held if c in r["texts"].get(t, {})]
+        n = len(worst)
+        out[c] = {"seeds": n, "kl": sum(w["kl"]["value"] for w in worst) / n,
+                  "dppl": sum(w["dppl"]["value"] for w in worst) / n, "top1": sum(w["top1"]["value"] for w in worst) / n,
+                  "kl_mean": sum(kls) / len(kls), "kl_max": max(w["kl"]["value"] for w in worst)}
+    return out
 
 
 def _record(r: dict, text: str, ctx: int, m: dict) -> None:

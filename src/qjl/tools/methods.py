@@ -6,7 +6,11 @@
 * ``"auto-<bits>"`` (e.g. ``auto-3.0``) -- ``QJLConfig.auto(bits_per_value=<bits>)``, where this version
   of the cache has it: codec widths chosen per layer from the prompt;
 * ``"hf-quanto-k4v4"``, ``"hf-quanto-k2v2"`` -- transformers' own ``QuantizedCache`` (quanto backend,
-  per-channel groups of 64, residual 128), with ``pip install optimum-quanto``.
+  per-channel groups of 64, residual 128), with ``pip install optimum-quanto``;
+* ``"<preset or auto-bits>@<seed>"`` (e.g. ``tq-k3v3@2``) -- the same configuration with another base seed
+  (``QJLConfig.seed``: every rotation and sketch drawn anew).  The rotations are random draws: at 3 bits two
+  seeds of one preset can differ in KL by a third on one text, so comparisons near each other are made over
+  several seeds (``qjl eval --seeds N``).
 
 :func:`resolve_methods` checks names before any model loads; :func:`cache_memory` reports what a
 cache holds in one format for all three kinds.
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["REFERENCE", "QUICK_METHODS", "HFQuantized", "method_names", "resolve_methods", "make_method",
-           "make_cache", "prefill_groups", "cache_memory", "held_bytes"]
+           "make_cache", "prefill_groups", "cache_memory", "held_bytes", "split_seed", "with_seeds"]
 
 REFERENCE = "full precision"
 
@@ -73,9 +77,38 @@ def method_names() -> list:
     return [*PRESETS, *_PEERS] + (["auto-<bits>"] if _has_auto() else [])
 
 
+def split_seed(name: str) -> tuple:
+    """``"tq-k3v3@2"`` -> ``("tq-k3v3", 2)``; a name without ``@`` -> ``(name, None)``."""
+    if not isinstance(name, str) or "@" not in name:
+        return name, None
+    base, _, seed = name.rpartition("@")
+    if not seed.isdigit():
+        raise ValueError(f"methods: {name!r}: write <method>@<seed>, the seed a non-negative int")
+    return base, int(seed)
+
+
+def with_seeds(names: list, seeds: int) -> list:
+    """Each of our cache methods in ``names`` followed by the same at seeds 1 .. seeds - 1 (``name@s``); the
+    reference and transformers' peer have no seed and appear once."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds must be a positive int, got {seeds!r}")
+    out = []
+    for n in names:
+        out.append(n)
+        if n != REFERENCE and n not in _PEERS and split_seed(n)[1] is None:
+            out += [f"{n}@{s}" for s in range(1, seeds)]
+    return out
+
+
 def _check(name: str) -> None:
     from qjl.cache.presets import PRESETS
 
+    base, seed = split_seed(name)
+    if seed is not None:
+        if base in _PEERS or base == REFERENCE:
+            raise ValueError(f"methods: {name!r}: only our cache methods take a seed")
+        _check(base)
+        return
     if name in PRESETS:
         return
     if name in _PEERS:
@@ -93,9 +126,10 @@ def _check(name: str) -> None:
     raise ValueError(f"methods: unknown {name!r}; choose from {', '.join(method_names())}")
 
 
-def resolve_methods(names=None, everything: bool = False) -> list:
+def resolve_methods(names=None, everything: bool = False, seeds: int = 1) -> list:
     """Method names to run, the reference first.  ``names`` None: the quick set (``default`` is
-    ``DEFAULT_PRESET``); ``everything``: every preset and the peers that are installed."""
+    ``DEFAULT_PRESET``); ``everything``: every preset and the peers that are installed; ``seeds`` > 1: each of
+    our methods also at seeds 1 .. seeds - 1 (:func:`with_seeds`)."""
     from qjl.cache.presets import DEFAULT_PRESET, PRESETS
 
     if everything:
@@ -110,7 +144,7 @@ def resolve_methods(names=None, everything: bool = False) -> list:
         _check(n)
         if n not in out:
             out.append(n)
-    return out
+    return with_seeds(out, seeds)
 
 
 def make_method(name: str):
@@ -122,7 +156,8 @@ def make_method(name: str):
     _check(name)
     if name in _PEERS:
         return _PEERS[name]
-    return QJLConfig.named(name)
+    base, seed = split_seed(name)
+    return QJLConfig.named(base) if seed is None else QJLConfig.named(base, seed=seed)
 
 
 def make_cache(model, cfg):

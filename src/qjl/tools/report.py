@@ -140,6 +140,16 @@ def eval_tables(metrics: dict) -> str:
                     _f(m and m["bytes"] / 2**20, ".2f")]
         rows.append(row)
     parts = [format_table(headers, rows), _legend(many, held, mem_tokens)]
+    seeded = [(name, r["over_seeds"]) for name, r in results.items() if r.get("over_seeds")]
+    if seeded:  # methods run at several seeds (--seeds): their rotations are random draws
+        srows = [[name, str(per[c]["seeds"]), c, f"{per[c]['kl']:.4f}", f"{per[c]['kl_max']:.4f}",
+                  f"{per[c]['dppl']:+.2f}%", f"{100 * per[c]['top1']:.1f}", f"{per[c]['kl_mean']:.4f}"]
+                 for name, per in seeded for c in per]
+        parts += ["", "over seeds (each seed a fresh draw of every rotation): means over the seeds of the worst "
+                      "held-out text's KL, perplexity change and top-1; the largest worst KL; KL averaged over "
+                      "seeds and texts",
+                  format_table(["method", "seeds", "context", "worst KL", "max worst KL", "worst dppl", "worst top1%",
+                                "mean KL"], srows)]
     if many:
         for c in ctxs:
             detail = []

@@ -135,11 +135,10 @@ def history_codes(fields: dict, row: torch.Tensor, c0: int, c1: int, block_size:
 
 def _scores(codec, q: torch.Tensor, codes: Codes) -> torch.Tensor:
     """q [..., H, R, D] against codes lead [..., H, n] -> [..., H, R, n] (the codec's estimator)."""
-    if "outlier_idx" not in codes.shared:
+    if not codes.shared:
         return codec.inner_product(q, codes)
-    idx = codes.shared["outlier_idx"]  # [..., H, n, k]: one codes object per token
-    per = Codes((*codes.lead, 1), {n: t.unsqueeze(len(codes.lead)) for n, t in codes.fields.items()},
-                {"outlier_idx": idx})
+    # a per-block fit ([..., H, n, k]: one entry per token here): one codes object per token
+    per = Codes((*codes.lead, 1), {n: t.unsqueeze(len(codes.lead)) for n, t in codes.fields.items()}, codes.shared)
     s = codec.inner_product(q.unsqueeze(-3), per)  # [..., H, n, R, 1]
     return s.squeeze(-1).transpose(-1, -2)
 
@@ -174,7 +173,7 @@ def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_siz
             rows = out.copy_(rows)
     else:
         codes = history_codes(fields, block_row, start, end, block_size, num_heads)
-        if "outlier_idx" in codes.shared:  # one outlier set per token: dequantize token by token
+        if codes.shared:  # a per-block fit (one entry per token here): dequantize token by token
             per = Codes((*codes.lead, 1), {n: t.unsqueeze(len(codes.lead)) for n, t in codes.fields.items()},
                         codes.shared)
             rows = codec.dequantize(per).squeeze(-2).transpose(0, 1)

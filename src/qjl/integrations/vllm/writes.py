@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...codecs.base import Codes
-from ...kernels.paged import FieldMap, role_fields
+from ...kernels.paged import FieldMap, fit_field, role_fields
 from .layout import PageLayout, exact_slot
 
 __all__ = ["write_codes", "c_store_jobs", "exact_writes", "write_exact"]
@@ -28,13 +28,14 @@ def _cpu_stored(codec, role_map) -> bool:
     :func:`qjl.kernels.encode.store_cpu`)."""
     from ... import kernels
 
-    return "outlier_idx" not in role_map and kernels.can_quantize_cpu(codec)
+    return kernels.can_quantize_cpu(codec)  # (no per-block fit: its codecs have no single CPU pass)
 
 
 def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Codes:
-    """k: [N, H, D] of tokens at (blocks, offs) -> Codes lead [N, H]; per-block outlier channels
-    (QJL) are chosen from the tokens written first into a block and stored in it."""
-    if "outlier_idx" not in key_fields:
+    """k: [N, H, D] of tokens at (blocks, offs) -> Codes lead [N, H]; a per-block fit (QJL's outlier channels, a split
+    codec's chosen channels: ``fit_field``) is chosen from the tokens written first into a block and stored in it."""
+    name = fit_field(codec)
+    if name is None:
         return _codes(codec, k)
     h, dev = k.shape[1], k.device
     heads = torch.arange(h, device=dev)
@@ -42,9 +43,9 @@ def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Co
     for blk in torch.unique(blocks).tolist():
         sel = (blocks == blk).nonzero().flatten()
         kb = k[sel].float().transpose(0, 1)  # [H, n, D]
-        field = key_fields["outlier_idx"]
+        field = key_fields[name]
         if bool((offs[sel] == 0).any()):  # the block starts in this write: choose its channels now
-            idx = codec.select_outliers(kb)
+            idx, = codec.fit(kb)
             field.scatter(torch.tensor(blk, device=dev), heads, torch.tensor(0, device=dev), idx)
         else:
             idx = field.gather(torch.tensor(blk, device=dev), heads, torch.tensor(0, device=dev))
