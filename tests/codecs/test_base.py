@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from qjl import BitBudget, Codes, OutlierQJL, QJLSketch, TokenwiseQuantizer
+from qjl import BitBudget, Codes, OutlierQJL, QJLSketch, SplitTurboQuant, TokenwiseQuantizer
 
 
 def test_budget_arithmetic():
@@ -17,6 +17,7 @@ CODECS = [
     lambda: QJLSketch(80, 136, kind="orthogonal"),
     lambda: OutlierQJL(80, 136, n_outliers=4, outlier_sketch_dim=32),
     lambda: TokenwiseQuantizer(80, bits=3, group_size=32),
+    lambda: SplitTurboQuant(80, bits=2, split_bits=5, n_split=24, norm_dtype="fp8"),
 ]
 
 
@@ -34,8 +35,8 @@ def test_nbytes_matches_budget(make):
 def test_cat_narrow_select(make):
     codec = make()
     x = torch.randn(2, 3, 10, 80)
-    idx = torch.arange(4).expand(2, 3, 4) if isinstance(codec, OutlierQJL) else None
-    quant = (lambda t: codec.quantize(t, idx)) if idx is not None else codec.quantize
+    fit = codec.fit(x)  # a per-sequence choice (outlier or split channels) fixed once, as a cache fixes it
+    quant = lambda t: codec.quantize(t, *fit)  # noqa: E731
     whole = quant(x)
     parts = Codes.cat([quant(x[:, :, :4]), quant(x[:, :, 4:])], dim=-1)
     for n in whole.fields:

@@ -8,6 +8,7 @@ PARAMS = {
     "qjl": {"sketch_dim": 128, "n_outliers": 4, "outlier_sketch_dim": 32},
     "turboquant_mse": {"bits": 3},
     "turboquant_prod": {"bits": 3},
+    "turboquant_split": {"bits": 2, "split_bits": 4, "n_split": 16},
     "polarquant": {"bits_per_level": (4, 2)},
     "kivi": {"bits": 2, "group_size": 8},
     "uniform": {"bits": 2, "group_size": 32},

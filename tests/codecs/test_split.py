@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qjl import CodecSpec
-from qjl.codecs import SplitTurboQuant, TurboQuantMSE
+from qjl import SplitTurboQuant, TurboQuantMSE
 from qjl.core.lloyd_max import sphere_codebook
 
 

@@ -178,13 +178,15 @@ def _rotation_key(codec):
 
 
 def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False,
-                queries: torch.Tensor | None = None) -> list:
+                queries: tuple | None = None) -> list:
     """[relative distortion ``sum ||x - x_hat||^2 / sum ||x||^2`` of each codec on ``x: [B, H, n, D]``] (``parts``:
     [(the sum of errors, the sum of ||x||^2)], for summing over ranks first); ``fit``: quantize with each codec's
-    per-sequence fit of ``x`` (keys).  ``queries`` [B, H, r, D]: the prompt's last queries per KV head; a codec that
-    fits to them (``fits_queries``: its error is not spread evenly over the channels) is fitted with them and its
-    error measured in their metric (:func:`query_weights`), which for an even spread has the plain error's
-    expectation.  TurboQuant MSE candidates that share a rotation (a layer's candidates
+    per-sequence fit of ``x`` (keys).  ``queries``: (fit rows, metric rows), each [B, H, r, D], the prompt's last
+    queries per KV head in two disjoint halves; a codec that fits to queries (``fits_queries``: its error is not
+    spread evenly over the channels) is fitted with the first and its error measured in the metric of the second
+    (:func:`query_weights`), which for an even spread has the plain error's expectation.  Measured on the rows it
+    was fitted to, a split codec looked better than it measures on later queries (its channels were chosen for
+    them) and the allocation gave it layers it then lost.  TurboQuant MSE candidates that share a rotation (a layer's candidates
     differ only in widths and norm dtypes) rotate ``x`` once; each width's cells are then read once as two
     moments per vector (:func:`qjl.core.lloyd_max.cell_moments`, in C on the CPU), from which every norm dtype's
     error follows without packing or the inverse rotation: ``||r y - s c||^2 = r^2 - 2 r s cos + s^2 cc`` with
@@ -202,10 +204,10 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False,
     unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
     r = norm.double()
     rotated, moments, out = {}, {}, []
-    weights = None if queries is None else query_weights(queries)
+    fit_q, weights = (None, None) if queries is None else (queries[0], query_weights(queries[1]))
     for codec in codecs:
         by_queries = getattr(codec, "fits_queries", False)
-        args = (codec.fit(xf, queries=queries) if by_queries else codec.fit(xf)) if fit else ()
+        args = (codec.fit(xf, queries=fit_q) if by_queries else codec.fit(xf)) if fit else ()
         key = None if args else _rotation_key(codec)
         if key is None:
             out.append(_distortion_parts(codec, xf, *args, weights=weights if by_queries else None))
@@ -341,7 +343,9 @@ class Allocator:
         ks, vs = keys[:, :, pick], values[:, :, pick]
         kc, vc = store.candidates
         b, hq, _, d = query.shape
-        qk = query[:, :, -r:].float().reshape(b, keys.shape[1], hq // keys.shape[1] * r, d)  # per KV head
+        q5 = query[:, :, -r:].float().reshape(b, keys.shape[1], hq // keys.shape[1], r, d)  # per KV head
+        half = r // 2 if r > 1 else r  # fit on the earlier rows, measure on the later ones (disjoint where r > 1)
+        qk = (q5[:, :, :, :half].reshape(b, keys.shape[1], -1, d), q5[:, :, :, r - half:].reshape(b, keys.shape[1], -1, d))
         kd, vd = distortions(kc, ks, fit=True, parts=True, queries=qk), distortions(vc, vs, parts=True)
         if store.rank_sum is not None:  # tensor parallelism: every rank's heads, so every rank chooses alike
             flat = store.rank_sum(torch.tensor([s_k, s_v, *(x for pair in kd + vd for x in pair)], dtype=torch.float64,

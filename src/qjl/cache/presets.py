@@ -21,6 +21,13 @@ def _tq(bits, correct_norm=True, norm_dtype="fp16"):
     return CodecSpec("turboquant_mse", params if norm_dtype == "fp16" else {**params, "norm_dtype": norm_dtype})
 
 
+def _split(share, split_bits, bits):
+    """Keys split by importance: ``share`` of the channels (chosen per layer and KV head from the prompt's keys and
+    last queries) at ``split_bits``, the rest at ``bits``, fp8 norms (qjl.codecs.split)."""
+    return CodecSpec("turboquant_split", {"bits": bits, "split_bits": split_bits, "correct_norm": True,
+                                          "norm_dtype": "fp8"}, per_dim={"n_split": share})
+
+
 _QJL_PAPER_KEYS = CodecSpec("qjl", {"n_outliers": 8}, per_dim={"sketch_dim": 2.0, "outlier_sketch_dim": 0.5})
 
 
@@ -40,6 +47,8 @@ PRESETS = {
     "tq-k45v3": QJLConfig(key=_tq(4), value=_tq(3), late_key=_tq(5)),
     # key and value smoothing, 16 heavy tokens (docs/cache.md): 3-bit keys at KL 0.012 instead of 0.019 on GPL-3
     "tq-k3v3": _fixed(_tq(3), _tq(3), smooth_keys=True, smooth_values=True, heavy_tokens=16),
+    # tq-k3v3 with its keys split at the same 3.25 bits: half the channels at 4 bits, half at 2 (qjl.codecs.split)
+    "tq-ks3v3": _fixed(_split(0.5, 4, 2), _tq(3), smooth_keys=True, smooth_values=True, heavy_tokens=16),
     # the 5x point (benchmarks/five_x_search.py): 3-bit keys (4-bit in the last 7% of the layers), 2-bit values
     # with 8-bit (float8 e4m3) norms, fp16 exact tokens: 4 sinks, 16 heavy tokens and a window of 120 (+< 8) (it was
     # 136 before heavy tokens: the same exact tokens, so the same bytes)
