@@ -22,6 +22,9 @@ key smoothing and codecs that are not rotation-based are all accounted for.  The
 layer is ``D_K(key codec) S_K + D_V(value codec) S_V`` (in squared units of the attention output); a layer
 kept exact (a candidate for the first and last ``boundary_layers``) predicts 0 and costs the exact dtype's
 bits.  ``benchmarks/auto_bits.py`` checks that this proxy ranks configurations as the measured KL does.
+A split key codec (:class:`qjl.codecs.split.SplitTurboQuant`) spreads its error unevenly, by design: its ``D_K`` is
+measured in the prompt queries' metric instead (:func:`query_weights`; fitted on one half of the last queries,
+measured on the other), which for an even spread has the plain ``D_K``'s expectation.
 
 Cost: one attention pass of ``queries`` rows per layer (:func:`layer_sensitivity`), and the cells of
 ``sample_tokens`` vectors per candidate width (:func:`distortions`) -- a few percent of the prefill (measured in
@@ -39,7 +42,7 @@ from qjl.cache import padding
 from qjl.cache.config import CodecSpec
 
 __all__ = ["AutoBits", "Allocator", "layer_sensitivity", "choose_widths", "candidate_codecs", "predicted_error",
-           "planned_budget", "query_weights"]
+           "planned_budget", "query_weights", "SPLIT_KEYS"]
 
 
 def _tq(bits, norm="fp16"):
@@ -54,7 +57,11 @@ def _split(share, split_bits, bits):
                                           "norm_dtype": "fp8"}, per_dim={"n_split": share})
 
 
-# split keys offered besides the single-rotation widths (bits per value at d = 64, both fp8 norms counted)
+# split keys (3.0, 3.25, 3.75, 4.25, 4.75 bits per value at d = 64, both fp8 norms counted), for
+# ``AutoBits(key_candidates=...)``.  Not among the default candidates: at a fixed width a split beats one rotation at
+# equal bits (docs/cache.md), but offered to the allocation at 3 bits per value they measured no better on
+# python-source over four seeds (mean KL 0.0087-0.0090 against 0.0079 without them): the allocation traded them
+# in where single rotations served as well.
 SPLIT_KEYS = (_split(0.25, 5, 2), _split(0.5, 4, 2), _split(0.5, 4, 3), _split(0.5, 5, 3), _split(0.5, 5, 4))
 
 
@@ -66,7 +73,8 @@ class AutoBits:
         bits_per_value: budget, bits per coordinate of the compressed part averaged over keys and values and
             over the compressed layers (the same accounting as ``QJLConfig.bits_per_value``).
         key_candidates, value_candidates: codecs each layer may use (default: TurboQuant MSE with the norm
-            correction, keys at 3-6 bits (2-6 below 3 bits per value), values at 2-4 bits with fp16 or fp8 norms).
+            correction, keys at 3-6 bits (2-6 below 3 bits per value), values at 2-4 bits with fp16 or fp8 norms;
+            :data:`SPLIT_KEYS` may be added to the key candidates).
         queries: the prompt's last queries used to measure each layer.
         boundary_layers: the first and last this many layers may also be kept exact.
         sample_tokens: vectors per layer quantized to measure each candidate's distortion.
@@ -89,7 +97,7 @@ class AutoBits:
             # in the early half like k4v2, but they measure worse than k3v2 (KL 0.027 vs 0.017 on GPL-3,
             # benchmarks/auto_bits.py --rank): early layers' score errors grow through the later layers
             widths = (2, 3, 4, 5, 6) if b < 3 else (3, 4, 5, 6)
-            object.__setattr__(self, "key_candidates", tuple(_tq(k) for k in widths) + SPLIT_KEYS)
+            object.__setattr__(self, "key_candidates", tuple(_tq(k) for k in widths))
         for name in ("key_candidates", "value_candidates"):
             specs = tuple(getattr(self, name))
             if not specs or any(not isinstance(s, CodecSpec) for s in specs):
