@@ -62,3 +62,11 @@ def test_attention_path_settings(name):
     else:
         with pytest.raises(ValueError, match="'prefill' must be one of"):
             load_settings(additional_config={"qjl": {name: "kernel"}})
+
+
+def test_split_keys_are_refused_with_the_reason():
+    """The split key preset is refused by name, with why and what to use instead (the layout could page it)."""
+    with pytest.raises(ValueError, match="turboquant_split.*queries.*tq-k3v3"):
+        check_servable(PRESETS["tq-ks3v3"])
+    with pytest.raises(ValueError, match="cannot serve key codec 'polarquant'"):
+        check_servable(PRESETS["polar-k42v3"])

@@ -50,6 +50,10 @@ PRESET_WINDOWS = {"tq-k3v2": 0}
 # tokens), for no lower KL against native (README, "Value smoothing in pages"); the other presets keep theirs
 PRESET_VALUE_SMOOTHING = {"tq-k3v2": False}
 SERVABLE_KEYS = ("turboquant_mse", "qjl")
+# key codecs the paged layout could hold but the backend does not serve, and why
+UNSERVED_KEYS = {"turboquant_split": "split keys choose their channels from the prompt's queries per sequence; vLLM's "
+                                     "pages would fit them per block from a block's first keys alone (unmeasured): "
+                                     "use preset 'tq-k3v3' (the same bits, one rotation) for vLLM"}
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
 # QJLConfig options fitted per sequence to its prompt, which the paged backend does not implement (turned off)
 UNSERVED_OPTIONS = {"heavy_tokens": 0}  # name: its off value
@@ -127,6 +131,9 @@ def check_servable(config: QJLConfig) -> None:
         specs += [(f"layer_overrides[{layer}][{r!r}]", s) for r, s in over.items()]
     for where, spec in specs:
         allowed = SERVABLE_VALUES if where == "value" or where.endswith("'value']") else SERVABLE_KEYS
+        if allowed is SERVABLE_KEYS and spec.name in UNSERVED_KEYS:
+            raise ValueError(f"the qjl vLLM backend does not serve {where} codec {spec.name!r}: "
+                             f"{UNSERVED_KEYS[spec.name]}")
         if spec.name not in allowed:
             raise ValueError(f"the qjl vLLM backend cannot serve {where} codec {spec.name!r}: it serves "
                              f"{list(allowed)} (per-token codes that fit paged blocks)")
