@@ -200,23 +200,24 @@ SPLIT = QJLConfig(key=CodecSpec("turboquant_split", {"bits": 2, "split_bits": 4,
 
 
 def test_split_keys_fit_to_the_prompts_queries_then_drop_them():
-    """A key codec that fits to queries (``fits_queries``) gets the prompt's last queries, regrouped per KV head, with
-    the first flushed block (the keys as stored: smoothed, after the sinks); the queries are held (and counted)
-    only until then, and follow a row selection."""
+    """A key codec that fits to queries (``fits_queries``) gets the prompt's last queries (their root mean square per
+    KV head and channel: all it reads), with the first flushed block (the keys as stored: smoothed, after the
+    sinks); they are held (and counted) only until then, and follow a row selection; the choice is the one the full
+    query rows give."""
     g = torch.Generator().manual_seed(5)
     k, v = _kv(40, b=2)
     q = torch.randn(2, 4, 6, 64, generator=g) * torch.linspace(0.1, 3.0, 64)  # 2 query heads per KV head
     store = LayerStore(0, SPLIT)
     store.append(k, v)
     store.before_attention(None, q, 64 ** -0.5)
-    assert store.fit_q.shape == (2, 2, 12, 64) and store.nbytes()["fit"] >= store.fit_q.numel() * 4
+    assert store.fit_q.shape == (2, 2, 1, 64) and store.nbytes()["fit"] >= store.fit_q.numel() * 4
     store.select(torch.tensor([1, 0]))
-    fit_q = store.fit_q.clone()
+    rows = q[[1, 0]].reshape(2, 2, 12, 64)  # query heads 2h, 2h + 1 read KV head h
+    assert torch.allclose(store.fit_q.square(), rows.square().mean(-2, keepdim=True), rtol=1e-5)
     block = (k[[1, 0], :, 2:30] - store.mu.unsqueeze(2)).to(store.exact_dtype).float()  # as the window holds them
-    assert torch.equal(fit_q[0], q[1].reshape(2, 12, 64))
     store.flush()
     assert store.fit_q is None and store.n_codes == 28
-    want, = store.key_codec.fit(block, queries=fit_q)
+    want, = store.key_codec.fit(block, queries=rows)
     assert torch.equal(store.key_fit[0], want)
     assert not torch.equal(want, store.key_codec.fit(block)[0])  # the queries changed the choice
     assert torch.equal(store.key_codes.shared["split_idx"].long(), want)

@@ -81,7 +81,8 @@ class LayerStore:
         self.sink_k = self.sink_v = None
         self._kc, self._vc = CodeBuffer(), CodeBuffer()
         self.key_fit = None  # the key codec's per-sequence fit (e.g. outlier channels), from the first block
-        self.fit_q = None  # [B, H, g r, D] float32: the prompt's last queries, for a key codec that fits to them
+        self.fit_q = None  # [B, H, 1, D] float32: the prompt's last queries' RMS per channel, for a key codec that fits
+        # to them (all such a codec reads: ``Codec.fits_queries``)
         self.heavy_w = None  # heavy tokens: [B, n] the prompt's attention per position (until the sinks form)
         self.mu = None  # key smoothing: [B, H, D] float32
         self.mu_v = None  # value smoothing: [B, H, D_v] float32
@@ -232,7 +233,8 @@ class LayerStore:
         if query is not None and self.key_fit is None and self.fit_q is None and self._wants_queries():
             b, hq, t, d = query.shape
             r = min(VALUE_MEAN_ROWS, t)
-            self.fit_q = query[:, :, t - r:].float().reshape(b, self.heads, hq // self.heads * r, d)
+            rows = query[:, :, t - r:].float().reshape(b, self.heads, hq // self.heads * r, d)  # per KV head
+            self.fit_q = rows.square().mean(dim=-2, keepdim=True).sqrt()  # one row: its square is E[q_i^2]
         weights = None
         if query is not None and ((self.config.smooth_values and self.mu_v is None)
                                   or (self.config.heavy_tokens and self.heavy_w is None and not self.sinks_done)):

@@ -156,7 +156,10 @@ class Codec(abc.ABC):
     * ``tokens_per_code``: tokens one code covers along the vector axis (KIVI's token groups; 1 otherwise);
       a cache flushes and crops in multiples of it;
     * ``fit(x)``: per-sequence parameters chosen once from the first vectors a cache stores (QJL's outlier
-      channels), passed back to every later ``quantize(x, *fit)``; ``()`` when there are none;
+      channels), passed back to every later ``quantize(x, *fit)``; ``()`` when there are none.  A codec with
+      ``fits_queries = True`` also takes ``fit(x, queries=q)``, ``q: [..., r, dim]`` the prompt's last queries per
+      sequence, of which it reads only the per-channel second moments ``E[q_i^2]`` (a cache may pass their root
+      mean square as one row);
     * ``norm_limit()`` / ``check_storable(x)``: which vectors its stored fields can represent, so a cache
       refuses a vector when it arrives rather than failing when the vector is flushed later.
     """
@@ -164,6 +167,7 @@ class Codec(abc.ABC):
     name: str = "codec"
     dim: int
     params: dict = {}
+    fits_queries: bool = False  # fit(x, queries=...) reads the queries' per-channel second moments
 
     @classmethod
     def check_params(cls, params, per_dim=None) -> dict:

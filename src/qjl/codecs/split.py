@@ -53,7 +53,7 @@ class SplitTurboQuant(Codec):
               "n_split": Param(multiple_of_8(), per_dim=True), "rotation": Param(choice(*ROTATIONS)),
               "seed": Param(seed_param), "norm_dtype": Param(choice(*NORM_DTYPES, *NORM_DTYPES.values())),
               "correct_norm": Param(boolean)}
-    fits_queries = True  # fit() uses the prompt's queries where the cache has them
+    fits_queries = True  # fit() reads the prompt's queries' E[q_i^2] where the cache has them
 
     def __init__(self, dim: int, bits: int = 2, split_bits: int = 4, n_split: int = 32, rotation: str = "haar",
                  seed: int = 0, norm_dtype="fp16", correct_norm: bool = False):
