@@ -52,8 +52,8 @@ PRESET_VALUE_SMOOTHING = {"tq-k3v2": False}
 SERVABLE_KEYS = ("turboquant_mse", "qjl")
 # key codecs the paged layout could hold but the backend does not serve, and why
 UNSERVED_KEYS = {"turboquant_split": "split keys choose their channels from the prompt's queries per sequence; vLLM's "
-                                     "pages would fit them per block from a block's first keys alone (unmeasured): "
-                                     "use preset 'tq-k3v3' (the same bits, one rotation) for vLLM"}
+                                     "pages would fit them per block from its keys alone, which measured no better "
+                                     "than one rotation (docs/cache.md): use preset 'tq-k3v3' (the same bits) for vLLM"}
 SERVABLE_VALUES = ("turboquant_mse", "uniform")
 # QJLConfig options fitted per sequence to its prompt, which the paged backend does not implement (turned off)
 UNSERVED_OPTIONS = {"heavy_tokens": 0}  # name: its off value
