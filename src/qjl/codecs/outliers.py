@@ -27,7 +27,7 @@ import torch
 from qjl.codecs.base import BitBudget, Codec, Codes
 from qjl.codecs.params import Param, choice, integer, multiple_of_8, seed as seed_param
 from qjl.codecs.sketch import DEFAULT_HADAMARD_ROUNDS, KINDS, QJLSketch
-from qjl.core.validation import NORM_DTYPES, check_positive_int, check_vectors
+from qjl.core.validation import NORM_DTYPES, check_channels, check_positive_int, check_vectors
 
 __all__ = ["OutlierQJL", "derive_seed"]
 
@@ -106,21 +106,7 @@ class OutlierQJL(Codec):
         return torch.topk(score, self.n_outliers, dim=-1).indices.sort(dim=-1).values
 
     def _check_idx(self, idx, lead_seq: tuple) -> torch.Tensor:
-        if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype == torch.bool:
-            raise TypeError("outlier_idx must be an integer torch.Tensor")
-        if idx.ndim < 1 or idx.shape[-1] != self.n_outliers:
-            raise ValueError(f"outlier_idx must have last dimension n_outliers={self.n_outliers}, "
-                             f"got shape {tuple(idx.shape)}")
-        try:
-            idx = idx.long().expand(*lead_seq, self.n_outliers)
-        except RuntimeError:
-            raise ValueError(f"outlier_idx shape {tuple(idx.shape)} does not broadcast to "
-                             f"{(*lead_seq, self.n_outliers)}") from None
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.dim):
-            raise ValueError(f"outlier_idx values must lie in [0, {self.dim})")
-        if self.n_outliers > 1 and bool((idx.sort(dim=-1).values.diff(dim=-1) == 0).any()):
-            raise ValueError("outlier_idx must not repeat a channel within a sequence")
-        return idx.contiguous()
+        return check_channels("outlier_idx", idx, self.n_outliers, "n_outliers", self.dim, lead_seq)
 
     @staticmethod
     def _split(x: torch.Tensor, idx: torch.Tensor):

@@ -30,7 +30,7 @@ from qjl.codecs.outliers import derive_seed
 from qjl.codecs.params import Param, boolean, choice, integer, multiple_of_8, seed as seed_param
 from qjl.codecs.turboquant import TurboQuantMSE
 from qjl.core.rotation import ROTATIONS
-from qjl.core.validation import NORM_DTYPES, check_positive_int, check_vectors
+from qjl.core.validation import NORM_DTYPES, check_channels, check_positive_int, check_vectors
 
 __all__ = ["SplitTurboQuant"]
 
@@ -42,8 +42,8 @@ class SplitTurboQuant(Codec):
         dim: vector dimension d.
         bits: bits per rotated coordinate of the other channels, 1..8.
         split_bits: bits per rotated coordinate of the chosen channels, 1..8.
-        n_split: chosen channels per sequence, a multiple of 8 with ``0 < n_split < dim`` (may be given per head
-            dimension: ``CodecSpec(..., per_dim={"n_split": 0.5})``).
+        n_split: chosen channels per sequence, a multiple of 8 with ``3 <= n_split <= dim - 3`` (may be given per
+            head dimension: ``CodecSpec(..., per_dim={"n_split": 0.5})``).
         rotation, seed, norm_dtype, correct_norm: as for :class:`TurboQuantMSE`, for both parts (the chosen
             channels' rotation from a seed derived from ``seed``).
     """
@@ -91,7 +91,6 @@ class SplitTurboQuant(Codec):
                                  f"{tuple(x.shape[:-2])}") from None
         return score
 
-
     def fit(self, x: torch.Tensor, queries: torch.Tensor | None = None) -> tuple:
         """The chosen channels of each sequence from its first vectors ``x`` [..., n, dim] (and the prompt's
         queries [..., r, dim] where given) -> (split_idx [..., n_split] sorted,)."""
@@ -105,19 +104,7 @@ class SplitTurboQuant(Codec):
 
     def check_split_idx(self, idx, lead_seq: tuple) -> torch.Tensor:
         """``idx`` checked (integer, in range, no repeats) and broadcast to ``lead_seq + (n_split,)`` (int64)."""
-        if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype == torch.bool:
-            raise TypeError(f"split_idx must be an integer torch.Tensor, got {getattr(idx, 'dtype', type(idx).__name__)}")
-        if idx.ndim < 1 or idx.shape[-1] != self.n_split:
-            raise ValueError(f"split_idx must have last dimension n_split={self.n_split}, got shape {tuple(idx.shape)}")
-        try:
-            idx = idx.long().expand(*lead_seq, self.n_split)
-        except RuntimeError:
-            raise ValueError(f"split_idx shape {tuple(idx.shape)} does not broadcast to {(*lead_seq, self.n_split)}") from None
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.dim):
-            raise ValueError(f"split_idx values must lie in [0, {self.dim})")
-        if bool((idx.sort(dim=-1).values.diff(dim=-1) == 0).any()):
-            raise ValueError("split_idx must not repeat a channel within a sequence")
-        return idx.contiguous()
+        return check_channels("split_idx", idx, self.n_split, "n_split", self.dim, lead_seq)
 
     def permutation(self, idx: torch.Tensor) -> torch.Tensor:
         """[..., n_split] chosen channels -> [..., dim] int64: the chosen channels (ascending), then the others

@@ -70,3 +70,22 @@ def check_fits(name: str, values: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(
             f"{name} overflows its storage dtype {dtype} (max {torch.finfo(dtype).max:g})"
         )
+
+
+def check_channels(name: str, idx, count: int, count_name: str, dim: int, lead: tuple) -> torch.Tensor:
+    """A per-sequence channel set ``idx`` (QJL's outlier channels, a split codec's chosen channels): an integer tensor
+    of ``count`` distinct channels in ``[0, dim)`` per sequence, broadcast to ``lead + (count,)`` -> int64,
+    contiguous; else TypeError / ValueError naming ``name`` (and ``count_name``, the parameter that sets ``count``)."""
+    if not isinstance(idx, torch.Tensor) or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer torch.Tensor, got {getattr(idx, 'dtype', type(idx).__name__)}")
+    if idx.ndim < 1 or idx.shape[-1] != count:
+        raise ValueError(f"{name} must have last dimension {count_name}={count}, got shape {tuple(idx.shape)}")
+    try:
+        idx = idx.long().expand(*lead, count)
+    except RuntimeError:
+        raise ValueError(f"{name} shape {tuple(idx.shape)} does not broadcast to {(*lead, count)}") from None
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= dim):
+        raise ValueError(f"{name} values must lie in [0, {dim})")
+    if count > 1 and bool((idx.sort(dim=-1).values.diff(dim=-1) == 0).any()):
+        raise ValueError(f"{name} must not repeat a channel within a sequence")
+    return idx.contiguous()
