@@ -192,11 +192,10 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False,
     per-sequence fit of ``x`` (keys).  ``queries``: (fit rows, metric rows), each [B, H, r, D], the prompt's last
     queries per KV head in two disjoint halves; a codec that fits to queries (``fits_queries``: its error is not
     spread evenly over the channels) is fitted with the first and its error measured in the metric of the second
-    (:func:`query_weights`), which for an even spread has the plain error's expectation.  Measured on the rows it
-    was fitted to, a split codec looked better than it measures on later queries (its channels were chosen for
-    them) and the allocation gave it layers it then lost.  TurboQuant MSE candidates that share a rotation (a layer's candidates
-    differ only in widths and norm dtypes) rotate ``x`` once; each width's cells are then read once as two
-    moments per vector (:func:`qjl.core.lloyd_max.cell_moments`, in C on the CPU), from which every norm dtype's
+    (:func:`query_weights`), which for an even spread has the plain error's expectation (two halves: the channels
+    chosen for some queries are not judged by those same queries).  TurboQuant MSE candidates that share a rotation
+    (a layer's candidates differ only in widths and norm dtypes) rotate ``x`` once; each width's cells are then
+    read once as two moments per vector (:func:`qjl.core.lloyd_max.cell_moments`, in C on the CPU), from which every norm dtype's
     error follows without packing or the inverse rotation: ``||r y - s c||^2 = r^2 - 2 r s cos + s^2 cc`` with
     ``s`` the norm the codec stores (corrected by ``cos`` and rounded to its dtype as the codec does).  Equal to
     the one-by-one path up to float32 rounding (tested)."""
