@@ -47,7 +47,7 @@ PRESETS = {
     "tq-k45v3": QJLConfig(key=_tq(4), value=_tq(3), late_key=_tq(5)),
     # 3.25 bits: keys split by importance (half the channels, chosen per layer and KV head from the prompt, at 4 bits,
     # half at 2; qjl.codecs.split), key and value smoothing, 16 heavy tokens: worst held-out KL 0.0114 against
-    # tq-k3v3's 0.0150 at equal bits (three seeds, docs/cache.md "Split keys")
+    # tq-k3v3's 0.0150 at equal bits at 1.5k, level at 8k (seeds averaged, docs/cache.md "Split keys")
     "tq-ks3v3": _fixed(_split(0.5, 4, 2), _tq(3), smooth_keys=True, smooth_values=True, heavy_tokens=16),
     # the same with one 3-bit rotation per key (kept as tq-ks3v3's comparison); smoothing and heavy tokens took it
     # to KL 0.012 from 0.019 on GPL-3 (docs/cache.md)
