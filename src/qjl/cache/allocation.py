@@ -213,7 +213,7 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False,
     rotated, moments, out = {}, {}, []
     fit_q, weights = (None, None) if queries is None else (queries[0], query_weights(queries[1]))
     for codec in codecs:
-        by_queries = getattr(codec, "fits_queries", False)
+        by_queries = codec.fits_queries
         args = (codec.fit(xf, queries=fit_q) if by_queries else codec.fit(xf)) if fit else ()
         key = None if args else _rotation_key(codec)
         if key is None:

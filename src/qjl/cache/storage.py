@@ -310,7 +310,7 @@ class LayerStore:
     def _fit_keys(self, block: torch.Tensor) -> tuple:
         """The key codec's per-sequence fit from the first flushed block [B, H, n, D] (and the prompt's last queries
         for a codec that fits to them: ``fits_queries``); the queries are dropped once used."""
-        if getattr(self.key_codec, "fits_queries", False):
+        if self.key_codec.fits_queries:
             fit = self.key_codec.fit(block, queries=self.fit_q)
         else:
             fit = self.key_codec.fit(block)
@@ -320,7 +320,7 @@ class LayerStore:
     def _wants_queries(self) -> bool:
         """Whether the key codec (or, before an allocation, one of its candidates) fits to the prompt's queries."""
         codecs = [self.key_codec] if self.key_codec is not None else list((self.candidates or ((),))[0])
-        return any(getattr(c, "fits_queries", False) for c in codecs)
+        return any(c.fits_queries for c in codecs)
 
     def _form_sinks(self) -> bool:
         """Each row's first ``sink_tokens`` real tokens, and its ``heavy_tokens`` heaviest, become its sinks (False:

@@ -115,11 +115,11 @@ class SplitTurboQuant(Codec):
 
     def _parts(self, x: torch.Tensor, idx: torch.Tensor) -> tuple:
         """x [..., m, dim] (m vectors per sequence), idx [..., n_split] -> (x[idx] [..., m, n_split], x[rest] [..., m,
-        dim - n_split], perm [..., m, dim] broadcast over the vector axis)."""
+        dim - n_split])."""
         perm = self.permutation(idx).unsqueeze(-2)
         shape = torch.broadcast_shapes(tuple(x.shape[:-1]), tuple(perm.shape[:-1]))
         xp = torch.gather(x.expand(*shape, self.dim), -1, perm.expand(*shape, self.dim))
-        return xp[..., : self.n_split], xp[..., self.n_split:], perm.expand(*shape, self.dim)
+        return xp[..., : self.n_split], xp[..., self.n_split:]
 
     # -- the codec --------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor, split_idx: torch.Tensor | None = None) -> Codes:
@@ -130,7 +130,7 @@ class SplitTurboQuant(Codec):
         lead = tuple(x.shape[:-1])
         idx = self.select(x) if split_idx is None else split_idx
         idx = self.check_split_idx(idx.to(x.device), lead[:-1])
-        hi, lo, _ = self._parts(x.float(), idx)
+        hi, lo = self._parts(x.float(), idx)
         c_hi, c_lo = self.chosen.quantize(hi.contiguous()), self.rest.quantize(lo.contiguous())
         fields = {"codes": c_lo.fields["codes"], "norm": c_lo.fields["norm"],
                   "split_codes": c_hi.fields["codes"], "split_norm": c_hi.fields["norm"]}
@@ -156,7 +156,7 @@ class SplitTurboQuant(Codec):
         """q: [..., t, dim], codes lead [..., n] -> [..., t, n] float32 (the two parts' scores added)."""
         self._check_query(q, codes)
         hi, lo, idx = self._codes(codes)
-        q_hi, q_lo, _ = self._parts(q.float(), idx)
+        q_hi, q_lo = self._parts(q.float(), idx)
         return self.chosen.inner_product(q_hi, hi) + self.rest.inner_product(q_lo, lo)
 
     def norm_limit(self) -> float:
@@ -187,5 +187,5 @@ class SplitTurboQuant(Codec):
         """q: [..., R, dim], shared {"split_idx": [..., n_split]} -> [Pi_rest q[rest], Pi_chosen q[idx]]."""
         if not shared or "split_idx" not in shared:
             raise ValueError("shared must hold the codes' split_idx (a SplitTurboQuant's query maps read it)")
-        q_hi, q_lo, _ = self._parts(q.float(), shared["split_idx"].long())
+        q_hi, q_lo = self._parts(q.float(), shared["split_idx"].long())
         return [self.rest.rotation.apply(q_lo), self.chosen.rotation.apply(q_hi)]

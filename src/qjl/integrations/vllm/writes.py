@@ -23,7 +23,7 @@ def _codes(codec, x: torch.Tensor) -> Codes:
     return kernels.quantize_with(kernels.pick_backend(x.device), codec, x.float())
 
 
-def _cpu_stored(codec, role_map) -> bool:
+def _cpu_stored(codec) -> bool:
     """The C encoder stores this role's codes straight into its fields (TurboQuant MSE, no per-block fit;
     :func:`qjl.kernels.encode.store_cpu`)."""
     from ... import kernels
@@ -72,7 +72,7 @@ def _roles(layout: PageLayout, fields, key: torch.Tensor, value: torch.Tensor) -
         for role, codec, x in (("key", layout.key_codec, key), ("value", layout.value_codec, value)):
             fmap = role_fields(fields, role)
             stored = None
-            if x.device.type == "cpu" and _cpu_stored(codec, fmap):
+            if x.device.type == "cpu" and _cpu_stored(codec):
                 p = kernels.cpu_pass(codec)
                 stored = (fmap[p.codes], fmap[p.norm])
             parts.append((role, codec, fmap, stored))
