@@ -191,6 +191,9 @@ def test_split_keys_are_measured_in_the_queries_metric():
     w = query_weights(q)
     assert w.shape == (1, 2, 64) and torch.allclose(w.mean(-1), torch.ones(1, 2))
     assert torch.equal(query_weights(torch.zeros(1, 1, 4, 8)), torch.ones(1, 1, 8))  # silent queries: uniform
+    for bad in (None, torch.zeros(8), torch.zeros(1, 0, 8), torch.full((1, 2, 8), float("nan"))):
+        with pytest.raises((ValueError, TypeError), match="queries"):
+            query_weights(bad)
     split = SPLIT_KEYS[0].build(64, 7)  # 16 channels at 5 bits, 48 at 2
     from qjl import QJLConfig
 

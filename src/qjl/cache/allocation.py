@@ -164,6 +164,12 @@ def query_weights(queries: torch.Tensor) -> torch.Tensor:
     E[q_j^2]`` (mean 1; uniform for a head whose queries are all zero).  A score's squared error is
     ``sum_i q_i^2 e_i^2``, so ``sum_i w_i e_i^2`` is the key error the scores see, in units where an error spread
     evenly over the channels (a rotation-based codec's) counts its plain ``||e||^2``."""
+    from qjl.core.validation import check_vectors
+
+    if not isinstance(queries, torch.Tensor) or queries.ndim < 2 or queries.shape[-2] == 0:
+        raise ValueError(f"queries must be a tensor [..., r, D] with r >= 1 rows, got "
+                         f"{tuple(getattr(queries, 'shape', ())) or type(queries).__name__}")
+    check_vectors("queries", queries, queries.shape[-1], min_ndim=2)
     e = queries.float().square().mean(dim=-2)
     tot = e.sum(-1, keepdim=True)
     return torch.where(tot > 0, e * e.shape[-1] / torch.where(tot > 0, tot, torch.ones_like(tot)), torch.ones_like(e))
