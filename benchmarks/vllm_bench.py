@@ -7,7 +7,7 @@
     python benchmarks/vllm_bench.py --no-quality --no-speed --throughput fit --chunk 512  # as many as each cache fits
 
 Every configuration runs in its own process (the plugin is switched on by the environment) with the
-same engine settings: the embedded SmolLM2-135M-Instruct (bf16), ``enforce_eager``, 2 threads, a fixed
+same engine settings: the embedded SmolLM2-135M-Instruct (bf16, or ``--dtype``), ``enforce_eager``, 2 threads, a fixed
 ``VLLM_CPU_KVCACHE_SPACE`` (GiB), chunked prefill in ``--chunk``-token chunks.  Measured:
 
 * **KL** against native, teacher-forced: ``prompt_logprobs`` of real texts (GPL-3, Apache-2.0, MPL-2.0,
@@ -106,7 +106,7 @@ def worker(args) -> None:
 
     from qjl.integrations.vllm.convert import vllm_model_dir
 
-    llm = LLM(model=vllm_model_dir(), enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=args.max_len,
+    llm = LLM(model=vllm_model_dir(), enforce_eager=True, dtype=args.dtype, seed=0, max_model_len=args.max_len,
               max_num_batched_tokens=args.chunk, max_num_seqs=_max_seqs(args.throughput), max_logprobs=args.topk,
               enable_prefix_caching=True,  # decode timing re-reads its prompt from the prefix cache
               disable_log_stats=False)  # per-request engine timestamps (first / last token) for decode speed
@@ -266,6 +266,9 @@ def main(argv=None) -> None:
     ap.add_argument("--topk", type=int, default=100)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="the model's dtype in the engine (bfloat16: every figure before 2026-11-27; float32 where the "
+                    "CPU has no bf16 arithmetic: on AVX2-only CPUs torch's bf16 GEMMs run ~50x slower than fp32)")
     ap.add_argument("--contexts", default="1024,8000", help="decode-speed context lengths, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="decode-speed repetitions per context (median)")
     ap.add_argument("--no-speed", dest="speed", action="store_false")
@@ -307,7 +310,7 @@ def main(argv=None) -> None:
         log = out / f"{spec.replace(':', '_').replace('=', '')}.log"
         cmd = [sys.executable, __file__, "--worker", spec, "--json", str(js), "--chunk", str(args.chunk),
                "--kl-tokens", str(args.kl_tokens), "--topk", str(args.topk), "--decode-tokens",
-               str(args.decode_tokens), "--max-len", str(args.max_len), "--contexts", args.contexts,
+               str(args.decode_tokens), "--max-len", str(args.max_len), "--dtype", args.dtype, "--contexts", args.contexts,
                "--repeats", str(args.repeats), "--throughput", str(args.throughput), "--tp-prompt",
                str(args.tp_prompt), "--tp-gen", str(args.tp_gen)] + ([] if args.speed else ["--no-speed"]) + \
             ([] if args.quality else ["--no-quality"])

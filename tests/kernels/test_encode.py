@@ -68,7 +68,7 @@ def test_stored_norm_conversion_is_torchs(dtype):
     """The C store converts float32 to the norm's dtype exactly as ``.to(dtype)`` (round to nearest even, subnormals,
     signed zeros): every value of the dtype, every tie between neighbours, and random floats."""
     from qjl.kernels.cpu import build
-    from qjl.kernels.cpu.launch import _DTYPES
+    from qjl.kernels.cpu.binding import DTYPES as _DTYPES
 
     mod = build.load()
     g = torch.Generator().manual_seed(1)

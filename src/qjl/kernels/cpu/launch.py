@@ -1,4 +1,5 @@
-"""Launchers of the CPU kernels (:mod:`qjl.kernels.cpu.build`): the paged decode and TurboQuant bucketing.
+"""Launchers of the CPU decode (:mod:`qjl.kernels.cpu.build`; ``decode.c``, ``step.c``).  The encode's
+(:mod:`qjl.kernels.cpu.store`) and the rows' (:mod:`qjl.kernels.cpu.rows`) are named here too, as before they moved.
 
 :func:`paged_decode` fills the C struct ``qjl_decode_args`` (``decode.h``) by name from the codecs'
 views and the paged fields and makes one C call for the whole layer (all sequences, KV heads and query
@@ -21,37 +22,26 @@ import weakref
 
 import torch
 
+from .binding import X_DTYPES, Args, fill_view, f32, i32, i64, module, require
+from .rows import value_rows, value_rows_reference  # (their home: rows.py; named here as before)
+from .store import EncodeStore, bucket_norms, cell_moments, store_bounds  # (store.py)
+
 __all__ = ["available", "implementation", "simd_path", "has_int_path", "has_amx_path", "default_impl", "paged_decode", "DecodeStep",
            "paged_decode_step", "DecodeCall", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore",
            "cell_moments", "store_bounds", "value_rows", "value_rows_reference", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-amx", "c-portable")
 _SIMD = {"c": 1, "c-int": 2, "c-amx": 3, "c-portable": 0}
-_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}
-
-
-def _module():
-    from qjl.kernels.cpu import build
-
-    return build.load()
-
-
-def _require():
-    """The loaded C module, or RuntimeError saying why there is none."""
-    mod = _module()
-    if mod is None:
-        raise RuntimeError("the C CPU kernels could not be built (cffi and a C compiler with OpenMP are needed)")
-    return mod
 
 
 def available() -> bool:
     """The C build compiles and loads here (compiled once per machine)."""
-    return _module() is not None
+    return module() is not None
 
 
 def implementation() -> str:
     """"c" where the C build loads, else "unavailable" (the cache then uses the torch reference)."""
-    return "c" if _module() is not None else "unavailable"
+    return "c" if module() is not None else "unavailable"
 
 
 def simd_path() -> str:
@@ -101,40 +91,6 @@ def _has_avx2() -> bool:
     return {"avx2", "fma"} <= _cpu_flags()
 
 
-class _Args:
-    """The struct and every tensor whose address it holds (kept alive until the call returns)."""
-
-    def __init__(self, ffi):
-        self.ffi, self.keep = ffi, []
-        self.c = ffi.new("qjl_decode_args *")
-
-    def ptr(self, t: torch.Tensor | None, kind: str = "float *"):
-        if t is None:
-            return self.ffi.NULL
-        self.keep.append(t)
-        return self.ffi.cast(kind, t.data_ptr())
-
-    def field(self, dst, f, scalar: bool) -> None:
-        dst.base = self.ffi.cast("const uint8_t *", f.buffer.data_ptr() + f.offset)
-        self.keep.append(f.buffer)
-        dst.stride_block, dst.stride_head, dst.stride_token = f.stride_block, f.stride_head, f.stride_token
-        if scalar:
-            if f.dtype not in _DTYPES:
-                raise ValueError(f"a norm/scale field stored as {f.dtype} is not read by the CPU kernel")
-            dst.dtype = _DTYPES[f.dtype]
-
-
-def _fill_view(a: _Args, vv, vview, fields: dict) -> None:
-    """A ``qjl_value_view`` struct's fields, bits, groups and centroids from a codec's
-    :class:`qjl.codecs.views.MixView` and its stored fields (``unmix`` left to the caller)."""
-    a.field(vv.codes, fields[vview.codes.field], False)
-    a.field(vv.scale, fields[vview.scale], True)
-    if vview.zero:
-        a.field(vv.zero, fields[vview.zero], True)
-    vv.bits, vv.n, vv.group_size, vv.groups = vview.codes.bits, vview.codes.length, vview.group_size, vview.groups
-    vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(vview.codes.centroids)
-
-
 class _Template:
     """The struct's parts fixed by the codecs and the fields (bits, centroids, maps, field addresses), filled once."""
 
@@ -143,7 +99,7 @@ class _Template:
 
         kview, vview = views(key_codec, value_codec)
         self.value_codec = weakref.ref(value_codec)
-        a = _Args(mod.ffi)
+        a = Args(mod.ffi)
         c = a.c
         c.n_terms = len(kview.terms)
         self.qmaps = query_maps(key_codec) is not None  # applied inside the C call
@@ -158,7 +114,7 @@ class _Template:
             else:
                 kt.q_per_block = 1
         vv = c.value
-        _fill_view(a, vv, vview, value_fields)
+        fill_view(a, vv, vview, value_fields)
         unmix = unmix_matrix(value_codec)
         if unmix is None and vview.codes.length != d:
             raise ValueError(f"value codes of length {vview.codes.length} with an identity unmix need D = {d}")
@@ -188,27 +144,6 @@ def _template(mod, key_codec, key_fields, value_codec, value_fields, d: int, sig
     return t
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.float32 and t.is_contiguous():
-        return t.detach()
-    return t.detach().to(torch.float32).contiguous()
-
-
-def _i64(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.int64 and t.is_contiguous():
-        return t
-    return t.to(torch.int64).contiguous()
-
-
-def _i32(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.int32 and t.is_contiguous():
-        return t
-    return t.to(torch.int32).contiguous()
-
-
-_X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
 def _exact_segments(ks: tuple, vs: tuple) -> list:
     """The exact tokens as the kernel reads them: [(xk, xv)] of at most two non-empty segments, each a tensor with
     contiguous rows of fp32/fp16/bf16 (key and value of one dtype) or a :class:`qjl.kernels.paged.PagedRows` pair,
@@ -216,11 +151,11 @@ def _exact_segments(ks: tuple, vs: tuple) -> list:
     from qjl.kernels.paged import PagedRows, joined_exact
 
     segs = [(k, v) for k, v in zip(ks, vs) if k.shape[2] > 0]
-    if len(segs) <= 2 and all(k.dtype == v.dtype and k.dtype in _X_DTYPES and type(k) is type(v) for k, v in segs):
+    if len(segs) <= 2 and all(k.dtype == v.dtype and k.dtype in X_DTYPES and type(k) is type(v) for k, v in segs):
         return [kv if isinstance(kv[0], PagedRows) else tuple(t if t.stride(3) == 1 else t.contiguous() for t in kv)
                 for kv in segs]
     xk, xv, _ = joined_exact((tuple(k for k, _ in segs), tuple(v for _, v in segs), None))
-    return [(_f32(xk), _f32(xv))]
+    return [(f32(xk), f32(xv))]
 
 
 class _Prepared:
@@ -308,31 +243,31 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     from qjl.kernels.paged import check_exact, check_paged, term_queries
 
     impl = _impl_code(impl)
-    mod = _require()
+    mod = require()
     # the ranges and the blocks are checked by the kernel itself (before it reads anything): no reads of their
     # values here (each a few torch operations per layer and step)
     prep = _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                      code_end)
     tpl, room = prep.tpl, prep.room
     b, hkv, r, d = q.shape
-    bt = _i32(block_table)
-    a = _Args(mod.ffi)
+    bt = i32(block_table)
+    a = Args(mod.ffi)
     c = a.c
     mod.ffi.memmove(c, tpl.c, mod.ffi.sizeof("qjl_decode_args"))
-    q32 = _f32(q)
+    q32 = f32(q)
     if tpl.qmaps:
         for i in range(c.n_terms):
             c.key[i].q = a.ptr(q32)
     else:
         for i, qt in enumerate(term_queries(q, key_codec, key_fields, bt)):
-            c.key[i].q = a.ptr(_f32(qt))
+            c.key[i].q = a.ptr(f32(qt))
     c.batch, c.heads, c.rows = b, hkv, r
     c.block_table, c.max_blocks, c.block_size = a.ptr(bt, "int32_t *"), bt.shape[1], int(block_size)
     c.max_block = min(room[0], 2**62)
-    c.code_start = a.ptr(_i32(code_start), "int32_t *")
-    c.code_end = a.ptr(_i32(code_end), "int32_t *")
+    c.code_start = a.ptr(i32(code_start), "int32_t *")
+    c.code_end = a.ptr(i32(code_end), "int32_t *")
     if code_bias is not None:
-        cb = _f32(code_bias)
+        cb = f32(code_bias)
         if cb.ndim != 2 or cb.shape[0] != b or (b and cb.shape[1] < int(code_end.max())):
             raise ValueError(f"code_bias must be [B={b}, >= max(code_end)], got {tuple(code_bias.shape)}")
         c.bias, c.bias_stride = a.ptr(cb), cb.shape[1]
@@ -366,7 +301,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     return out
 
 
-def _segment(a: _Args, e, k, v) -> None:
+def _segment(a: Args, e, k, v) -> None:
     """Fill the C exact segment ``e`` from a (key, value) pair: tensors [B, H, n, D] (or [B, H, D], one token) with
     contiguous rows, or :class:`qjl.kernels.paged.PagedRows`."""
     if isinstance(k, torch.Tensor):
@@ -374,12 +309,12 @@ def _segment(a: _Args, e, k, v) -> None:
         _tensor_fill(a.ffi, e, k, v)
     else:  # PagedRows: the pages' bytes from each buffer's start, one offset per sequence and token (the kernel
         # checks every offset against the buffer's extent before it reads anything)
-        e.n, e.dtype = k.shape[2], _X_DTYPES[k.dtype]
+        e.n, e.dtype = k.shape[2], X_DTYPES[k.dtype]
         from qjl.kernels.paged import extent_bytes
 
         e.k, e.v = a.ptr(k.field.buffer, "const uint8_t *"), a.ptr(v.field.buffer, "const uint8_t *")
         e.k_sh, e.v_sh = k.field.stride_head, v.field.stride_head
-        e.k_off, e.v_off = a.ptr(_i64(k.offsets), "int64_t *"), a.ptr(_i64(v.offsets), "int64_t *")
+        e.k_off, e.v_off = a.ptr(i64(k.offsets), "int64_t *"), a.ptr(i64(v.offsets), "int64_t *")
         e.k_room, e.v_room = extent_bytes(k.field.buffer), extent_bytes(v.field.buffer)
 
 
@@ -389,14 +324,14 @@ def _set_out(ffi, c, out: torch.Tensor) -> None:
     if out.dtype == torch.float32:
         c.out, c.out_raw = ffi.cast("float *", out.data_ptr()), ffi.NULL
     else:
-        c.out, c.out_raw, c.out_dtype = ffi.NULL, ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype]
+        c.out, c.out_raw, c.out_dtype = ffi.NULL, ffi.cast("uint8_t *", out.data_ptr()), X_DTYPES[out.dtype]
 
 
 def _tensor_fill(ffi, e, k: torch.Tensor, v: torch.Tensor) -> None:
     """Fill the C exact segment ``e`` from tensors k, v [B, H, n, D] (or [B, H, D], one token) of one fp32/fp16/bf16
     dtype with contiguous rows, read in place (the caller keeps them alive through the call)."""
     es = k.element_size()
-    e.n, e.dtype = (k.shape[2] if k.ndim == 4 else 1), _X_DTYPES[k.dtype]
+    e.n, e.dtype = (k.shape[2] if k.ndim == 4 else 1), X_DTYPES[k.dtype]
     e.k, e.v = ffi.cast("const uint8_t *", k.data_ptr()), ffi.cast("const uint8_t *", v.data_ptr())
     e.k_sb, e.k_sh, e.v_sb, e.v_sh = k.stride(0) * es, k.stride(1) * es, v.stride(0) * es, v.stride(1) * es
     if k.ndim == 4:
@@ -463,10 +398,10 @@ class DecodeStep:
             raise ValueError(f"segments must be an int in [0, {2 - (rows is not None)}] (at most two exact segments "
                              f"with the rows), got {segments!r}")
         _impl_code(impl)  # checked here; resolved per call ("auto" follows $QJL_CPU_IMPL, as paged_decode does)
-        self.impl, self.mod = impl, _require()
+        self.impl, self.mod = impl, require()
         ffi = self.mod.ffi
         self.batch, self.block_size, self.segments = b, int(block_size), segments
-        self.block_table, self.code_start, self.code_end = _i32(block_table), _i32(code_start), _i32(code_end)
+        self.block_table, self.code_start, self.code_end = i32(block_table), i32(code_start), i32(code_end)
         self.c_table = ffi.cast("int32_t *", self.block_table.data_ptr())
         self.c_start = ffi.cast("int32_t *", self.code_start.data_ptr())
         self.c_end = ffi.cast("int32_t *", self.code_end.data_ptr())
@@ -476,14 +411,14 @@ class DecodeStep:
             if (not isinstance(rows, tuple) or len(rows) != 2 or not all(isinstance(x, PagedRows) for x in rows)):
                 raise ValueError("rows must be None or a (key, value) pair of PagedRows")
             kr, vr = rows
-            if kr.shape != vr.shape or kr.shape[0] != b or kr.dtype != vr.dtype or kr.dtype not in _X_DTYPES:
+            if kr.shape != vr.shape or kr.shape[0] != b or kr.dtype != vr.dtype or kr.dtype not in X_DTYPES:
                 raise ValueError(f"rows: key and value rows must both be [B={b}, H, E, D] of one float dtype "
                                  f"(fp32, fp16, bf16), got {kr.shape} {kr.dtype} and {vr.shape} {vr.dtype}")
             self.n_rows, self.heads, self.dim = kr.shape[2], kr.shape[1], kr.shape[3]
             self.geometry = (field_geometry(kr.field), field_geometry(vr.field))
-            self.offsets = (_i64(kr.offsets), _i64(vr.offsets))
+            self.offsets = (i64(kr.offsets), i64(vr.offsets))
             self.c_offsets = tuple(ffi.cast("int64_t *", t.data_ptr()) for t in self.offsets)
-            self.rows_dtype = _X_DTYPES[kr.dtype]
+            self.rows_dtype = X_DTYPES[kr.dtype]
         self.xbias = None
         if xbias is not None:
             if not isinstance(xbias, torch.Tensor) or xbias.ndim != 4 or xbias.shape[0] not in (1, b):
@@ -607,7 +542,7 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     if step.rows is not None and (h, d) != (step.heads, step.dim):
         raise ValueError(f"q: {h} KV heads of dim {d}, but the step's exact rows have {step.heads} of {step.dim}")
     if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (b, h, r, d)
-                            or out.dtype not in _X_DTYPES or not out.is_contiguous() or out.device.type != "cpu"):
+                            or out.dtype not in X_DTYPES or not out.is_contiguous() or out.device.type != "cpu"):
         raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
                          f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
     segs = [_tensor_segment(i, kv, (b, h, d)) for i, kv in enumerate(segments)]
@@ -626,14 +561,14 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
                                                            v if v.ndim == 4 else v.unsqueeze(2)) for k, v, _ in segs]),
                            impl=step.impl, threads=threads)
         return got if out is None else out.copy_(got)
-    a = _Args(mod.ffi)
+    a = Args(mod.ffi)
     c = a.c
     mod.ffi.memmove(c, tpl.c, mod.ffi.sizeof("qjl_decode_args"))
-    if q.dtype in _X_DTYPES and q.is_contiguous():  # converted and scaled in the call
-        c.q_raw, c.q_dtype, c.q_scale = a.ptr(q, "const uint8_t *"), _X_DTYPES[q.dtype], float(q_scale)
+    if q.dtype in X_DTYPES and q.is_contiguous():  # converted and scaled in the call
+        c.q_raw, c.q_dtype, c.q_scale = a.ptr(q, "const uint8_t *"), X_DTYPES[q.dtype], float(q_scale)
         qf = mod.ffi.NULL
     else:
-        qf = a.ptr(_f32(q.float() * q_scale))
+        qf = a.ptr(f32(q.float() * q_scale))
     for i in range(c.n_terms):
         c.key[i].q = qf
     c.heads, c.rows = h, r
@@ -690,7 +625,7 @@ class DecodeCall:
         if not (isinstance(key_fields, FieldMap) and isinstance(value_fields, FieldMap)):
             raise TypeError("key_fields and value_fields must be FieldMaps (their checks are kept between calls)")
         if (not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != step.batch or q.device.type != "cpu"
-                or q.dtype not in _X_DTYPES):
+                or q.dtype not in X_DTYPES):
             raise ValueError(f"q must be a fp32/fp16/bf16 CPU tensor [B={step.batch}, H_kv, R, D], got "
                              f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
         b, h, r, d = q.shape
@@ -710,7 +645,7 @@ class DecodeCall:
         ffi.memmove(c, prep.tpl.c, ffi.sizeof("qjl_decode_args"))
         for i in range(c.n_terms):
             c.key[i].q = ffi.NULL  # (the query is given raw: converted and scaled in the call)
-        c.heads, c.rows, c.q_dtype, c.dx = h, r, _X_DTYPES[q.dtype], d
+        c.heads, c.rows, c.q_dtype, c.dx = h, r, X_DTYPES[q.dtype], d
         step.fill(c)
         c.max_block = min(prep.room[0], 2**62)
 
@@ -725,7 +660,7 @@ class DecodeCall:
         if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not abs(q_scale) < float("inf"):
             raise ValueError(f"q_scale must be a finite float, got {q_scale!r}")
         b, h, r, d = self.qshape
-        if (not isinstance(out, torch.Tensor) or out.shape != self.qshape or out.dtype not in _X_DTYPES
+        if (not isinstance(out, torch.Tensor) or out.shape != self.qshape or out.dtype not in X_DTYPES
                 or not out.is_contiguous() or out.device.type != "cpu"):
             raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
                              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
@@ -752,7 +687,7 @@ class DecodeCall:
             tmp = torch.empty(self.qshape)
             c.out, c.out_raw = ffi.cast("float *", tmp.data_ptr()), ffi.NULL
             rc = mod.lib.qjl_decode_mean(c, ffi.cast("float *", self.mean.data_ptr()),
-                                         ffi.cast("uint8_t *", out.data_ptr()), _X_DTYPES[out.dtype])
+                                         ffi.cast("uint8_t *", out.data_ptr()), X_DTYPES[out.dtype])
         else:
             _set_out(ffi, c, out)
             rc = mod.lib.qjl_paged_decode(c)
@@ -804,7 +739,7 @@ class DecodeStore:
         self.shape, self.block_size = (h, r, d), step.block_size
         self.geometry = step.geometry if step.rows is not None else None
         self.rows = step.bind_rows(exact_fields, key_fields.memo) if step.rows is not None else None
-        a = self.args = _Args(ffi)  # (its keep list holds what the template points at)
+        a = self.args = Args(ffi)  # (its keep list holds what the template points at)
         t = self.tpl = ffi.new("qjl_step_args *")
         c = t.decode
         ffi.memmove(ffi.addressof(c), prep.tpl.c, ffi.sizeof("qjl_decode_args"))
@@ -832,7 +767,7 @@ class DecodeStore:
         for name, f, dst in (("mu_field", mu_field, "mu"), ("mu_v_field", mu_v_field, "mu_v")):
             if f is None:
                 continue
-            if f.dtype not in _X_DTYPES or tuple(f.shape) != (d,) or f.buffer.device.type != "cpu" or min(
+            if f.dtype not in X_DTYPES or tuple(f.shape) != (d,) or f.buffer.device.type != "cpu" or min(
                     f.offset, f.stride_block, f.stride_head) < 0:
                 raise ValueError(f"{name} must hold [{d}] fp32/fp16/bf16 means in CPU memory at non-negative "
                                  f"offsets, got {f.dtype} {tuple(f.shape)}")
@@ -889,18 +824,18 @@ class DecodeStore:
         if (not isinstance(q, torch.Tensor) or tuple(q.shape) != (b, h, r, d) or q.device.type != "cpu"
                 or not q.dtype.is_floating_point):
             raise ValueError(f"q must be a float CPU tensor [{b}, {h}, {r}, {d}], got {getattr(q, 'shape', q)!r}")
-        if q.dtype not in _X_DTYPES or not q.is_contiguous():
-            q = q.contiguous() if q.dtype in _X_DTYPES else q.float()
+        if q.dtype not in X_DTYPES or not q.is_contiguous():
+            q = q.contiguous() if q.dtype in X_DTYPES else q.float()
         if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not abs(q_scale) < float("inf"):
             raise ValueError(f"q_scale must be a finite float, got {q_scale!r}")
         for name, x in (("key", key), ("value", value)):
-            if (not isinstance(x, torch.Tensor) or tuple(x.shape) != (b, h, d) or x.dtype not in _X_DTYPES
+            if (not isinstance(x, torch.Tensor) or tuple(x.shape) != (b, h, d) or x.dtype not in X_DTYPES
                     or x.stride(2) != 1 or x.device.type != "cpu"):
                 raise ValueError(f"{name} must be a CPU fp32/fp16/bf16 tensor [{b}, {h}, {d}] with contiguous rows, "
                                  f"got {getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
         if out is None:
             out = torch.empty(b, h, r, d)
-        elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (b, h, r, d) or out.dtype not in _X_DTYPES
+        elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (b, h, r, d) or out.dtype not in X_DTYPES
               or not out.is_contiguous() or out.device.type != "cpu"):
             raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
                              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
@@ -916,9 +851,9 @@ class DecodeStore:
         # one crossing: the template copied and this call's addresses filled in C (q, key, value, out, the scratch
         # and the step's tensors stay alive through the call)
         rc = self.mod.lib.qjl_decode_store_at(
-            self.tpl, self.jobs, step.shared(), q.data_ptr(), _X_DTYPES[q.dtype], float(q_scale), key.data_ptr(),
-            key.stride(0) * ks, key.stride(1) * ks, _X_DTYPES[key.dtype], value.data_ptr(), value.stride(0) * vs,
-            value.stride(1) * vs, _X_DTYPES[value.dtype], out.data_ptr(), _X_DTYPES[out.dtype], k_out.data_ptr(),
+            self.tpl, self.jobs, step.shared(), q.data_ptr(), X_DTYPES[q.dtype], float(q_scale), key.data_ptr(),
+            key.stride(0) * ks, key.stride(1) * ks, X_DTYPES[key.dtype], value.data_ptr(), value.stride(0) * vs,
+            value.stride(1) * vs, X_DTYPES[value.dtype], out.data_ptr(), X_DTYPES[out.dtype], k_out.data_ptr(),
             v_out.data_ptr(), mixed.data_ptr(), blk.data_ptr(), slt.data_ptr(), int(threads or 0), st)
         if rc == 0 or st[0] == 1:  # (1: the store refused a job: its status, for the caller to name)
             return rc, int(st[1]), out, k_out, v_out
@@ -954,7 +889,7 @@ def _tensor_segment(i: int, kv, bhd: tuple) -> tuple:
                 or t.device.type != "cpu" or not t.dtype.is_floating_point):
             raise ValueError(f"segments[{i}] {name} must be a float CPU tensor [{b}, {h}, n, {d}] or [{b}, {h}, {d}] "
                              f"(k and v alike), got {getattr(t, 'shape', t)!r}")
-    if k.dtype != v.dtype or k.dtype not in _X_DTYPES:
+    if k.dtype != v.dtype or k.dtype not in X_DTYPES:
         k, v = k.float(), v.float()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
@@ -968,251 +903,11 @@ def half_rounding(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         raise TypeError(f"x must be a float CPU tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-    mod = _require()
-    xf = _f32(x.reshape(-1))
+    mod = require()
+    xf = f32(x.reshape(-1))
     out = torch.empty(xf.numel(), dtype=dtype)
-    rc = mod.lib.qjl_half_rounding(mod.ffi.cast("float *", xf.data_ptr()), xf.numel(), _X_DTYPES[dtype],
+    rc = mod.lib.qjl_half_rounding(mod.ffi.cast("float *", xf.data_ptr()), xf.numel(), X_DTYPES[dtype],
                                    mod.ffi.cast("uint8_t *", out.data_ptr()))
     if rc:
         raise ValueError("half_rounding: refused by the C kernel")
     return out.reshape(x.shape)
-
-
-def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
-    """y [..., n] float32 with norms [...] -> the cells (``torch.bucketize(y, boundaries)``) packed LSB-first, and
-    the norm to store
-    (corrected as ``qpass``, a :class:`qjl.codecs.views.ProjectQuantize`, says; float32, checked against its
-    dtype's range).  Returns (status, codes [rows, nbytes] uint8, stored [rows] float32): status 0, or -2 a norm
-    not finite, -3 / -4 a norm / corrected norm beyond its dtype, -1 other arguments refused."""
-    mod = _require()
-    n = y.shape[-1]
-    y2, nm = _f32(y.reshape(-1, n)), _f32(norm.reshape(-1))
-    rows, nbytes = y2.shape[0], (n * qpass.bits + 7) // 8
-    if nm.shape[0] != rows:
-        raise ValueError(f"norm must hold one entry per row of y ({rows}), got {tuple(norm.shape)}")
-    codes, stored = torch.empty(rows, nbytes, dtype=torch.uint8), torch.empty(rows)
-    bnd, cent = _f32(qpass.boundaries), _f32(qpass.centroids)
-    a = _Args(mod.ffi)
-    rc = mod.lib.qjl_bucket_norms(a.ptr(y2), a.ptr(nm), rows, n, a.ptr(bnd), bnd.numel(), a.ptr(cent), qpass.bits,
-                                  int(bool(qpass.correct_norm)), torch.finfo(qpass.norm_dtype).max,
-                                  a.ptr(codes, "uint8_t *"), a.ptr(stored), torch.get_num_threads())
-    return rc, codes, stored
-
-
-def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tensor) -> tuple:
-    """:func:`qjl.core.lloyd_max.cell_moments` in C: y [..., n] float (CPU) against a codebook of ``2^bits`` cells
-    -> (cos [...], cc [...]) float64, ``sum y c`` and ``sum c^2`` over each row's cells (summed in float64 in
-    coordinate order).  Raises ValueError for a non-finite y or a codebook that is not ``2^bits`` cells."""
-    from qjl.core.lloyd_max import check_codebook
-
-    mod = _require()
-    bits = check_codebook(boundaries, centroids)
-    if not isinstance(y, torch.Tensor) or not y.is_floating_point() or y.ndim < 1 or y.device.type != "cpu":
-        raise TypeError(f"y must be a float CPU tensor [..., n], got {getattr(y, 'dtype', type(y).__name__)}")
-    bnd, cent = _f32(boundaries), _f32(centroids)
-    n = y.shape[-1]
-    y2 = _f32(y.reshape(-1, n))
-    cos, cc = torch.empty(y2.shape[0], dtype=torch.float64), torch.empty(y2.shape[0], dtype=torch.float64)
-    a = _Args(mod.ffi)
-    rc = mod.lib.qjl_cell_moments(a.ptr(y2), y2.shape[0], n, a.ptr(bnd), bnd.numel(), a.ptr(cent), bits,
-                                  a.ptr(cos, "double *"), a.ptr(cc, "double *"), torch.get_num_threads())
-    if rc:
-        raise ValueError("y must be finite (the C cell moments refused it)")
-    return cos.reshape(y.shape[:-1]), cc.reshape(y.shape[:-1])
-
-
-def store_bounds(blocks: torch.Tensor, slots: torch.Tensor) -> tuple:
-    """What :class:`EncodeStore` checks its positions with: (blocks, slots as int64 contiguous, the smallest of
-    both, the largest block, the largest slot).  A caller that stores several fields at the same positions (the
-    vLLM backend: every layer of a step) computes it once and passes it as ``bounds``."""
-    for name, t in (("blocks", blocks), ("slots", slots)):
-        if not isinstance(t, torch.Tensor) or t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-d int tensor, got {getattr(t, 'shape', t)!r}")
-    if blocks.shape[0] == 0 or slots.shape != blocks.shape:
-        raise ValueError(f"blocks and slots must hold one entry per token (at least one), got "
-                         f"{tuple(blocks.shape)} and {tuple(slots.shape)}")
-    blk, slt = blocks.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
-    return blk, slt, min(int(blk.min()), int(slt.min())), int(blk.max()), int(slt.max())
-
-
-class EncodeStore:
-    """One C call (``qjl_encode_store``, ``quantize.c``) that quantizes a layer's new keys and values and stores
-    them into paged fields, with the jobs' fixed parts (Lloyd-Max pass, rotation, codes field, norm field) checked
-    and turned into C arguments once: callers that store into the same fields step after step keep one (the vLLM
-    backend: in its :attr:`qjl.kernels.paged.FieldMap.memo`).  ``static``: [(qpass, matrix_t [dim, n] float32 (the
-    rotation's dense matrix, transposed), codes_field, norm_field)], 1 to 4 jobs; ``heads``: KV heads per token.
-    The row order of the arithmetic is fixed (``quantize.c``'s ``encode_row``; the torch mirror is
-    :func:`qjl.kernels.reference.encode_reference`).  Each call checks the positions against the fields' buffers
-    (whose address and geometry must not have changed: checked too).  One caller at a time: a call fills the C
-    arguments it keeps (the vLLM backend runs a step's layers one after another)."""
-
-    def __init__(self, static, heads: int):
-        from qjl.kernels.paged import extent_bytes
-
-        if not 1 <= len(static) <= 4:
-            raise ValueError(f"EncodeStore takes 1 to 4 jobs, got {len(static)}")
-        self.mod, self.heads, self.static = _require(), int(heads), tuple(static)
-        self.a = a = _Args(self.mod.ffi)
-        self.cj = a.ffi.new("qjl_encode_job[]", len(static))
-        self.limits = []  # per field: (name, offset + the last head's and the entry's bytes, strides, extent, buffer)
-        for j, (qpass, matrix_t, codes_field, norm_field) in zip(self.cj, static):
-            mt, bnd, cent = _f32(matrix_t), _f32(qpass.boundaries), _f32(qpass.centroids)
-            dim, n = mt.shape
-            for name, f, entry in (("codes_field", codes_field, (n * qpass.bits + 7) // 8),
-                                   ("norm_field", norm_field, None)):
-                if f.buffer.device.type != "cpu":
-                    raise ValueError(f"{name} must live in CPU memory, got {f.buffer.device}")
-                if entry is not None and f.entry_bytes != entry:
-                    raise ValueError(f"{name}: entries of {f.entry_bytes} bytes cannot hold {entry}-byte codes")
-                if entry is None and f.dtype not in _DTYPES:
-                    raise ValueError(f"{name}: a norm stored as {f.dtype} is not written by the CPU kernel")
-                if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0:
-                    raise ValueError(f"{name}: negative offset or strides")
-                t = f.buffer
-                self.limits.append((name, f.offset + (self.heads - 1) * f.stride_head + f.entry_bytes, f.stride_block,
-                                    f.stride_token, extent_bytes(t), t, t.data_ptr(), tuple(t.shape), t.stride()))
-            j.dim, j.n, j.matrix_t = dim, n, a.ptr(mt)
-            j.bnd, j.cent, j.nbnd, j.bits = a.ptr(bnd), a.ptr(cent), bnd.numel(), qpass.bits
-            j.correct, j.norm_max = int(bool(qpass.correct_norm)), torch.finfo(qpass.norm_dtype).max
-            a.field(j.codes, codes_field, False)
-            a.field(j.norm_field, norm_field, True)
-        self.failed = a.ffi.new("int32_t *")
-
-    def check_positions(self, bounds: tuple) -> None:
-        """ValueError (naming the field) unless every position of ``bounds`` (:func:`store_bounds`) lies inside every
-        field's buffer."""
-        _, _, lo, top_block, top_slot = bounds
-        for name, fixed, sb, st, extent, *_ in self.limits:
-            last = fixed + top_block * sb + top_slot * st
-            if lo < 0 or last > extent:
-                raise ValueError(f"{name}: the blocks/slots bounds reach byte {last} of a buffer of {extent} "
-                                 f"(or an index is negative): nothing stored")
-
-    def matches(self, static) -> bool:
-        """These jobs are the ones this store was built for (the same objects)."""
-        return len(static) == len(self.static) and all(
-            x is y for s, t in zip(static, self.static) for x, y in zip(s, t))
-
-    def __call__(self, xs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | None = None) -> tuple:
-        """xs: one tensor [N, H, dim] per job (fp32, fp16 or bf16; other floats are converted) of the tokens at
-        blocks, slots [N] (``bounds``: their :func:`store_bounds`).  Returns (status, job): 0, or for the first
-        job that failed -2 (a NaN/Inf entry), -3 (a norm beyond its dtype), -4 (a corrected norm beyond it), -1
-        (arguments refused); nothing is stored unless the status is 0.  ValueError (nothing stored) for inputs or
-        positions that do not fit."""
-        blk, slt, lo, top_block, top_slot = bounds = store_bounds(blocks, slots) if bounds is None else bounds
-        n_tok, h = blk.shape[0], self.heads
-        for name, fixed, sb, st, extent, t, ptr, shape, stride in self.limits:
-            if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
-                raise ValueError(f"{name}: its buffer moved or changed shape since this EncodeStore was built")
-        self.check_positions(bounds)
-        if len(xs) != len(self.static):
-            raise ValueError(f"EncodeStore: {len(self.static)} inputs expected, got {len(xs)}")
-        keep = []
-        for j, x in zip(self.cj, xs):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (n_tok, h, j.dim):
-                raise ValueError(f"x must be [{n_tok}, {h}, {j.dim}] (tokens, KV heads, dim), got "
-                                 f"{getattr(x, 'shape', type(x).__name__)}")
-            if x.dtype not in _X_DTYPES or x.stride(2) != 1 or x.device.type != "cpu":
-                x = x.detach().to("cpu", torch.float32).contiguous()
-            keep.append(x)
-            es = x.element_size()
-            j.x, j.x_dtype = self.a.ffi.cast("const uint8_t *", x.data_ptr()), _X_DTYPES[x.dtype]
-            j.x_st, j.x_sh = x.stride(0) * es, x.stride(1) * es
-        rc = self.mod.lib.qjl_encode_store(self.cj, len(self.static), n_tok, h,
-                                           self.a.ffi.cast("int64_t *", blk.data_ptr()),
-                                           self.a.ffi.cast("int64_t *", slt.data_ptr()), torch.get_num_threads(),
-                                           self.failed)
-        del keep  # (the inputs stayed alive through the call)
-        return rc, int(self.failed[0])
-
-
-def _rows_args(codec, fields: dict, block_row, block_size: int, heads: int, start: int, end: int):
-    """:func:`value_rows`' arguments checked (ValueError naming the argument) -> the codec's mix view."""
-    from qjl.kernels.paged import mix_view
-
-    view = mix_view(codec)
-    if view is None:
-        raise ValueError(f"codec {type(codec).__name__} declares no mix view: its codes are not read as vectors")
-    if not isinstance(block_row, torch.Tensor) or block_row.ndim != 1 or block_row.dtype.is_floating_point:
-        raise ValueError(f"block_row must be a 1-d int tensor, got {getattr(block_row, 'shape', block_row)!r}")
-    for name, x in (("block_size", block_size), ("heads", heads), ("start", start), ("end", end)):
-        if isinstance(x, bool) or not isinstance(x, int) or x < (1 if name in ("block_size", "heads") else 0):
-            raise ValueError(f"{name} must be a {'positive' if name in ('block_size', 'heads') else 'non-negative'} "
-                             f"int, got {x!r}")
-    if block_row.numel() and not -2**31 <= int(block_row.min()) <= int(block_row.max()) < 2**31:
-        raise ValueError("block_row: block indices must fit int32 (as vLLM's block tables hold them)")
-    if end < start or end > block_row.shape[0] * block_size:
-        raise ValueError(f"start={start}, end={end}: need start <= end <= {block_row.shape[0] * block_size} (the "
-                         f"tokens block_row maps)")
-    return view
-
-
-def value_rows_reference(codec, fields: dict, block_row, block_size: int, heads: int, start: int,
-                         end: int) -> torch.Tensor:
-    """:func:`value_rows` in plain torch: the codec's :class:`qjl.codecs.views.MixView` formula over the fields'
-    entries gathered through ``block_row`` -> [end - start, heads, n] float32 (the codec's basis)."""
-    from qjl.core.packing import unpack_bits
-
-    view, row = _rows_args(codec, fields, block_row, block_size, heads, start, end), block_row.long()
-    t = torch.arange(start, end)
-    blocks, slots, hs = row[t // block_size][:, None], (t % block_size)[:, None], torch.arange(heads)[None, :]
-    n, gs = view.codes.length, view.group_size
-    cent = view.codes.centroids.float()[unpack_bits(fields[view.codes.field].gather(blocks, hs, slots),
-                                                    view.codes.bits, n)]  # [L, H, n]
-    group = torch.arange(n) // gs
-
-    def per_coordinate(name):  # [L, H] or [L, H, groups] -> [L, H, n]
-        x = fields[name].gather(blocks, hs, slots).float()
-        return x.unsqueeze(-1) if x.ndim == 2 else x[..., group]
-
-    out = per_coordinate(view.scale) * cent
-    return out if view.zero is None else per_coordinate(view.zero) + out
-
-
-def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, start: int, end: int,
-               threads: int | None = None, *, unmix: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The stored vectors of tokens [start, end) of one sequence, read through its block-table row ``block_row``
-    ([max_blocks] int) from paged ``fields`` (:class:`qjl.kernels.paged.PagedField` by name; the codec's
-    :class:`qjl.codecs.views.MixView` says which), every head -> [end - start, heads, n] in the codec's basis, equal
-    bit for bit to :func:`value_rows_reference` (one C call, ``rows.c``); with ``unmix``, mapped back by the codec's
-    unmix matrix (:func:`qjl.kernels.paged.unmix_matrix`: TurboQuant's inverse rotation) row by row inside the call,
-    [end - start, heads, dim], the reference's rows times that matrix within float32 rounding (fused
-    multiply-adds, summed in order).  ``out``: None (a new float32 tensor), or an fp32 / fp16 / bf16 CPU tensor of that shape whose last
-    dimension is contiguous (e.g. a slice of a larger buffer), written in place (rounded as ``.to()`` rounds) and
-    returned.  ``threads``: torch's by default.  ValueError naming the argument for a codec without a mix view, a
-    bad ``out``, fields outside their buffers or a block outside them."""
-    from qjl.kernels.paged import mix_room, unmix_matrix
-
-    view = _rows_args(codec, fields, block_row, block_size, heads, start, end)
-    mod = _require()
-    top, name = mix_room(codec, fields, heads, block_size, torch.device("cpu"))
-    u = unmix_matrix(codec) if unmix else None
-    shape = (end - start, heads, view.codes.length if u is None else u.shape[1])
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float32)
-    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype not in _X_DTYPES
-          or out.device.type != "cpu" or (out.numel() and out.stride(2) != 1)):
-        raise ValueError(f"out must be None or an fp32/fp16/bf16 CPU tensor {list(shape)} with a contiguous last "
-                         f"dimension, got {getattr(out, 'dtype', type(out).__name__)} "
-                         f"{tuple(getattr(out, 'shape', ()))}")
-    if end == start:
-        return out
-    a = _Args(mod.ffi)
-    vv = mod.ffi.new("qjl_value_view *")
-    _fill_view(a, vv, view, fields)
-    if u is not None:
-        vv.unmix, vv.out_dim = a.ptr(u), u.shape[1]
-    r32 = _i32(block_row)  # (an int32 row is passed as it is)
-    es = out.element_size()
-    rc = mod.lib.qjl_value_rows(vv, a.ptr(r32, "int32_t *"), r32.numel(), block_size, heads, start, end,
-                                int(min(top, 2**62)), a.ptr(out, "uint8_t *"), _X_DTYPES[out.dtype],
-                                out.stride(0) * es, out.stride(1) * es,
-                                torch.get_num_threads() if threads is None else threads)
-    if rc == -4:
-        raise ValueError("block_row: the blocks holding tokens [start, end) must be >= 0")
-    if rc == -5:
-        raise ValueError(f"{name}: block_row reaches past the end of its buffer (blocks up to {top} fit)")
-    if rc:
-        raise ValueError(f"value_rows: the C kernel refused its arguments or had no memory for its buffers "
-                         f"(code {rc})")
-    return out

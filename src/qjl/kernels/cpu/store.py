@@ -1,0 +1,159 @@
+"""Launchers of the CPU encode (``quantize.c``): TurboQuant's bucketing with the stored norm
+(:func:`bucket_norms`), a codebook's cell moments (:func:`cell_moments`), and the one call that quantizes a
+layer's new keys and values into paged fields (:class:`EncodeStore`, positions checked by :func:`store_bounds`)."""
+
+from __future__ import annotations
+
+import torch
+
+from .binding import DTYPES, X_DTYPES, Args, f32, require
+
+__all__ = ["bucket_norms", "cell_moments", "store_bounds", "EncodeStore"]
+
+
+def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
+    """y [..., n] float32 with norms [...] -> the cells (``torch.bucketize(y, boundaries)``) packed LSB-first, and
+    the norm to store
+    (corrected as ``qpass``, a :class:`qjl.codecs.views.ProjectQuantize`, says; float32, checked against its
+    dtype's range).  Returns (status, codes [rows, nbytes] uint8, stored [rows] float32): status 0, or -2 a norm
+    not finite, -3 / -4 a norm / corrected norm beyond its dtype, -1 other arguments refused."""
+    mod = require()
+    n = y.shape[-1]
+    y2, nm = f32(y.reshape(-1, n)), f32(norm.reshape(-1))
+    rows, nbytes = y2.shape[0], (n * qpass.bits + 7) // 8
+    if nm.shape[0] != rows:
+        raise ValueError(f"norm must hold one entry per row of y ({rows}), got {tuple(norm.shape)}")
+    codes, stored = torch.empty(rows, nbytes, dtype=torch.uint8), torch.empty(rows)
+    bnd, cent = f32(qpass.boundaries), f32(qpass.centroids)
+    a = Args(mod.ffi)
+    rc = mod.lib.qjl_bucket_norms(a.ptr(y2), a.ptr(nm), rows, n, a.ptr(bnd), bnd.numel(), a.ptr(cent), qpass.bits,
+                                  int(bool(qpass.correct_norm)), torch.finfo(qpass.norm_dtype).max,
+                                  a.ptr(codes, "uint8_t *"), a.ptr(stored), torch.get_num_threads())
+    return rc, codes, stored
+
+
+def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Tensor) -> tuple:
+    """:func:`qjl.core.lloyd_max.cell_moments` in C: y [..., n] float (CPU) against a codebook of ``2^bits`` cells
+    -> (cos [...], cc [...]) float64, ``sum y c`` and ``sum c^2`` over each row's cells (summed in float64 in
+    coordinate order).  Raises ValueError for a non-finite y or a codebook that is not ``2^bits`` cells."""
+    from qjl.core.lloyd_max import check_codebook
+
+    mod = require()
+    bits = check_codebook(boundaries, centroids)
+    if not isinstance(y, torch.Tensor) or not y.is_floating_point() or y.ndim < 1 or y.device.type != "cpu":
+        raise TypeError(f"y must be a float CPU tensor [..., n], got {getattr(y, 'dtype', type(y).__name__)}")
+    bnd, cent = f32(boundaries), f32(centroids)
+    n = y.shape[-1]
+    y2 = f32(y.reshape(-1, n))
+    cos, cc = torch.empty(y2.shape[0], dtype=torch.float64), torch.empty(y2.shape[0], dtype=torch.float64)
+    a = Args(mod.ffi)
+    rc = mod.lib.qjl_cell_moments(a.ptr(y2), y2.shape[0], n, a.ptr(bnd), bnd.numel(), a.ptr(cent), bits,
+                                  a.ptr(cos, "double *"), a.ptr(cc, "double *"), torch.get_num_threads())
+    if rc:
+        raise ValueError("y must be finite (the C cell moments refused it)")
+    return cos.reshape(y.shape[:-1]), cc.reshape(y.shape[:-1])
+
+
+def store_bounds(blocks: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """What :class:`EncodeStore` checks its positions with: (blocks, slots as int64 contiguous, the smallest of
+    both, the largest block, the largest slot).  A caller that stores several fields at the same positions (the
+    vLLM backend: every layer of a step) computes it once and passes it as ``bounds``."""
+    for name, t in (("blocks", blocks), ("slots", slots)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-d int tensor, got {getattr(t, 'shape', t)!r}")
+    if blocks.shape[0] == 0 or slots.shape != blocks.shape:
+        raise ValueError(f"blocks and slots must hold one entry per token (at least one), got "
+                         f"{tuple(blocks.shape)} and {tuple(slots.shape)}")
+    blk, slt = blocks.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+    return blk, slt, min(int(blk.min()), int(slt.min())), int(blk.max()), int(slt.max())
+
+
+class EncodeStore:
+    """One C call (``qjl_encode_store``, ``quantize.c``) that quantizes a layer's new keys and values and stores
+    them into paged fields, with the jobs' fixed parts (Lloyd-Max pass, rotation, codes field, norm field) checked
+    and turned into C arguments once: callers that store into the same fields step after step keep one (the vLLM
+    backend: in its :attr:`qjl.kernels.paged.FieldMap.memo`).  ``static``: [(qpass, matrix_t [dim, n] float32 (the
+    rotation's dense matrix, transposed), codes_field, norm_field)], 1 to 4 jobs; ``heads``: KV heads per token.
+    The row order of the arithmetic is fixed (``quantize.c``'s ``encode_row``; the torch mirror is
+    :func:`qjl.kernels.reference.encode_reference`).  Each call checks the positions against the fields' buffers
+    (whose address and geometry must not have changed: checked too).  One caller at a time: a call fills the C
+    arguments it keeps (the vLLM backend runs a step's layers one after another)."""
+
+    def __init__(self, static, heads: int):
+        from qjl.kernels.paged import extent_bytes
+
+        if not 1 <= len(static) <= 4:
+            raise ValueError(f"EncodeStore takes 1 to 4 jobs, got {len(static)}")
+        self.mod, self.heads, self.static = require(), int(heads), tuple(static)
+        self.a = a = Args(self.mod.ffi)
+        self.cj = a.ffi.new("qjl_encode_job[]", len(static))
+        self.limits = []  # per field: (name, offset + the last head's and the entry's bytes, strides, extent, buffer)
+        for j, (qpass, matrix_t, codes_field, norm_field) in zip(self.cj, static):
+            mt, bnd, cent = f32(matrix_t), f32(qpass.boundaries), f32(qpass.centroids)
+            dim, n = mt.shape
+            for name, f, entry in (("codes_field", codes_field, (n * qpass.bits + 7) // 8),
+                                   ("norm_field", norm_field, None)):
+                if f.buffer.device.type != "cpu":
+                    raise ValueError(f"{name} must live in CPU memory, got {f.buffer.device}")
+                if entry is not None and f.entry_bytes != entry:
+                    raise ValueError(f"{name}: entries of {f.entry_bytes} bytes cannot hold {entry}-byte codes")
+                if entry is None and f.dtype not in DTYPES:
+                    raise ValueError(f"{name}: a norm stored as {f.dtype} is not written by the CPU kernel")
+                if min(f.offset, f.stride_block, f.stride_head, f.stride_token) < 0:
+                    raise ValueError(f"{name}: negative offset or strides")
+                t = f.buffer
+                self.limits.append((name, f.offset + (self.heads - 1) * f.stride_head + f.entry_bytes, f.stride_block,
+                                    f.stride_token, extent_bytes(t), t, t.data_ptr(), tuple(t.shape), t.stride()))
+            j.dim, j.n, j.matrix_t = dim, n, a.ptr(mt)
+            j.bnd, j.cent, j.nbnd, j.bits = a.ptr(bnd), a.ptr(cent), bnd.numel(), qpass.bits
+            j.correct, j.norm_max = int(bool(qpass.correct_norm)), torch.finfo(qpass.norm_dtype).max
+            a.field(j.codes, codes_field, False)
+            a.field(j.norm_field, norm_field, True)
+        self.failed = a.ffi.new("int32_t *")
+
+    def check_positions(self, bounds: tuple) -> None:
+        """ValueError (naming the field) unless every position of ``bounds`` (:func:`store_bounds`) lies inside every
+        field's buffer."""
+        _, _, lo, top_block, top_slot = bounds
+        for name, fixed, sb, st, extent, *_ in self.limits:
+            last = fixed + top_block * sb + top_slot * st
+            if lo < 0 or last > extent:
+                raise ValueError(f"{name}: the blocks/slots bounds reach byte {last} of a buffer of {extent} "
+                                 f"(or an index is negative): nothing stored")
+
+    def matches(self, static) -> bool:
+        """These jobs are the ones this store was built for (the same objects)."""
+        return len(static) == len(self.static) and all(
+            x is y for s, t in zip(static, self.static) for x, y in zip(s, t))
+
+    def __call__(self, xs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | None = None) -> tuple:
+        """xs: one tensor [N, H, dim] per job (fp32, fp16 or bf16; other floats are converted) of the tokens at
+        blocks, slots [N] (``bounds``: their :func:`store_bounds`).  Returns (status, job): 0, or for the first
+        job that failed -2 (a NaN/Inf entry), -3 (a norm beyond its dtype), -4 (a corrected norm beyond it), -1
+        (arguments refused); nothing is stored unless the status is 0.  ValueError (nothing stored) for inputs or
+        positions that do not fit."""
+        blk, slt, lo, top_block, top_slot = bounds = store_bounds(blocks, slots) if bounds is None else bounds
+        n_tok, h = blk.shape[0], self.heads
+        for name, fixed, sb, st, extent, t, ptr, shape, stride in self.limits:
+            if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
+                raise ValueError(f"{name}: its buffer moved or changed shape since this EncodeStore was built")
+        self.check_positions(bounds)
+        if len(xs) != len(self.static):
+            raise ValueError(f"EncodeStore: {len(self.static)} inputs expected, got {len(xs)}")
+        keep = []
+        for j, x in zip(self.cj, xs):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (n_tok, h, j.dim):
+                raise ValueError(f"x must be [{n_tok}, {h}, {j.dim}] (tokens, KV heads, dim), got "
+                                 f"{getattr(x, 'shape', type(x).__name__)}")
+            if x.dtype not in X_DTYPES or x.stride(2) != 1 or x.device.type != "cpu":
+                x = x.detach().to("cpu", torch.float32).contiguous()
+            keep.append(x)
+            es = x.element_size()
+            j.x, j.x_dtype = self.a.ffi.cast("const uint8_t *", x.data_ptr()), X_DTYPES[x.dtype]
+            j.x_st, j.x_sh = x.stride(0) * es, x.stride(1) * es
+        rc = self.mod.lib.qjl_encode_store(self.cj, len(self.static), n_tok, h,
+                                           self.a.ffi.cast("int64_t *", blk.data_ptr()),
+                                           self.a.ffi.cast("int64_t *", slt.data_ptr()), torch.get_num_threads(),
+                                           self.failed)
+        del keep  # (the inputs stayed alive through the call)
+        return rc, int(self.failed[0])
