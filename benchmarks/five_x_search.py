@@ -55,7 +55,7 @@ def main():
         m, _ = evaluate_method(model, ids, setup, cfg, ref)
         x = memory_at(model, ids, cfg, 4096)["x_vs_fp16"]
         dppl = 100 * (m["ppl"] / ref_m["ppl"] - 1)
-        print(f"{name:14s} bits {m.get('compressed_bits', m['bits_per_value']):.3f}  KL {m['kl']:.4f}  "
+        print(f"{name:14s} bits {m['compressed_bits']:.3f}  KL {m['kl']:.4f}  "
               f"ppl {dppl:+.2f}%  top1 {100 * m['top1']:.1f}%  x@4k {x:.3f}", flush=True)
 
 
