@@ -27,7 +27,8 @@ def _prompt(n=40, batch=1, seed=1):
     return torch.randint(3, 96, (batch, n), generator=g)
 
 
-@pytest.mark.parametrize("arch,head_dim", [("llama", 64), ("qwen2", 64), ("mistral", 64), ("gemma3", 256)])
+@pytest.mark.parametrize("arch,head_dim", [("llama", 64), ("qwen2", 64), ("mistral", 64), ("gemma3", 256),
+                                           ("llama", 80), ("qwen2", 96), ("llama", 100)])  # 100: not 8-aligned
 def test_generous_config_generates_like_full_precision(arch, head_dim):
     model = _patched(arch, head_dim=head_dim)
     ids = _prompt()
