@@ -239,10 +239,10 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False,
 def _moments(y: torch.Tensor, centroids: torch.Tensor, boundaries: torch.Tensor) -> tuple:
     """(cos, cc) of :func:`qjl.core.lloyd_max.cell_moments`, by the C kernel where it serves ``y``."""
     from qjl.core.lloyd_max import cell_moments
-    from qjl.kernels.cpu import launch
+    from qjl.kernels.cpu import launch, store
 
     if y.device.type == "cpu" and launch.available():
-        return launch.cell_moments(y, boundaries, centroids)
+        return store.cell_moments(y, boundaries, centroids)
     return cell_moments(y, boundaries.to(y.device), centroids.to(y.device))
 
 

@@ -185,7 +185,7 @@ def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Ten
     """Per-row moments of the cells of y: [..., n] -> (cos [...], cc [...]) float64 with ``cos = sum_i y_i c_i``
     and ``cc = sum_i c_i^2``, ``c_i = centroids[bucket(y_i)]``.  With the norm ``s`` a codec stores for a row
     of norm ``r`` (``y`` the unit vector rotated), ``||r y - s c||^2 = r^2 - 2 r s cos + s^2 cc``: what the
-    width allocation reads a candidate's distortion from (its C twin: ``qjl.kernels.cpu.launch.cell_moments``).
+    width allocation reads a candidate's distortion from (its C twin: ``qjl.kernels.cpu.store.cell_moments``).
     Raises TypeError/ValueError for a y that is not a finite float tensor or a codebook of the wrong size."""
     from qjl.core.validation import check_vectors
 

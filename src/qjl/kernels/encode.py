@@ -149,10 +149,10 @@ def encode_rows_cpu(codec, x: torch.Tensor) -> tuple:
     and corrects and range-checks the norm (:func:`store_cpu` writes them straight into paged fields instead).
     Equals :func:`quantize_cpu`'s codes (bit-exact with ``codec.quantize``) and norms as float32.  Raises the
     reference's ValueError for NaN/Inf or a norm beyond its dtype."""
-    from qjl.kernels.cpu import launch
+    from qjl.kernels.cpu import store
 
     p, norm, y = _rotated(codec, x)
-    rc, codes, stored = launch.bucket_norms(y, norm, p)
+    rc, codes, stored = store.bucket_norms(y, norm, p)
     _raise_for(rc, codec, x, p)
     return codes, stored
 
@@ -178,14 +178,14 @@ def store_cpu(jobs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | N
               memo: dict | None = None) -> None:
     """Quantize every job ``(codec, x [N, H, dim], codes_field, norm_field)`` and store its codes and norms into
     paged fields (CPU buffers) at (blocks [N], slots [N], KV heads 0..H-1), all jobs in one C call
-    (:class:`qjl.kernels.cpu.launch.EncodeStore`: norm, rotation, cells, packing and the norm's dtype, the rows
+    (:class:`qjl.kernels.cpu.store.EncodeStore`: norm, rotation, cells, packing and the norm's dtype, the rows
     never leaving C).  The arithmetic runs in a fixed order, so what is stored equals
     :func:`qjl.kernels.reference.encode_reference` bit for bit; against ``codec.quantize`` (whose rotation is a
     BLAS product, rounded differently from one batch shape to another) a code may differ where a rotated
     coordinate lies within float32 rounding of a cell boundary (tested: rare, and only there).  Codecs: those of
     :func:`can_quantize_cpu`.  Nothing is stored unless every job passes: the reference's ValueError for NaN/Inf
     or a norm beyond its dtype; ValueError for positions or fields that do not fit.  ``bounds``:
-    :func:`qjl.kernels.cpu.launch.store_bounds` of blocks and slots (a caller storing several layers at the same
+    :func:`qjl.kernels.cpu.store.store_bounds` of blocks and slots (a caller storing several layers at the same
     positions computes it once); ``memo``: a dict living as long as the fields (e.g.
     :attr:`qjl.kernels.paged.FieldMap.memo`) where the C arguments are kept between calls."""
     store, static = encode_store(jobs, memo)
@@ -196,10 +196,10 @@ def store_cpu(jobs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | N
 
 
 def encode_store(jobs, memo: dict | None = None) -> tuple:
-    """(:class:`qjl.kernels.cpu.launch.EncodeStore`, its static parts) of :func:`store_cpu`'s ``jobs``, built once
+    """(:class:`qjl.kernels.cpu.store.EncodeStore`, its static parts) of :func:`store_cpu`'s ``jobs``, built once
     per jobs' objects (codecs and fields) and kept in ``memo`` (see :func:`store_cpu`); TypeError for a codec the
     CPU quantize kernel does not cover."""
-    from qjl.kernels.cpu import launch
+    from qjl.kernels.cpu.store import EncodeStore
 
     xs = [x for _, x, _, _ in jobs]
     heads = xs[0].shape[-2] if xs and isinstance(xs[0], torch.Tensor) and xs[0].ndim == 3 else 0
@@ -215,14 +215,14 @@ def encode_store(jobs, memo: dict | None = None) -> tuple:
             raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
                             f"got {type(codec).__name__}")
         static.append((p, dense_t(p.matrix), cf, nf))
-    store = launch.EncodeStore(static, heads)
+    store = EncodeStore(static, heads)
     if memo is not None:
         memo[key] = (objs, static, store)  # (the objects kept: their ids stay theirs)
     return store, static
 
 
 def raise_store_error(rc: int, codec, x: torch.Tensor, static) -> None:
-    """Raise the reference's error for a failed job of an :class:`qjl.kernels.cpu.launch.EncodeStore` (status
+    """Raise the reference's error for a failed job of an :class:`qjl.kernels.cpu.store.EncodeStore` (status
     ``rc``, the job's codec, input ``x`` and its entry of :func:`encode_store`'s static parts)."""
     _raise_for(rc, codec, x, static[0])
 

@@ -412,7 +412,7 @@ def _room(role: str, given: dict, wanted: list, sizes: dict, h: int, block_size:
 
 def mix_room(codec, fields: dict, h: int, block_size: int, device) -> tuple:
     """:func:`_field_room` for one codec's :class:`qjl.codecs.views.MixView` alone (its codes read as vectors,
-    :func:`qjl.kernels.cpu.launch.value_rows`): (the largest block index its fields hold, the bounding field's
+    :func:`qjl.kernels.cpu.rows.value_rows`): (the largest block index its fields hold, the bounding field's
     name), memoized on plain values like it.  ValueError where the codec declares no mix view."""
     view = mix_view(codec)
     if view is None:

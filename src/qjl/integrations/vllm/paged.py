@@ -147,7 +147,7 @@ def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, en
                    num_heads: int, token_major: bool = False, out: tuple | None = None, unmix: bool = True):
     """Dequantized keys and values of positions [start, end) of one sequence: [H, end - start, D] float32 each, or
     [end - start, H, D] with ``token_major``.  A codec with a mix view (TurboQuant, token-wise) is read by the C
-    kernel where it loads (:func:`qjl.kernels.cpu.launch.value_rows`: its formula bit for bit, mapped back to the
+    kernel where it loads (:func:`qjl.kernels.cpu.rows.value_rows`: its formula bit for bit, mapped back to the
     model's basis row by row in the same call); others through ``codec.dequantize``.  ``out``: None, or (keys,
     values) token-major fp32 / fp16 / bf16 tensors to write into (returned; token-major then whatever
     ``token_major`` says).  ``unmix=False``: the rows in each codec's own basis (its mix view's, TurboQuant's
@@ -160,15 +160,15 @@ def gather_history(codecs, fields: dict, block_row: torch.Tensor, start: int, en
 def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_size: int, num_heads: int,
                  token_major: bool, out, unmix: bool = True) -> torch.Tensor:
     """One role's vectors of :func:`gather_history` (``fields``: that role's)."""
-    from ...kernels.cpu import launch
+    from ...kernels.cpu import launch, rows as cpu_rows
 
     view = mix_view(codec)
     if not unmix and view is None:
         raise ValueError(f"unmix=False: {type(codec).__name__} has no mix view (no basis of its own to read rows in)")
     if block_row.device.type == "cpu" and view is not None and launch.available():
-        rows = launch.value_rows(codec, fields, block_row, block_size, num_heads, start, end, unmix=unmix, out=out)
+        rows = cpu_rows.value_rows(codec, fields, block_row, block_size, num_heads, start, end, unmix=unmix, out=out)
     elif not unmix:
-        rows = launch.value_rows_reference(codec, fields, block_row, block_size, num_heads, start, end)
+        rows = cpu_rows.value_rows_reference(codec, fields, block_row, block_size, num_heads, start, end)
         if out is not None:
             rows = out.copy_(rows)
     else:

@@ -2,7 +2,7 @@
 
 A chunk after a sequence's first attends to that sequence's history: exact sinks, decoded codes and exact window,
 then its own tokens (:func:`.paged.sequence_kv`, written straight into token-major buffers of the model's dtype; the
-codes decoded by the C kernel's rows, :func:`qjl.kernels.cpu.launch.value_rows`, where it loads: 7.3 -> 3.4 ms of
+codes decoded by the C kernel's rows, :func:`qjl.kernels.cpu.rows.value_rows`, where it loads: 7.3 -> 3.4 ms of
 a 512-token chunk's 35 ms over 3.5k tokens, scratch timing of one layer).  :func:`.paged.paged_attention_reference` runs that through
 torch's float32 SDPA; on the CPU vLLM's native kernel (``cpu_attention_with_kv_cache``, the one its own CPU backend
 calls, in the model's dtype) is about 1.5-1.7x faster on a 512-token chunk of the embedded model (scratch timing

@@ -99,10 +99,10 @@ class StepPlan:
                    eslots.to(dev), token_seqs=seq_of)
 
     def store_bounds(self) -> tuple:
-        """:func:`qjl.kernels.cpu.launch.store_bounds` of the step's code writes (``write_blocks``,
+        """:func:`qjl.kernels.cpu.store.store_bounds` of the step's code writes (``write_blocks``,
         ``write_offsets``), computed once for every layer's store."""
         if "store_bounds" not in self.memo:
-            from qjl.kernels.cpu.launch import store_bounds
+            from qjl.kernels.cpu.store import store_bounds
 
             self.memo["store_bounds"] = store_bounds(self.write_blocks, self.write_offsets)
         return self.memo["store_bounds"]

@@ -4,7 +4,7 @@
  *     r[t, h, c] = zero[t, h, g] + scale[t, h, g] * cent[code[t, h, c]],  g = c / group_size
  * (without a zero point: scale * cent), one float multiply and one add per element, in that order and never
  * fused, so that the result equals the codecs' torch dequantization in their basis bit for bit (the torch
- * reference: qjl.kernels.cpu.launch.value_rows_reference).  With the view's unmix [n, out_dim] the row is mapped
+ * reference: qjl.kernels.cpu.rows.value_rows_reference).  With the view's unmix [n, out_dim] the row is mapped
  * back, o[j] = sum_c r[c] * unmix[c, j] in float32 (c in order, fused multiply-adds), one row at a time while it is in L1 (no
  * [tokens, heads, n] intermediate).  Each row is written in the output's dtype (fp32, or fp16 / bf16 rounded to
  * nearest even as torch's .to(), quantize.c's store_scalar) at byte strides per token and head. */
