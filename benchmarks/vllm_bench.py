@@ -268,7 +268,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-len", type=int, default=8192)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="the model's dtype in the engine (bfloat16: every figure before 2026-11-27; float32 where the "
-                    "CPU has no bf16 arithmetic: on AVX2-only CPUs torch's bf16 GEMMs run ~50x slower than fp32)")
+                    "CPU has no bf16 arithmetic: on AVX2-only CPUs torch's bf16 GEMMs run ~55x slower than fp32)")
     ap.add_argument("--contexts", default="1024,8000", help="decode-speed context lengths, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="decode-speed repetitions per context (median)")
     ap.add_argument("--no-speed", dest="speed", action="store_false")
