@@ -2,6 +2,7 @@
 
 import copy
 import os
+import re
 
 import torch
 
@@ -42,6 +43,9 @@ def codec_pair(name: str, d: int):
         return SplitTurboQuant(d, 2, 4, d // 4, seed=1, norm_dtype="fp8", correct_norm=True), TurboQuantMSE(d, 3, seed=2)
     if name == "qjl-hadamard-tq2":
         return QJLSketch(d, 2 * d, "hadamard", seed=3), TurboQuantMSE(d, 2, seed=2)
+    widths = re.fullmatch(r"tq(\d)-tq(\d)", name)  # any other TurboQuant pair of widths
+    if widths:
+        return TurboQuantMSE(d, int(widths[1]), seed=1), TurboQuantMSE(d, int(widths[2]), seed=2)
     raise ValueError(name)
 
 

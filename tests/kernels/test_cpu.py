@@ -35,6 +35,14 @@ def test_head_dims_and_gqa_rows(d, rows, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", [(1, 4), (2, 3), (3, 2), (4, 1)])  # key / value widths 1-4: the lane-sliced loops
+@pytest.mark.parametrize("d", [64, 192, 72])  # one slab, three, and 72 (not a multiple of 64: the other loops)
+def test_sliced_widths(bits, d, impl):
+    c = Case(f"tq{bits[0]}-tq{bits[1]}", b=2, h=2, rows=5, d=d, n=150, seed=d + bits[0], n_exact=2, ragged=True)
+    close(_run(c, impl, split_tokens=64, threads=2), c.reference(), TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("cuts", [(2,), (0, 2), (1, 3), (0,)])  # segment boundaries: 2 segments (one empty), 3, 1
 def test_exact_segments_read_in_place(dtype, cuts, impl):

@@ -145,6 +145,20 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     const uint8_t **vrows = av ? malloc(sizeof(uint8_t *) * SUB) : NULL;
     if (av) table64(vtab, vtab64);
 #endif
+#if QJL_HAVE_AVX2
+    /* the lane-sliced loops (decode_avx2.c) where the widths and sizes allow: keys read their rows sliced (qsl),
+     * values accumulate o in the sliced order, put back after the last pass */
+    int ks[2] = {0, 0};
+    float *qsl[2] = {NULL, NULL};
+    for (int k = 0; k < a->n_terms; k++) {
+        ks[k] = mode && sliced_ok(a->key[k].bits, a->key[k].n);
+        if (ks[k]) qsl[k] = malloc(sizeof(float) * RW * (size_t)a->key[k].n);
+    }
+    int vs = mode && sliced_ok(v->bits, nv) && !v->has_zero && G == 1;
+#if QJL_HAVE_VNNI
+    vs = vs && !iv;
+#endif
+#endif
     for (int r = 0; r < RW; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     memset(o, 0, sizeof(float) * RW * (size_t)nv);
     int64_t loaded[2] = {-1, -1}; /* block-table column whose query rows each key term holds */
@@ -177,6 +191,9 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                     ak[k] = ak[k] && ik[k];
                     if (ak[k]) amx_key_rows(q8[k], kt->n, qv[k]), amx_load_keys(qv[k], kb[k]), amx_used = 1;
 #endif
+#if QJL_HAVE_AVX2
+                    if (ks[k]) slice_rows(q[k], kt->n, qsl[k]);
+#endif
                     loaded[k] = j;
                 }
                 const uint8_t *codes = at(&kt->codes, blk, it->h, slot);
@@ -190,7 +207,8 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                 else
 #endif
 #if QJL_HAVE_AVX2
-                if (mode) score_avx2(kt, nr, codes, knorm + off, cnt, q[k], logits + off);
+                if (ks[k]) score_sliced(kt, nr, codes, knorm + off, cnt, qsl[k], logits + off);
+                else if (mode) score_avx2(kt, nr, codes, knorm + off, cnt, q[k], logits + off);
                 else
 #endif
                     score_portable(kt, nr, codes, knorm + off, cnt, q[k], logits + off, buf);
@@ -254,7 +272,9 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
 #if QJL_HAVE_AVX2
         if (mode) {
             value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
-            for (int si = 0; si < ns; si++) mix_avx2(v, nr, sp_v[si], sp_cnt[si], pw + sp_off[si], o);
+            for (int si = 0; si < ns; si++)
+                if (vs) mix_sliced(v, nr, sp_v[si], sp_cnt[si], pw + sp_off[si], o);
+                else mix_avx2(v, nr, sp_v[si], sp_cnt[si], pw + sp_off[si], o);
         } else
 #endif
             for (int si = 0; si < ns; si++)
@@ -262,6 +282,10 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                              logits + sp_off[si], o, zsum, buf);
     }
     free(cur);
+#if QJL_HAVE_AVX2
+    if (vs) unslice_rows(o, nv, buf);
+    for (int k = 0; k < a->n_terms; k++) free(qsl[k]);
+#endif
     if (v->has_zero)
         for (int r = 0; r < RW; r++)
             for (int64_t c = 0; c < nv; c++) o[r * nv + c] += zsum[r * G + c / v->group_size];
