@@ -26,6 +26,8 @@ from qjl.kernels.paged import PagedField
 CODECS = {  # (keys, values) as the presets build them at d = 128 (their first-half layers)
     "tq-k3v2": lambda d: (TurboQuantMSE(d, 3, correct_norm=True), TurboQuantMSE(d, 2, correct_norm=True, norm_dtype="fp8")),
     "tq-k45v3": lambda d: (TurboQuantMSE(d, 4, correct_norm=True), TurboQuantMSE(d, 3, correct_norm=True)),
+    # the default preset's layers 15-29 (5-bit keys); "tq-k45v3" above is its layers 0-14
+    "tq-k5v3": lambda d: (TurboQuantMSE(d, 5, correct_norm=True), TurboQuantMSE(d, 3, correct_norm=True)),
     "qjl-m256-u2": lambda d: (QJLSketch(d, 2 * d), TokenwiseQuantizer(d, 2)),
 }
 

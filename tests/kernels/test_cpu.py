@@ -35,8 +35,9 @@ def test_head_dims_and_gqa_rows(d, rows, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("bits", [(1, 4), (2, 3), (3, 2), (4, 1)])  # key / value widths 1-4: the lane-sliced loops
-@pytest.mark.parametrize("d", [64, 192, 72])  # one slab, three, and 72 (not a multiple of 64: the other loops)
+@pytest.mark.parametrize("bits", [(1, 4), (2, 3), (3, 2), (4, 1), (5, 2), (3, 5)])  # key / value widths 1-5: the
+# lane-sliced loops (slabs of 64 codes, 32 at 5 bits)
+@pytest.mark.parametrize("d", [64, 192, 72, 96])  # one slab, three, 72 (the other loops), 96 (5 bits: three slabs)
 def test_sliced_widths(bits, d, impl):
     c = Case(f"tq{bits[0]}-tq{bits[1]}", b=2, h=2, rows=5, d=d, n=150, seed=d + bits[0], n_exact=2, ragged=True)
     close(_run(c, impl, split_tokens=64, threads=2), c.reference(), TOL)

@@ -192,7 +192,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                     if (ak[k]) amx_key_rows(q8[k], kt->n, qv[k]), amx_load_keys(qv[k], kb[k]), amx_used = 1;
 #endif
 #if QJL_HAVE_AVX2
-                    if (ks[k]) slice_rows(q[k], kt->n, qsl[k]);
+                    if (ks[k]) slice_rows(q[k], kt->n, kt->bits, qsl[k]);
 #endif
                     loaded[k] = j;
                 }
@@ -283,7 +283,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     }
     free(cur);
 #if QJL_HAVE_AVX2
-    if (vs) unslice_rows(o, nv, buf);
+    if (vs) unslice_rows(o, nv, v->bits, buf);
     for (int k = 0; k < a->n_terms; k++) free(qsl[k]);
 #endif
     if (v->has_zero)

@@ -204,37 +204,43 @@ QJL_AVX2 static void mix_avx2(const qjl_value_view *v, int nr, const uint8_t *co
     QJL_BY_ROWS(mix_avx2_, v, codes, count, pw, acc)
 }
 
-/* Lane-sliced traversal for codes of b <= 4 bits when a vector's n codes are a multiple of 64 (every head size that
- * is a multiple of 64; the others take the loops above).  A slab of 64 codes is 8b bytes; one 256-bit register holds
- * in lane i the codes 8i .. 8i + 7 of the slab (slab_load: b = 1 vpmovzxbd, 2 vpmovzxwd, 3 vpshufb of 24 bytes, 4 a
- * plain load; never a byte past the slab), and shifting all lanes right by kk * b puts code 8i + kk at the low bits
- * of lane i: register kk of slab s holds coordinates s * 64 + 8i + kk.  Keys read query rows permuted the same way
- * (slice_rows), values accumulate in that order and are put back at the end of a work item (unslice_rows).  Per 8
- * codes it saves the word's broadcast and the variable shift of unpack8 (one immediate shift instead), and b <= 2
- * looks up with the in-lane vpermilps: per token (d = 128, 4 query rows, one thread, the AVX2-only AMD EPYC of
- * 2026-11-27) 3-bit keys 75 -> 56 ns and 2-bit values 75 -> 52 ns in a scratch microbenchmark.  The same products
- * as unpack8's loops, summed in another order (float rounding only). */
-#define SLICE 64
+/* Lane-sliced traversal for codes of b <= 5 bits when a vector's n codes are a multiple of the slab (64 codes for
+ * b <= 4, 32 for b = 5; the other sizes take the loops above).  One 256-bit register holds a slab, L = slab / 8
+ * codes per 32-bit lane: lane i the codes L*i .. L*i + L - 1 (slab_load: b = 1 vpmovzxbd, 2 vpmovzxwd, 3 vpshufb of
+ * 24 bytes, 4 a plain load, 5 vpshufb of 20 bytes and a shift of the odd lanes by 4; never a byte past the slab),
+ * and shifting all lanes right by kk * b puts code L*i + kk at the low bits of lane i: register kk of slab s holds
+ * coordinates s * slab + L*i + kk.  Keys read query rows permuted the same way (slice_rows), values accumulate in
+ * that order and are put back at the end of a work item (unslice_rows).  Per 8 codes it saves the word's
+ * broadcast and the variable shift of unpack8 (one immediate shift instead), and b <= 2 looks up with the in-lane
+ * vpermilps: per token (d = 128, 4 query rows, one thread, the AVX2-only AMD EPYC of 2026-11-27) 3-bit keys 75 -> 56
+ * ns and 2-bit values 75 -> 52 ns in a scratch microbenchmark.  The same products as unpack8's loops, summed in
+ * another order (float rounding only). */
+static inline int slab_codes(int bits) { return bits == 5 ? 32 : 64; }
 
-static int sliced_ok(int bits, int64_t n) { return bits >= 1 && bits <= 4 && n > 0 && n % SLICE == 0; }
+static int sliced_ok(int bits, int64_t n) { return bits >= 1 && bits <= 5 && n > 0 && n % slab_codes(bits) == 0; }
 
-/* q [RW][n] -> qs [RW][n]: qs[r][s*64 + 8kk + i] = q[r][s*64 + 8i + kk]; unslice_rows is its inverse */
-static void slice_rows(const float *q, int64_t n, float *qs) {
+/* q [RW][n] -> qs [RW][n]: qs[r][s + 8kk + i] = q[r][s + L i + kk] for each slab s (L codes per lane);
+ * unslice_rows is its inverse */
+static void slice_rows(const float *q, int64_t n, int bits, float *qs) {
+    const int S = slab_codes(bits), L = S / 8;
     for (int r = 0; r < RW; r++)
-        for (int64_t s = 0; s < n; s += SLICE)
-            for (int kk = 0; kk < 8; kk++)
-                for (int i = 0; i < 8; i++) qs[r * n + s + 8 * kk + i] = q[r * n + s + 8 * i + kk];
+        for (int64_t s = 0; s < n; s += S)
+            for (int kk = 0; kk < L; kk++)
+                for (int i = 0; i < 8; i++) qs[r * n + s + 8 * kk + i] = q[r * n + s + L * i + kk];
 }
 
-static void unslice_rows(float *o, int64_t n, float *tmp) {
+static void unslice_rows(float *o, int64_t n, int bits, float *tmp) {
+    const int S = slab_codes(bits), L = S / 8;
     for (int r = 0; r < RW; r++) {
         memcpy(tmp, o + r * n, sizeof(float) * (size_t)n);
-        for (int64_t s = 0; s < n; s += SLICE)
-            for (int kk = 0; kk < 8; kk++)
-                for (int i = 0; i < 8; i++) o[r * n + s + 8 * i + kk] = tmp[s + 8 * kk + i];
+        for (int64_t s = 0; s < n; s += S)
+            for (int kk = 0; kk < L; kk++)
+                for (int i = 0; i < 8; i++) o[r * n + s + L * i + kk] = tmp[s + 8 * kk + i];
     }
 }
 
+/* the slab at p in lanes, code L*i + kk of the slab at bit kk * bits of lane i (bits above the lane's codes: zero,
+ * or for b = 5 the next lane's first bits) */
 QJL_AVX2 static inline __attribute__((always_inline)) __m256i slab_load(const uint8_t *p, const int bits) {
     if (bits == 1) return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     if (bits == 2) return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -245,6 +251,14 @@ QJL_AVX2 static inline __attribute__((always_inline)) __m256i slab_load(const ui
                                                   _mm_loadu_si128((const __m128i *)(p + 8)), 1);
         return _mm256_shuffle_epi8(x, spread);
     }
+    if (bits == 5) { /* lane i: bits 20i .. 20i + 19, from byte 20i / 8 on (odd lanes then 4 bits further):
+                        lanes 0-3 from bytes 0-9 (a load at p), lanes 4-7 from bytes 10-19 (a load at p + 4) */
+        const __m256i spread = _mm256_setr_epi8(0, 1, 2, -1, 2, 3, 4, -1, 5, 6, 7, -1, 7, 8, 9, -1,
+                                                6, 7, 8, -1, 8, 9, 10, -1, 11, 12, 13, -1, 13, 14, 15, -1);
+        const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                                  _mm_loadu_si128((const __m128i *)(p + 4)), 1);
+        return _mm256_srlv_epi32(_mm256_shuffle_epi8(x, spread), _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+    }
     return _mm256_loadu_si256((const __m256i *)p);
 }
 
@@ -253,9 +267,12 @@ QJL_AVX2 static inline __attribute__((always_inline)) __m256 slab_lookup(const _
                                                                       const unpack8_t *u) {
     if (bits <= 2) return _mm256_permutevar_ps(u->lo, idx); /* the table repeats in each 128-bit lane */
     __m256 v = _mm256_permutevar8x32_ps(u->lo, idx);
-    if (bits == 4)
-        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(u->hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
-    return v;
+    if (bits == 3) return v;
+    const __m256 b3 = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+    v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(u->hi, idx), b3);
+    if (bits == 4) return v;
+    const __m256 v1 = _mm256_blendv_ps(_mm256_permutevar8x32_ps(u->lo2, idx), _mm256_permutevar8x32_ps(u->hi2, idx), b3);
+    return _mm256_blendv_ps(v, v1, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 27)));
 }
 
 QJL_AVX2 static inline __attribute__((always_inline)) void score_sliced_(const int bits, const int nr,
@@ -263,7 +280,8 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_sliced_(const i
                                                                       const float *norm, int64_t count,
                                                                       const float *qs, float *logits) {
     const unpack8_t u = unpack_setup(bits, k->cent);
-    const int64_t n = k->n, slabs = n / SLICE, cs = k->codes.stride_token;
+    const int S = slab_codes(bits), L = S / 8, sb = S * bits / 8; /* codes, codes per lane, bytes per slab */
+    const int64_t n = k->n, slabs = n / S, cs = k->codes.stride_token;
     float s[8];
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
@@ -272,9 +290,9 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_sliced_(const i
         __m256 a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
         for (int64_t sl = 0; sl < slabs; sl++) {
-            __m256i x0 = slab_load(r0 + sl * 8 * bits, bits), x1 = slab_load(r1 + sl * 8 * bits, bits);
-            const float *qk = qs + sl * SLICE;
-            for (int kk = 0; kk < 8; kk++, qk += 8) {
+            __m256i x0 = slab_load(r0 + sl * sb, bits), x1 = slab_load(r1 + sl * sb, bits);
+            const float *qk = qs + sl * S;
+            for (int kk = 0; kk < L; kk++, qk += 8) {
                 const __m256 v0 = slab_lookup(x0, bits, &u), v1 = slab_lookup(x1, bits, &u);
                 x0 = _mm256_srli_epi32(x0, bits), x1 = _mm256_srli_epi32(x1, bits);
                 for (int r = 0; r < nr; r++) {
@@ -294,19 +312,20 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_sliced_(const i
     }
 }
 
-#define QJL_BY_BITS4(F, NR, ...)                                                                                        \
+#define QJL_BY_BITS5(F, NR, ...)                                                                                        \
     switch (bits) {                                                                                                    \
     case 1: F(1, NR, __VA_ARGS__); break;                                                                              \
     case 2: F(2, NR, __VA_ARGS__); break;                                                                              \
     case 3: F(3, NR, __VA_ARGS__); break;                                                                              \
-    default: F(4, NR, __VA_ARGS__); break;                                                                             \
+    case 4: F(4, NR, __VA_ARGS__); break;                                                                              \
+    default: F(5, NR, __VA_ARGS__); break;                                                                             \
     }
 
 /* keys of sliced_ok(bits, n): qs the query rows through slice_rows */
 QJL_AVX2 static void score_sliced(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm,
                                   int64_t count, const float *qs, float *logits) {
     const int bits = k->bits;
-    QJL_ROWS_OF(QJL_BY_BITS4, score_sliced_, k, codes, norm, count, qs, logits)
+    QJL_ROWS_OF(QJL_BY_BITS5, score_sliced_, k, codes, norm, count, qs, logits)
 }
 
 /* values of sliced_ok(bits, n) with one scale group and no zero points: acc [RW][n] in the sliced order */
@@ -314,13 +333,14 @@ QJL_AVX2 static inline __attribute__((always_inline)) void mix_sliced_(const int
                                                                     const qjl_value_view *v, const uint8_t *codes,
                                                                     int64_t count, const float *pw, float *acc) {
     const unpack8_t u = unpack_setup(bits, v->cent);
+    const int S = slab_codes(bits), L = S / 8, sb = S * bits / 8;
     const int64_t n = v->n, cs = v->codes.stride_token;
-    for (int64_t sl = 0; sl < n / SLICE; sl++) {
-        for (int kk = 0; kk < 8; kk += 2) {
-            float *dst = acc + sl * SLICE + 8 * kk;
+    for (int64_t sl = 0; sl < n / S; sl++) {
+        for (int kk = 0; kk < L; kk += 2) {
+            float *dst = acc + sl * S + 8 * kk;
             __m256 a[2 * RW];
             for (int r = 0; r < nr; r++) a[r] = _mm256_loadu_ps(dst + r * n), a[RW + r] = _mm256_loadu_ps(dst + r * n + 8);
-            const uint8_t *src = codes + sl * 8 * bits;
+            const uint8_t *src = codes + sl * sb;
             for (int64_t i = 0; i < count; i++, src += cs) {
                 if (sl == 0 && kk == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0);
                 const __m256i x = _mm256_srli_epi32(slab_load(src, bits), kk * bits);
@@ -339,7 +359,7 @@ QJL_AVX2 static inline __attribute__((always_inline)) void mix_sliced_(const int
 QJL_AVX2 static void mix_sliced(const qjl_value_view *v, int nr, const uint8_t *codes, int64_t count, const float *pw,
                                 float *acc) {
     const int bits = v->bits;
-    QJL_ROWS_OF(QJL_BY_BITS4, mix_sliced_, v, codes, count, pw, acc)
+    QJL_ROWS_OF(QJL_BY_BITS5, mix_sliced_, v, codes, count, pw, acc)
 }
 #else
 #define QJL_HAVE_AVX2 0
