@@ -7,8 +7,8 @@
  * accumulate in 8 FMA registers, reduced together by one horizontal-add tree.  Values: per 16 coordinates
  * the 4 rows' accumulators stay in registers over a whole pass of tokens, one FMA per token, row and 8
  * coordinates with the weight p * scale (weights [groups][4 rows][tokens]).  Words are read with exact-size copies at a row's last group, so
- * nothing past a token's codes is read.  Codes of 1-4 bits at sizes that are multiples of 64 take the lane-sliced
- * loops at the end of this file instead (score_sliced, mix_sliced). */
+ * nothing past a token's codes is read.  Codes of 1-5 bits at sizes that are multiples of 64 (32 for 5 bits) take
+ * the lane-sliced loops at the end of this file instead (score_sliced, mix_sliced). */
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define QJL_HAVE_AVX2 1
