@@ -192,7 +192,11 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                     if (ak[k]) amx_key_rows(q8[k], kt->n, qv[k]), amx_load_keys(qv[k], kb[k]), amx_used = 1;
 #endif
 #if QJL_HAVE_AVX2
-                    if (ks[k]) slice_rows(q[k], kt->n, kt->bits, qsl[k]);
+                    int slice = ks[k];
+#if QJL_HAVE_VNNI
+                    slice = slice && !ik[k]; /* the integer path scores this term (ik stays 0 once cleared) */
+#endif
+                    if (slice) slice_rows(q[k], kt->n, kt->bits, qsl[k]);
 #endif
                     loaded[k] = j;
                 }

@@ -90,12 +90,24 @@ QJL_AVX2 static inline __attribute__((always_inline)) __m256 hsum8x8(const __m25
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* logits of tokens i and i + 1 (if i + 1 < count) from their rows' accumulators a[0..nr), a[4..4 + nr), times norms */
+QJL_AVX2 static inline __attribute__((always_inline)) void add_pair(const __m256 *a, const int nr, const float *norm,
+                                                                 int64_t i, int64_t count, float *logits) {
+    float s[8];
+    _mm256_storeu_ps(s, hsum8x8(a));
+    const float n0 = norm[i];
+    for (int r = 0; r < nr; r++) logits[r * SUB + i] += s[r] * n0;
+    if (i + 1 < count) {
+        const float n1 = norm[i + 1];
+        for (int r = 0; r < nr; r++) logits[r * SUB + i + 1] += s[4 + r] * n1;
+    }
+}
+
 QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int bits, const int nr, const qjl_key_term *k,
                                                                     const uint8_t *codes, const float *norm,
                                                                     int64_t count, const float *q, float *logits) {
     const unpack8_t u = unpack_setup(bits, k->cent);
     const int64_t n = k->n, groups = n / 8, cs = k->codes.stride_token;
-    float s[8];
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
         _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0); /* (decode_vnni.c's distances) */
@@ -119,13 +131,7 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
                 a[4 + r] = _mm256_fmadd_ps(v1, qr, a[4 + r]);
             }
         }
-        _mm256_storeu_ps(s, hsum8x8(a));
-        const float n0 = norm[i];
-        for (int r = 0; r < nr; r++) logits[r * SUB + i] += s[r] * n0;
-        if (i + 1 < count) {
-            const float n1 = norm[i + 1];
-            for (int r = 0; r < nr; r++) logits[r * SUB + i + 1] += s[4 + r] * n1;
-        }
+        add_pair(a, nr, norm, i, count, logits);
     }
 }
 
@@ -150,6 +156,16 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
     default: BY_BITS(F, 4, __VA_ARGS__) break;                                                                         \
     }
 #define QJL_BY_ROWS(F, ...) QJL_ROWS_OF(QJL_BY_BITS, F, __VA_ARGS__)
+/* widths 1-5 (the lane-sliced loops here, decode_vnni.c's integer path) */
+#define QJL_BY_BITS5(F, NR, ...)                                                                                        \
+    switch (bits) {                                                                                                    \
+    case 1: F(1, NR, __VA_ARGS__); break;                                                                              \
+    case 2: F(2, NR, __VA_ARGS__); break;                                                                              \
+    case 3: F(3, NR, __VA_ARGS__); break;                                                                              \
+    case 4: F(4, NR, __VA_ARGS__); break;                                                                              \
+    default: F(5, NR, __VA_ARGS__); break;                                                                             \
+    }
+#define QJL_BY_ROWS5(F, ...) QJL_ROWS_OF(QJL_BY_BITS5, F, __VA_ARGS__)
 
 QJL_AVX2 static void score_avx2(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
                                 const float *q, float *logits) {
@@ -282,7 +298,6 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_sliced_(const i
     const unpack8_t u = unpack_setup(bits, k->cent);
     const int S = slab_codes(bits), L = S / 8, sb = S * bits / 8; /* codes, codes per lane, bytes per slab */
     const int64_t n = k->n, slabs = n / S, cs = k->codes.stride_token;
-    float s[8];
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
         _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0);
@@ -302,30 +317,16 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_sliced_(const i
                 }
             }
         }
-        _mm256_storeu_ps(s, hsum8x8(a));
-        const float n0 = norm[i];
-        for (int r = 0; r < nr; r++) logits[r * SUB + i] += s[r] * n0;
-        if (i + 1 < count) {
-            const float n1 = norm[i + 1];
-            for (int r = 0; r < nr; r++) logits[r * SUB + i + 1] += s[4 + r] * n1;
-        }
+        add_pair(a, nr, norm, i, count, logits);
     }
 }
 
-#define QJL_BY_BITS5(F, NR, ...)                                                                                        \
-    switch (bits) {                                                                                                    \
-    case 1: F(1, NR, __VA_ARGS__); break;                                                                              \
-    case 2: F(2, NR, __VA_ARGS__); break;                                                                              \
-    case 3: F(3, NR, __VA_ARGS__); break;                                                                              \
-    case 4: F(4, NR, __VA_ARGS__); break;                                                                              \
-    default: F(5, NR, __VA_ARGS__); break;                                                                             \
-    }
 
 /* keys of sliced_ok(bits, n): qs the query rows through slice_rows */
 QJL_AVX2 static void score_sliced(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm,
                                   int64_t count, const float *qs, float *logits) {
     const int bits = k->bits;
-    QJL_ROWS_OF(QJL_BY_BITS5, score_sliced_, k, codes, norm, count, qs, logits)
+    QJL_BY_ROWS5(score_sliced_, k, codes, norm, count, qs, logits)
 }
 
 /* values of sliced_ok(bits, n) with one scale group and no zero points: acc [RW][n] in the sliced order */
@@ -359,7 +360,7 @@ QJL_AVX2 static inline __attribute__((always_inline)) void mix_sliced_(const int
 QJL_AVX2 static void mix_sliced(const qjl_value_view *v, int nr, const uint8_t *codes, int64_t count, const float *pw,
                                 float *acc) {
     const int bits = v->bits;
-    QJL_ROWS_OF(QJL_BY_BITS5, mix_sliced_, v, codes, count, pw, acc)
+    QJL_BY_ROWS5(mix_sliced_, v, codes, count, pw, acc)
 }
 #else
 #define QJL_HAVE_AVX2 0

@@ -191,15 +191,6 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
     add_dots(nr, count, dots, norm, mul, off, logits);
 }
 
-#define QJL_BY_BITS5(F, NR, ...)                                                                                        \
-    switch (bits) {                                                                                                    \
-    case 1: F(1, NR, __VA_ARGS__); break;                                                                              \
-    case 2: F(2, NR, __VA_ARGS__); break;                                                                              \
-    case 3: F(3, NR, __VA_ARGS__); break;                                                                              \
-    case 4: F(4, NR, __VA_ARGS__); break;                                                                              \
-    default: F(5, NR, __VA_ARGS__); break;                                                                             \
-    }
-#define QJL_BY_ROWS5(F, ...) QJL_ROWS_OF(QJL_BY_BITS5, F, __VA_ARGS__) /* decode_avx2.c's row dispatch */
 
 QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
                                 const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
