@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 
+from qjl.integrations.transformers.names import cache_kwargs
+
 def _spearman(a, b) -> float:
     ra = torch.tensor(a).argsort().argsort().double()
     rb = torch.tensor(b).argsort().argsort().double()
@@ -65,7 +67,7 @@ def rank(model, tok, text, context, score, smooth) -> dict:
     ids, _ = load_text_ids(tok, text, setup.tokens)
     auto_cfg = QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth)
     cache = QJLCache(model, auto_cfg)
-    model(ids[:context].unsqueeze(0), past_key_values=cache)
+    model(ids[:context].unsqueeze(0), **cache_kwargs(cache))
     stores = [layer.store for layer in cache.layers if hasattr(layer, "store")]
     stats = [s.auto_stats for s in stores]
     ref_m, ref = evaluate_method(model, ids, setup, None)
@@ -110,7 +112,7 @@ def cost(model, tok, text, context, repeats, smooth) -> dict:
                               (QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth), auto)):
                 spent.append(0.0)
                 t = time.perf_counter()
-                model(ids, past_key_values=QJLCache(model, cfg))
+                model(ids, **cache_kwargs(QJLCache(model, cfg)))
                 sink.append(time.perf_counter() - t)
             share.append(spent[-1] / auto[-1])
     finally:

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+
+from qjl.integrations.transformers.names import cache_kwargs
 HQ, HKV, D = 32, 8, 128
 PRESETS = ("tq-k3v2", "tq-k45v3", "qjl-paper")
 
@@ -230,7 +232,7 @@ def _generate(model, cache, ids, context: int, new_tokens: int, device) -> tuple
     t0 = time.perf_counter()
     out = None
     for s in range(0, context, 4096):
-        out = model(ids[:, s:s + 4096], past_key_values=cache, use_cache=True)
+        out = model(ids[:, s:s + 4096], **cache_kwargs(cache), use_cache=True)
     nxt = out.logits[:, -1:].argmax(-1)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -238,7 +240,7 @@ def _generate(model, cache, ids, context: int, new_tokens: int, device) -> tuple
     steps, toks = [], []
     for _ in range(new_tokens):
         t = time.perf_counter()
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, **cache_kwargs(cache), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         toks.append(int(nxt))  # .item() synchronizes
         steps.append(time.perf_counter() - t)
@@ -287,7 +289,7 @@ def part_e2e(device, context, new_tokens, layers, log) -> list:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                out = model(nxt, past_key_values=cache, use_cache=True)
+                out = model(nxt, **cache_kwargs(cache), use_cache=True)
                 torch.cuda.synchronize()
             for key in ("self_cpu_time_total", "self_cuda_time_total"):
                 log(f"e2e {method} one step by {key}:\n" + prof.key_averages().table(

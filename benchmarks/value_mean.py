@@ -17,6 +17,8 @@ import argparse
 import torch
 
 
+from qjl.integrations.transformers.names import cache_kwargs
+
 def prompt_record(argv=None, doc: str = __doc__) -> tuple:
     """The options ``--text``, ``--tokens``, ``--threads`` parsed from ``argv`` (``doc``: the script's docstring, for
     ``--help``), then one full-precision prefill of the text: (options, the prefill's ``DynamicCache``, {layer: (its
@@ -41,7 +43,7 @@ def prompt_record(argv=None, doc: str = __doc__) -> tuple:
     queries = {}
     with recording_queries(lambda layer, q, mask, scaling, softcap: queries.setdefault(layer, (q[:, :, -64:], scaling))):
         cache = DynamicCache()
-        model(ids[None], past_key_values=cache, use_cache=True)
+        model(ids[None], **cache_kwargs(cache), use_cache=True)
     return a, cache, queries
 
 

@@ -31,7 +31,7 @@ _PUBLIC = {
     "CodecSpec": "qjl.cache.config", "QJLConfig": "qjl.cache.config",
     "PRESETS": "qjl.cache.presets", "DEFAULT_PRESET": "qjl.cache.presets",
     "QJLCache": "qjl.integrations.transformers.cache", "patch_attention": "qjl.integrations.transformers.attention",
-    "load_model": "qjl.tools.models",
+    "load_model": "qjl.tools.models", "cache_kwargs": "qjl.integrations.transformers.names",
 }
 __all__ = sorted(_PUBLIC)
 

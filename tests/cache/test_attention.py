@@ -10,6 +10,7 @@ from qjl import kernels
 from qjl.cache.attention import attend
 from qjl.cache.config import QJLConfig
 from qjl.cache.storage import LayerStore
+from qjl.integrations.transformers.names import cache_kwargs
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="the C kernels do not build here")
 
@@ -88,7 +89,7 @@ def test_cache_picks_cpu_kernel_and_matches_torch_path(monkeypatch, key):
     cfg = QJLConfig(key=CodecSpec(name, params, per_dim=per_dim), value=CodecSpec("uniform", {"bits": 4}),
                     residual_length=8, flush_block=4)
     cache = QJLCache(model, cfg)
-    tok = model(batch, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+    tok = model(batch, attention_mask=mask, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
     ref = copy.deepcopy(cache)
     for layer in ref.layers:
         if isinstance(layer, QJLCacheLayer):
@@ -96,8 +97,8 @@ def test_cache_picks_cpu_kernel_and_matches_torch_path(monkeypatch, key):
     assert cache.layers[0].store.backend == "cpu" and cache.layers[0].store.kernel_ok
     for _ in range(6):
         mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-        got = model(tok, attention_mask=mask, past_key_values=cache).logits
-        want = model(tok, attention_mask=mask, past_key_values=ref).logits
+        got = model(tok, attention_mask=mask, **cache_kwargs(cache)).logits
+        want = model(tok, attention_mask=mask, **cache_kwargs(ref)).logits
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
         tok = want[:, -1:].argmax(-1)
     assert calls and set(calls) == {"cpu"}  # the kernel served the decode steps; the copy used the reference
@@ -114,7 +115,7 @@ def test_unavailable_kernel_is_refused_before_anything_is_stored(monkeypatch):
     qjl.patch_attention(model)
     cache = QJLCache(model, QJLConfig(kernel="triton"))
     with pytest.raises(ValueError, match="kernel='triton' needs"):
-        model(torch.randint(3, 96, (1, 8)), past_key_values=cache)
+        model(torch.randint(3, 96, (1, 8)), **cache_kwargs(cache))
     assert cache.get_seq_length() == 0 and not cache.layers[0].is_initialized
 
 

@@ -39,12 +39,12 @@ SCRIPT = textwrap.dedent("""
     ids = torch.tensor([[(5 * j + 11) % 90 + 3 for j in range(48)]])
     cache = qjl.QJLCache(model, cfg)
     with torch.no_grad():
-        gen = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
+        gen = model.generate(ids, **qjl.cache_kwargs(cache), max_new_tokens=12, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)
         # auto widths: each layer's error terms summed over the ranks' heads, so every rank chooses alike
         auto = qjl.QJLCache(model, qjl.QJLConfig.auto(4.0, residual_length=8, flush_block=4, kernel="torch",
                                                       exact_dtype=None))
-        model(torch.tensor([[(7 * j + 5) % 90 + 3 for j in range(400)]]), past_key_values=auto)
+        model(torch.tensor([[(7 * j + 5) % 90 + 3 for j in range(400)]]), **qjl.cache_kwargs(auto))
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         json.dump({{"tokens": gen.sequences[0].tolist(), "scores": [s[0].tolist() for s in gen.scores],

@@ -7,6 +7,7 @@ from transformers import DynamicCache
 import qjl
 from qjl import CodecSpec, QJLCache, QJLConfig
 from qjl.integrations.transformers.layer import QJLCacheLayer
+from qjl.integrations.transformers.names import cache_kwargs
 from cache_state import same, state
 from tiny_models import tiny_model
 
@@ -32,9 +33,9 @@ def _prompt(n=40, batch=1, seed=1):
 def test_generous_config_generates_like_full_precision(arch, head_dim):
     model = _patched(arch, head_dim=head_dim)
     ids = _prompt()
-    ref = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, **cache_kwargs(DynamicCache(config=model.config)))
     cache = QJLCache(model, GENEROUS)
-    out = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, **cache_kwargs(cache))
     assert torch.equal(out, ref)
     full = [layer for layer in cache.layers if isinstance(layer, QJLCacheLayer)]
     assert full and all(layer.store.key_codes is not None for layer in full)  # compression really happened
@@ -57,12 +58,13 @@ CODEC_SPECS = [
 def test_every_key_codec_runs_and_stays_close(spec, arch):
     model = _patched(arch)
     ids = _prompt(48)
-    ref = model(ids[:, :40], past_key_values=DynamicCache(config=model.config))
-    ref_next = model(ids[:, 40:], past_key_values=ref.past_key_values).logits
+    exact = DynamicCache(config=model.config)
+    model(ids[:, :40], **cache_kwargs(exact))
+    ref_next = model(ids[:, 40:], **cache_kwargs(exact)).logits
     cfg = QJLConfig(key=spec, value=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4)
     cache = QJLCache(model, cfg)
-    model(ids[:, :40], past_key_values=cache)
-    got = model(ids[:, 40:], past_key_values=cache).logits
+    model(ids[:, :40], **cache_kwargs(cache))
+    got = model(ids[:, 40:], **cache_kwargs(cache)).logits
     assert got.shape == ref_next.shape and torch.isfinite(got).all()
     p, q = torch.softmax(ref_next, -1), torch.log_softmax(got, -1)
     kl = (p * (p.log() - q)).sum(-1).mean()
@@ -78,8 +80,8 @@ def test_score_paths_agree():
         cfg = QJLConfig(key=CodecSpec("qjl", {}, per_dim={"sketch_dim": 2.0}), residual_length=8, flush_block=4,
                         score_path=path, kernel="torch")
         cache = QJLCache(model, cfg)
-        model(ids[:, :32], past_key_values=cache)
-        outs.append(model(ids[:, 32:], past_key_values=cache).logits)
+        model(ids[:, :32], **cache_kwargs(cache))
+        outs.append(model(ids[:, 32:], **cache_kwargs(cache)).logits)
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
 
 
@@ -88,13 +90,13 @@ def test_chunked_prefill():
     ids = _prompt(48)
     # with the whole prompt inside the exact window, chunking changes nothing
     wide = QJLConfig(residual_length=64, exact_dtype=None)
-    one = model(ids, past_key_values=QJLCache(model, wide)).logits
+    one = model(ids, **cache_kwargs(QJLCache(model, wide))).logits
     cache = QJLCache(model, wide)
-    parts = [model(ids[:, s:s + 16], past_key_values=cache).logits for s in range(0, 48, 16)]
+    parts = [model(ids[:, s:s + 16], **cache_kwargs(cache)).logits for s in range(0, 48, 16)]
     assert torch.allclose(torch.cat(parts, 1), one, atol=1e-5)
     # with compression, later chunks attend to the compressed history: close, and they do read the codes
     cache = QJLCache(model, GENEROUS)
-    parts = [model(ids[:, s:s + 16], past_key_values=cache).logits for s in range(0, 48, 16)]
+    parts = [model(ids[:, s:s + 16], **cache_kwargs(cache)).logits for s in range(0, 48, 16)]
     assert torch.allclose(torch.cat(parts, 1), one, atol=2e-2)
     assert cache.layers[0].store.key_codes is not None
 
@@ -110,7 +112,7 @@ def _padded_generate(model, cfg, a, b, new: int):
     batch = torch.stack([a, torch.cat([torch.zeros(pad, dtype=torch.long), b])])
     mask = torch.stack([torch.ones(a.numel()), torch.cat([torch.zeros(pad), torch.ones(b.numel())])]).long()
     cache = QJLCache(model, cfg)
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=new, do_sample=False, past_key_values=cache)
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=new, do_sample=False, **cache_kwargs(cache))
     return out, cache
 
 
@@ -128,7 +130,7 @@ def test_padded_batch_equals_rows_alone(arch):
     assert torch.equal(store.row_start.cpu(), torch.tensor([0, 13]))
     for row, ids in enumerate((a, b)):
         alone = model.generate(ids[None], max_new_tokens=64, do_sample=False,
-                               past_key_values=QJLCache(model, NEAR_LOSSLESS))
+                               **cache_kwargs(QJLCache(model, NEAR_LOSSLESS)))
         assert torch.equal(out[row, -64:], alone[0, -64:]), (row, out[row, -64:], alone[0, -64:])
 
 
@@ -144,7 +146,7 @@ def test_heavy_tokens_in_a_padded_batch_equal_rows_alone():
     assert store.n_sink == 6 and store.slot_order is not None
     for row, ids in enumerate((a, b)):
         alone = QJLCache(model, cfg)
-        got = model.generate(ids[None], max_new_tokens=16, do_sample=False, past_key_values=alone)
+        got = model.generate(ids[None], max_new_tokens=16, do_sample=False, **cache_kwargs(alone))
         assert torch.equal(out[row, -16:], got[0, -16:])
         mine = alone.layers[0].store
         pad = 9 * row
@@ -159,13 +161,13 @@ def test_crop_then_continue_equals_never_seen():
         cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), residual_length=8, flush_block=4,
                         heavy_tokens=heavy)
         a, b = QJLCache(model, cfg), QJLCache(model, cfg)
-        model(ids[:, :40], past_key_values=a)
-        model(ids[:, 40:50], past_key_values=a)
+        model(ids[:, :40], **cache_kwargs(a))
+        model(ids[:, 40:50], **cache_kwargs(a))
         a.crop(-10)
         assert a.get_seq_length() == 40
-        model(ids[:, :40], past_key_values=b)
-        la = model(ids[:, 50:52], past_key_values=a).logits
-        lb = model(ids[:, 50:52], past_key_values=b).logits
+        model(ids[:, :40], **cache_kwargs(b))
+        la = model(ids[:, 50:52], **cache_kwargs(a)).logits
+        lb = model(ids[:, 50:52], **cache_kwargs(b)).logits
         assert torch.allclose(la, lb, atol=1e-6)
         if heavy:  # the heavy tokens' slots are reordered: a crop below them is refused, nothing changes
             with pytest.raises(ValueError, match="heavy tokens"):
@@ -181,20 +183,20 @@ def test_reorder_matches_reordered_inputs():
     ids = _prompt(30, batch=2)
     cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), residual_length=8, flush_block=4)
     c1, c2 = QJLCache(model, cfg), QJLCache(model, cfg)
-    model(ids, past_key_values=c1)
+    model(ids, **cache_kwargs(c1))
     c1.reorder_cache(torch.tensor([1, 0]))
-    model(ids.flip(0), past_key_values=c2)
+    model(ids.flip(0), **cache_kwargs(c2))
     nxt = _prompt(3, batch=2, seed=9)
-    assert torch.allclose(model(nxt, past_key_values=c1).logits, model(nxt, past_key_values=c2).logits, atol=1e-5)
+    assert torch.allclose(model(nxt, **cache_kwargs(c1)).logits, model(nxt, **cache_kwargs(c2)).logits, atol=1e-5)
 
 
 def test_beam_search_matches_full_precision():
     model = _patched("llama")
     ids = _prompt(30)
     out = model.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False,
-                         past_key_values=QJLCache(model, GENEROUS))
+                         **cache_kwargs(QJLCache(model, GENEROUS)))
     ref = model.generate(ids, max_new_tokens=5, num_beams=3, do_sample=False,
-                         past_key_values=DynamicCache(config=model.config))
+                         **cache_kwargs(DynamicCache(config=model.config)))
     assert torch.equal(out, ref)
 
 
@@ -203,8 +205,8 @@ def test_nbytes_by_hand():
     cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), value=CodecSpec("uniform", {"bits": 2, "group_size": 32}),
                     residual_length=8, flush_block=4, sink_tokens=2, heavy_tokens=0)
     cache = QJLCache(model, cfg)
-    model(_prompt(30), past_key_values=cache)
-    model(_prompt(1), past_key_values=cache)  # flushes the prompt's overflow: 2 sinks, 20 coded, 8 + 1 exact
+    model(_prompt(30), **cache_kwargs(cache))
+    model(_prompt(1), **cache_kwargs(cache))  # flushes the prompt's overflow: 2 sinks, 20 coded, 8 + 1 exact
     layer = cache.layers[0].store
     assert layer.sink_k.shape[-2] == 2 and layer.key_codes.lead[-1] == 20 and layer.keys.shape[-2] == 9
     heads, d = 2, 64
@@ -223,8 +225,8 @@ def test_short_prompt_stays_exact():
     model = _patched("llama")
     ids = _prompt(10)
     cache = QJLCache(model, QJLConfig(residual_length=64))
-    out = model.generate(ids, max_new_tokens=5, do_sample=False, past_key_values=cache)
-    ref = model.generate(ids, max_new_tokens=5, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(cache))
+    ref = model.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(DynamicCache(config=model.config)))
     assert torch.equal(out, ref) and cache.layers[0].store.key_codes is None
 
 
@@ -257,8 +259,8 @@ def test_half_precision_models(dtype):
     model = _patched("llama", dtype=dtype)
     ids = _prompt(40)
     cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4, exact_dtype="fp16"))
-    out = model(ids, past_key_values=cache).logits
-    out = model(_prompt(2), past_key_values=cache).logits
+    out = model(ids, **cache_kwargs(cache)).logits
+    out = model(_prompt(2), **cache_kwargs(cache)).logits
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert cache.layers[0].keys.dtype == torch.float16
 
@@ -267,7 +269,7 @@ def test_unpatched_model_is_refused():
     model = tiny_model("llama")
     cache = QJLCache(model, GENEROUS)
     with pytest.raises(RuntimeError, match="patch_attention"):
-        model(_prompt(10), past_key_values=cache)
+        model(_prompt(10), **cache_kwargs(cache))
 
 
 def test_bad_arguments():
@@ -284,8 +286,8 @@ def test_late_layers_get_their_codec():
     model = _patched("llama")  # 3 layers: the last 2 (round(0.5 * 3)) are late
     cfg = QJLConfig(late_key=CodecSpec("turboquant_mse", {"bits": 6}), residual_length=8, flush_block=4)
     cache = QJLCache(model, cfg)
-    model(_prompt(30), past_key_values=cache)
-    model(_prompt(1), past_key_values=cache)
+    model(_prompt(30), **cache_kwargs(cache))
+    model(_prompt(1), **cache_kwargs(cache))
     assert [layer.store.key_codec.bits for layer in cache.layers] == [4, 6, 6]
 
 
@@ -296,18 +298,18 @@ def test_long_prefill_is_scored_in_query_chunks(monkeypatch):
     monkeypatch.setattr(cl, "QUERY_CHUNK", 16)
     model = _patched("llama")
     ids = _prompt(70)
-    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
-    got = model(ids, past_key_values=QJLCache(model, QJLConfig(residual_length=128, exact_dtype=None))).logits
+    ref = model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits
+    got = model(ids, **cache_kwargs(QJLCache(model, QJLConfig(residual_length=128, exact_dtype=None)))).logits
     assert torch.allclose(got, ref, atol=1e-5)
     # and with compressed history, chunked equals unchunked
     cfgs = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4, kernel="torch")
     cache = QJLCache(model, cfgs)
-    model(ids[:, :30], past_key_values=cache)
-    chunked = model(ids[:, 30:], past_key_values=cache).logits
+    model(ids[:, :30], **cache_kwargs(cache))
+    chunked = model(ids[:, 30:], **cache_kwargs(cache)).logits
     monkeypatch.setattr(cl, "QUERY_CHUNK", 4096)
     cache = QJLCache(model, cfgs)
-    model(ids[:, :30], past_key_values=cache)
-    assert torch.allclose(model(ids[:, 30:], past_key_values=cache).logits, chunked, atol=1e-5)
+    model(ids[:, :30], **cache_kwargs(cache))
+    assert torch.allclose(model(ids[:, 30:], **cache_kwargs(cache)).logits, chunked, atol=1e-5)
 
 
 @pytest.mark.parametrize("spec", CODEC_SPECS, ids=lambda s: s.name)
@@ -330,8 +332,8 @@ def test_sdpa_path_for_chunks_equals_reference(spec, monkeypatch):
         cfg = QJLConfig(key=spec, value=CodecSpec("turboquant_mse", {"bits": 4}), residual_length=8, flush_block=4,
                         kernel=kernel, exact_dtype=None)
         cache = QJLCache(model, cfg)
-        first = model(batch[:, :24], attention_mask=mask[:, :24], past_key_values=cache).logits
-        outs[kernel] = torch.cat([first, model(batch[:, 24:], attention_mask=mask, past_key_values=cache).logits], 1)
+        first = model(batch[:, :24], attention_mask=mask[:, :24], **cache_kwargs(cache)).logits
+        outs[kernel] = torch.cat([first, model(batch[:, 24:], attention_mask=mask, **cache_kwargs(cache)).logits], 1)
         assert cache.layers[0].store.key_codes is not None
         if kernel == "auto":
             assert calls  # the SDPA path really ran
@@ -347,14 +349,14 @@ def test_fp8_value_norms_are_held_and_counted_as_8_bits():
     ids = _prompt(60)
     cfg = QJLConfig.preset("tq-k3v2", residual_length=8, flush_block=4)
     cache = QJLCache(model, cfg)
-    out = model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, **cache_kwargs(cache))
     assert out.shape[1] == 64
     layer = cache.layers[0].store
     assert layer.value_codes.fields["norm"].dtype == torch.float8_e4m3fn
     assert layer.key_codes.fields["norm"].dtype == torch.float16
     assert cache.memory_report()["value_bits"] == pytest.approx(2 + 8 / 64)
-    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits[:, -1]
-    got = model(ids, past_key_values=QJLCache(model, cfg)).logits[:, -1]  # prefill: exact up to the fp16 window
+    ref = model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits[:, -1]
+    got = model(ids, **cache_kwargs(QJLCache(model, cfg))).logits[:, -1]  # prefill: exact up to the fp16 window
     assert torch.allclose(got, ref, atol=5e-3)
 
 
@@ -368,7 +370,7 @@ def test_forward_that_raises_leaves_every_layer_unchanged(monkeypatch):
     model = _patched("llama")
     cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
     ids = _prompt(30)
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(cache))
     before = _cache_state(cache)
     store = cache.layers[2].store
     real = store.append
@@ -378,11 +380,11 @@ def test_forward_that_raises_leaves_every_layer_unchanged(monkeypatch):
 
     monkeypatch.setattr(store, "append", bad_append)
     with pytest.raises(ValueError, match="NaN"):
-        model(_prompt(3, seed=4), past_key_values=cache)
+        model(_prompt(3, seed=4), **cache_kwargs(cache))
     assert [layer.get_seq_length() for layer in cache.layers] == [30, 30, 30]
     assert all(same(x, y) for x, y in zip(_cache_state(cache), before))
     monkeypatch.undo()
-    model(_prompt(3, seed=4), past_key_values=cache)
+    model(_prompt(3, seed=4), **cache_kwargs(cache))
     assert [layer.get_seq_length() for layer in cache.layers] == [33, 33, 33]
 
 
@@ -392,8 +394,8 @@ def test_kivi_crop_is_all_or_nothing_across_layers():
     cfg = QJLConfig(key=CodecSpec("kivi", {"bits": 4, "group_size": 4}), value=CodecSpec("uniform", {"bits": 4}),
                     residual_length=8, flush_block=4, sink_tokens=0, heavy_tokens=0)
     cache = QJLCache(model, cfg)
-    model(_prompt(30), past_key_values=cache)
-    model(_prompt(1), past_key_values=cache)  # flushes the prompt: 20 tokens in codes, 11 in the window
+    model(_prompt(30), **cache_kwargs(cache))
+    model(_prompt(1), **cache_kwargs(cache))  # flushes the prompt: 20 tokens in codes, 11 in the window
     assert cache.layers[0].store.n_codes == 20
     with pytest.raises(ValueError, match="multiple of 4"):
         cache.crop(-13)
@@ -406,8 +408,8 @@ def test_memory_report_is_readable_and_honest():
     """#11.1/#10.10: bytes by part (storage held), the model's own cache and fp16 beside it, a table."""
     model = _patched("llama")
     cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
-    model(_prompt(60), past_key_values=cache)
-    model(_prompt(1), past_key_values=cache)
+    model(_prompt(60), **cache_kwargs(cache))
+    model(_prompt(1), **cache_kwargs(cache))
     r = cache.memory_report()
     assert r["key_code_bytes"] > 0
     parts = ("key_code_bytes", "value_code_bytes", "exact_bytes", "smoothing_bytes", "other_bytes",
@@ -425,8 +427,8 @@ def test_sliding_layers_count_against_the_models_own_cache():
     """Exact sliding layers are what the model would hold anyway: the headline ratio is >= 1 here."""
     model = _patched("gemma3")
     cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
-    model(_prompt(80), past_key_values=cache)
-    model(_prompt(1), past_key_values=cache)
+    model(_prompt(80), **cache_kwargs(cache))
+    model(_prompt(1), **cache_kwargs(cache))
     r = cache.memory_report()
     assert r["uncompressed_layer_bytes"] > 0 and r["compression_vs_baseline"] > 1
 
@@ -442,7 +444,7 @@ def test_key_smoothing_refused_with_softcapping():
     with pytest.warns(UserWarning, match="softcapping"):
         cache = QJLCache(model, QJLConfig(smooth_keys=True, residual_length=8, flush_block=4))
     assert not cache.qjl_config.smooth_keys
-    model(_prompt(30), past_key_values=cache)
+    model(_prompt(30), **cache_kwargs(cache))
     layer = next(layer for layer in cache.layers if isinstance(layer, QJLCacheLayer))
     layer.store.config = QJLConfig(smooth_keys=True)
     with pytest.raises(ValueError, match="softcapping"):
@@ -461,18 +463,18 @@ def test_value_smoothing_in_a_model(arch):
     outs = []
     for sv in (False, True):
         cache = QJLCache(model, QJLConfig(**exact, smooth_values=sv))
-        first = model(ids[:, :32], past_key_values=cache).logits
-        rest = [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(32, 40)]
+        first = model(ids[:, :32], **cache_kwargs(cache)).logits
+        rest = [model(ids[:, i:i + 1], **cache_kwargs(cache)).logits for i in range(32, 40)]
         outs.append(torch.cat([first, *rest], dim=1))
         stores = [layer.store for layer in cache.layers if isinstance(layer, QJLCacheLayer)]
         assert all((s.mu_v is not None) == sv for s in stores)
     assert torch.allclose(outs[0], outs[1], atol=1e-4)
     two_bit = QJLConfig(**{**exact, "value": CodecSpec("turboquant_mse", {"bits": 2}), "residual_length": 8},
                         smooth_values=True)
-    ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    ref = model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits
     cache = QJLCache(model, two_bit)
-    got = model(ids[:, :32], past_key_values=cache).logits
-    got = torch.cat([got] + [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(32, 40)], dim=1)
+    got = model(ids[:, :32], **cache_kwargs(cache)).logits
+    got = torch.cat([got] + [model(ids[:, i:i + 1], **cache_kwargs(cache)).logits for i in range(32, 40)], dim=1)
     stores = [layer.store for layer in cache.layers if isinstance(layer, QJLCacheLayer)]
     assert stores and all(s.n_codes > 0 for s in stores)
     assert (got.softmax(-1) - ref.softmax(-1)).abs().max() < 0.1
@@ -485,7 +487,7 @@ def test_auto_widths_from_the_prompt():
     model = _patched("llama")
     cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0)
     cache = QJLCache(model, cfg)
-    out = model.generate(_prompt(60), max_new_tokens=5, do_sample=False, past_key_values=cache)
+    out = model.generate(_prompt(60), max_new_tokens=5, do_sample=False, **cache_kwargs(cache))
     assert out.shape[1] == 65
     widths = cache.memory_report()["widths"]
     assert sorted(widths) == [0, 1, 2]
@@ -493,7 +495,7 @@ def test_auto_widths_from_the_prompt():
             + cache.layers[i].store.value_codec.bit_budget().amortized(4096) for i in range(3)]
     assert sum(bits) / 6 <= 3.0
     again = QJLCache(model, cfg)
-    model.generate(_prompt(60), max_new_tokens=5, do_sample=False, past_key_values=again)
+    model.generate(_prompt(60), max_new_tokens=5, do_sample=False, **cache_kwargs(again))
     assert again.memory_report()["widths"] == widths  # deterministic
 
 
@@ -505,11 +507,11 @@ def test_auto_holds_its_budget(prompt, new, heavy):
     model = _patched("llama")
     cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0, heavy_tokens=heavy)
     cache = QJLCache(model, cfg)
-    model(_prompt(prompt), past_key_values=cache)
+    model(_prompt(prompt), **cache_kwargs(cache))
     held = [cache.memory_report()["compressed_bits"]]
     token = _prompt(1)
     for _ in range(new):
-        model(token, past_key_values=cache)
+        model(token, **cache_kwargs(cache))
         held.append(cache.memory_report()["compressed_bits"])
     assert max(held) <= 3.0, max(held)
     assert max(held) > 2.7  # and it uses the budget
@@ -519,4 +521,40 @@ def test_auto_warns_when_a_short_prompt_cannot_hold_the_budget():
     model = _patched("llama")
     cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0)
     with pytest.warns(UserWarning, match="holds more than the budget"):
-        model(_prompt(40), past_key_values=QJLCache(model, cfg))
+        model(_prompt(40), **cache_kwargs(QJLCache(model, cfg)))
+
+
+@pytest.mark.parametrize("version, name", [("4.57.6", "past_key_values"), ("5.0.0", "past_key_values"),
+                                           ("5.23.0", "past_key_values"), ("5.24.0", "cache"),
+                                           ("5.24.0.dev0", "cache"), ("5.30.1", "cache"), ("6.0.0rc1", "cache")])
+def test_cache_argument_name_follows_the_transformers_version(version, name):
+    from qjl.integrations.transformers import names
+
+    assert names.arg_name(version) == name
+    with pytest.raises(ValueError, match="version"):
+        names.arg_name("main")
+
+
+def test_cache_kwargs_reach_the_model_without_a_deprecation_warning():
+    """The installed transformers takes the cache under the name ``cache_kwargs`` gives: generate fills our cache
+    (a wrong name would be refused or ignored) and warns about nothing (transformers >= 5.24 warns on the old name)."""
+    import logging
+    import warnings
+
+    model = _patched("llama")
+    ids = _prompt(40)
+    cache = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            out = model.generate(ids, **qjl.cache_kwargs(cache), max_new_tokens=3, do_sample=False)
+            model(out[:, -1:], **cache_kwargs(cache))
+    finally:
+        logger.removeHandler(handler)
+    assert cache.get_seq_length() == ids.shape[1] + 3
+    assert not [r for r in records if "past_key_values" in r.getMessage()]

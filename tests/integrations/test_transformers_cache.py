@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import qjl
 from cache_state import same, state
 from qjl import CodecSpec, QJLCache, QJLConfig
+from qjl.integrations.transformers.names import cache_kwargs
 from tiny_models import tiny_model
 
 torch.set_grad_enabled(False)
@@ -174,16 +175,16 @@ def test_long_generation_stays_close_to_full_precision():
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, 96, (1, 48), generator=g)
     ref_cache, cache = DynamicCache(config=model.config), QJLCache(model)
-    ref = model(ids, past_key_values=ref_cache).logits[:, -1]
-    got = model(ids, past_key_values=cache).logits[:, -1]
+    ref = model(ids, **cache_kwargs(ref_cache)).logits[:, -1]
+    got = model(ids, **cache_kwargs(cache)).logits[:, -1]
     kls = []
     for _ in range(2000):
         assert torch.isfinite(got).all()
         p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
         kls.append(float((p.exp() * (p - q)).sum()))
         nxt = ref.argmax(-1, keepdim=True)
-        ref = model(nxt, past_key_values=ref_cache).logits[:, -1]
-        got = model(nxt, past_key_values=cache).logits[:, -1]
+        ref = model(nxt, **cache_kwargs(ref_cache)).logits[:, -1]
+        got = model(nxt, **cache_kwargs(cache)).logits[:, -1]
     assert cache.get_seq_length() == 2048 and cache.layers[0].store.n_codes > 1800
     kls = torch.tensor(kls)
     assert kls.max() < 0.05 and kls.mean() < 0.02, (kls.max(), kls.mean())

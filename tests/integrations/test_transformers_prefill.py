@@ -8,6 +8,7 @@ from cache_state import same, state
 from qjl.integrations.transformers.layer import QJLCacheLayer
 from qjl.integrations.transformers.prefill import prefill_key, record_updates, replay_prefill, shared_prefill
 from qjl.tools.methods import has_quanto, make_cache, make_method, prefill_groups
+from qjl.integrations.transformers.names import cache_kwargs
 from tiny_models import tiny_model
 
 torch.set_grad_enabled(False)
@@ -33,7 +34,7 @@ def _names():
 
 
 def _forward(model, ids):
-    return lambda cache: model(ids, past_key_values=cache, use_cache=True)
+    return lambda cache: model(ids, **cache_kwargs(cache), use_cache=True)
 
 
 def _held(cache) -> list:
@@ -51,7 +52,7 @@ def calls_of(model, ids) -> list:
     """The update calls (with their attention) of a prefill through a DynamicCache."""
     dyn = make_cache(model, None)
     with record_updates(dyn) as calls:
-        model(ids, past_key_values=dyn)
+        model(ids, **cache_kwargs(dyn))
     return calls
 
 
@@ -85,12 +86,12 @@ def test_a_shared_prefill_leaves_every_cache_as_its_own(model):
         out = shared_prefill(model, group, _forward(model, ids))
         for name, cache in zip(names, group):
             own = make_cache(model, make_method(name))
-            own_out = model(ids, past_key_values=own, use_cache=True)
+            own_out = model(ids, **cache_kwargs(own), use_cache=True)
             assert torch.equal(out.logits, own_out.logits), name
             assert cache.get_seq_length() == own.get_seq_length() == PROMPT
             assert _same(_held(cache), _held(own)), name
-            a = model(nxt, past_key_values=cache, use_cache=True).logits
-            b = model(nxt, past_key_values=own, use_cache=True).logits
+            a = model(nxt, **cache_kwargs(cache), use_cache=True).logits
+            b = model(nxt, **cache_kwargs(own), use_cache=True).logits
             assert torch.equal(a, b), name
             if isinstance(cache, qjl.QJLCache):
                 assert cache.memory_report()["key_code_bytes"] > 0  # the prompt was compressed
@@ -104,7 +105,7 @@ def test_a_replayed_prefill_picks_the_same_heavy_tokens(model):
     assert prefill_key(model, a) == prefill_key(model, b)  # the prefill's logits do not depend on them
     shared_prefill(model, [a, b], _forward(model, ids))
     own = make_cache(model, qjl.QJLConfig.preset("tq-k45v3", heavy_tokens=8))
-    model(ids, past_key_values=own, use_cache=True)
+    model(ids, **cache_kwargs(own), use_cache=True)
     assert own.layers[0].store.n_sink == 4 + 8
     assert _same(_held(b), _held(own))
 
@@ -116,9 +117,9 @@ def test_a_short_prompt_waits_for_the_next_append(model):
     a, b = make_cache(model, cfg), make_cache(model, qjl.QJLConfig.preset("tq-k45v3"))
     shared_prefill(model, [b, a], _forward(model, ids))
     own = make_cache(model, cfg)
-    model(ids, past_key_values=own, use_cache=True)
+    model(ids, **cache_kwargs(own), use_cache=True)
     assert _same(_held(a), _held(own))
-    assert torch.equal(model(nxt, past_key_values=a).logits, model(nxt, past_key_values=own).logits)
+    assert torch.equal(model(nxt, **cache_kwargs(a)).logits, model(nxt, **cache_kwargs(own)).logits)
 
 
 def test_padding_rows_start_where_the_mask_says(model):
@@ -127,9 +128,9 @@ def test_padding_rows_start_where_the_mask_says(model):
     mask = torch.ones(2, 64, dtype=torch.long)
     mask[1, :5] = 0
     a, b = make_cache(model, cfg), make_cache(model, cfg)
-    shared_prefill(model, [a, b], lambda c: model(ids, attention_mask=mask, past_key_values=c), attention_mask=mask)
+    shared_prefill(model, [a, b], lambda c: model(ids, attention_mask=mask, **cache_kwargs(c)), attention_mask=mask)
     own = make_cache(model, cfg)
-    model(ids, attention_mask=mask, past_key_values=own)
+    model(ids, attention_mask=mask, **cache_kwargs(own))
     assert _same(_held(b), _held(own))
     assert own.layers[0].store.row_start.tolist() == [0, 5]
 
@@ -141,7 +142,7 @@ def test_bad_input_is_refused_and_leaves_the_caches_empty(model):
         shared_prefill(model, [tq, paper], _forward(model, ids))
     with pytest.raises(ValueError, match="must not be empty"):
         shared_prefill(model, [], _forward(model, ids))
-    model(ids, past_key_values=full)
+    model(ids, **cache_kwargs(full))
     with pytest.raises(ValueError, match=r"caches\[0\] must be empty"):
         shared_prefill(model, [full], _forward(model, ids))
     with pytest.raises(ValueError, match="attention_mask"):
@@ -150,8 +151,8 @@ def test_bad_input_is_refused_and_leaves_the_caches_empty(model):
     assert tq.get_seq_length() == 0
     with pytest.raises(ValueError, match="one forward"):
         with record_updates(full) as calls:
-            model(ids, past_key_values=full)
-            model(ids[:, :3], past_key_values=full)
+            model(ids, **cache_kwargs(full))
+            model(ids[:, :3], **cache_kwargs(full))
         replay_prefill(tq, calls)
     assert tq.get_seq_length() == 0 and "update" not in vars(full)
     auto = make_cache(model, qjl.QJLConfig.auto(bits_per_value=3.0))
@@ -161,7 +162,7 @@ def test_bad_input_is_refused_and_leaves_the_caches_empty(model):
         replay_prefill(auto, calls)
     dyn = make_cache(model, None)
     with record_updates(dyn) as calls:
-        model(ids, past_key_values=dyn)
+        model(ids, **cache_kwargs(dyn))
     with pytest.raises(ValueError, match="QJLConfig.auto"):
         replay_prefill(auto, calls)
     assert auto.get_seq_length() == 0

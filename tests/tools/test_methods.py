@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from qjl.tools import methods
+from qjl.integrations.transformers.names import cache_kwargs
 
 
 def test_quick_set_and_everything():
@@ -29,8 +30,8 @@ def test_bad_names_are_refused_with_the_choices():
 
 def _prefill(model, cache, n=300):
     torch.manual_seed(1)
-    model(torch.randint(0, 96, (1, n)), past_key_values=cache, use_cache=True)
-    model(torch.randint(0, 96, (1, 1)), past_key_values=cache, use_cache=True)
+    model(torch.randint(0, 96, (1, n)), **cache_kwargs(cache), use_cache=True)
+    model(torch.randint(0, 96, (1, 1)), **cache_kwargs(cache), use_cache=True)
     return cache
 
 

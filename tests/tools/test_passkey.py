@@ -5,6 +5,7 @@ import torch
 
 from qjl.tools import passkey
 from qjl.tools.methods import has_quanto, make_cache, make_method
+from qjl.integrations.transformers.names import cache_kwargs
 
 torch.set_grad_enabled(False)
 
@@ -23,7 +24,7 @@ def lm():
 
 
 def _generate(model, tok, ids, name, n):
-    return model.generate(ids, past_key_values=make_cache(model, make_method(name)), max_new_tokens=n,
+    return model.generate(ids, **cache_kwargs(make_cache(model, make_method(name))), max_new_tokens=n,
                           do_sample=False, pad_token_id=tok.eos_token_id)
 
 

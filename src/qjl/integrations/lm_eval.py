@@ -34,6 +34,8 @@ from dataclasses import replace
 
 import torch
 
+
+from qjl.integrations.transformers.names import cache_arg, cache_kwargs
 try:
     from lm_eval.api.registry import register_model
     from lm_eval.models.huggingface import HFLM
@@ -107,7 +109,7 @@ class QJLLM(HFLM):
         The prompt's overflow is moved into codes here, as the next forward would do first, so the copies
         made per continuation share those codes instead of each quantizing the context again."""
         cache = self.make_cache()
-        out = self.model(torch.tensor([context], device=self.device), past_key_values=cache, use_cache=True)
+        out = self.model(torch.tensor([context], device=self.device), **cache_kwargs(cache), use_cache=True)
         for layer in cache.layers:
             store = getattr(layer, "store", None)  # compressed layers (QJLCacheLayer)
             if store is not None:
@@ -121,7 +123,7 @@ class QJLLM(HFLM):
         feed = continuation[:-1]
         for start in range(0, len(feed), self.chunk):
             piece = torch.tensor([feed[start: start + self.chunk]], device=self.device)
-            logits = self.model(piece, past_key_values=cache, use_cache=True).logits[0]
+            logits = self.model(piece, **cache_kwargs(cache), use_cache=True).logits[0]
             logps.append(torch.log_softmax(logits.float(), dim=-1))
         logp = torch.cat(logps)  # [len(continuation), V]
         target = torch.tensor(continuation, device=logp.device)
@@ -151,7 +153,7 @@ class QJLLM(HFLM):
         return results
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        generation_kwargs.setdefault("past_key_values", self.make_cache())
+        generation_kwargs.setdefault(cache_arg(), self.make_cache())
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
 

@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+
+from qjl.integrations.transformers.names import cache_kwargs
 __all__ = ["LAYERS", "PARTS", "measure_bandwidth", "run_attention", "run_quantize", "run_e2e", "plot_bench",
            "main_bench"]
 
@@ -342,14 +344,14 @@ def _e2e_run(method: str, context: int, new_tokens: int, chunk: int) -> dict:
     t0 = time.perf_counter()
     out = None
     for s in range(0, context, chunk):
-        out = model(ids[:, s:s + chunk], past_key_values=cache, use_cache=True)
+        out = model(ids[:, s:s + chunk], **cache_kwargs(cache), use_cache=True)
     prefill = time.perf_counter() - t0
     nxt = out.logits[:, -1:].argmax(-1)
     steps = []
     generated = []
     for _ in range(new_tokens):
         t = time.perf_counter()
-        out = model(nxt, past_key_values=cache, use_cache=True)
+        out = model(nxt, **cache_kwargs(cache), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         steps.append(time.perf_counter() - t)
         generated.append(int(nxt))

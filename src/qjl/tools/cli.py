@@ -86,12 +86,13 @@ def _eval(args) -> int:
     plan = EvalPlan(methods=tuple(resolve_methods(args.methods, everything=args.all, seeds=args.seeds)),
                     texts=tuple(resolve_texts(args.texts)), contexts=tuple(args.contexts), score=args.score,
                     chunk=args.chunk, passkey_lengths=tuple(args.passkey_lengths), passkey_trials=args.passkey,
-                    memory_tokens=args.memory_tokens, model=args.model, threads=args.threads)
+                    memory_tokens=args.memory_tokens, model=args.model, threads=args.threads, segments=args.segments)
     check_model_name(args.model)
     t0 = time.time()
     metrics = run_eval(plan, args.out, show_progress=not args.quiet)
+    segs = f" x {plan.segments} segments per text" if plan.segments > 1 else ""
     print(f"model {args.model}; texts {', '.join(plan.texts)}; contexts {', '.join(map(str, plan.contexts))} "
-          f"(+{plan.score} scored in chunks of {plan.chunk}); {plan.threads} threads; {time.time() - t0:.0f} s")
+          f"(+{plan.score} scored in chunks of {plan.chunk}{segs}); {plan.threads} threads; {time.time() - t0:.0f} s")
     print(eval_tables(metrics))
     print(f"wrote {args.out}/config.json, {args.out}/metrics.json")
     return 0
@@ -128,6 +129,7 @@ def _generate(args) -> int:
 
     from qjl.integrations.transformers.attention import patch_attention
     from qjl.integrations.transformers.cache import QJLCache
+    from qjl.integrations.transformers.names import cache_kwargs
     from qjl.tools.models import load_model
     from qjl.tools.report import memory_summary
 
@@ -137,7 +139,7 @@ def _generate(args) -> int:
     msgs = [{"role": "user", "content": text}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     cache = QJLCache(model, cfg)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=False,
+    out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=args.max_new_tokens, do_sample=False,
                          pad_token_id=tok.eos_token_id)
     print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     n = cache.get_seq_length()
@@ -236,6 +238,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="run each of our methods at this many base seeds (name, name@1, ...; fresh rotations) and "
                         "report the means over seeds: at 3 bits one draw moves KL by up to a third")
     p.add_argument("--score", type=int, default=512, help="scored tokens after the prompt")
+    p.add_argument("--segments", type=int, default=1,
+                   help="evaluate this many disjoint windows of each text (prompt + scored; the s-th starts at s x "
+                        "(longest context + score) tokens) and report each text over all of them: a perplexity "
+                        "change's standard error shrinks about as 1/sqrt(segments)")
     p.add_argument("--chunk", type=int, default=32, help="tokens per forward pass while scoring")
     p.add_argument("--passkey", type=int, default=5, help="passkey trials per length (0: skip)")
     p.add_argument("--passkey-lengths", nargs="+", type=int, default=[1024], metavar="N",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from qjl.tools.evaluate import (EvalSetup, capture_kv, held_kv, load_text_ids, measure, memory_at,
-                                prefill_methods, score_prefilled, tile_kv)
+from qjl.tools.evaluate import (EvalSetup, capture_kv, held_kv, load_text_ids, measure_tokens, memory_at,
+                                prefill_methods, score_prefilled, tile_kv, token_quality)
 from qjl.tools.methods import REFERENCE, make_cache, make_method
 from qjl.tools.passkey import passkey_hits_by_method, passkey_prompts
 
@@ -39,6 +39,7 @@ class EvalPlan:
     memory_tokens: int = 4096
     model: str = "smollm2"
     threads: int = 2
+    segments: int = 1
 
     def __post_init__(self):
         if not self.methods or self.methods[0] != REFERENCE:
@@ -47,6 +48,8 @@ class EvalPlan:
             raise ValueError("texts and contexts must not be empty")
         for c in self.contexts:
             EvalSetup(context=c, score=self.score, chunk=self.chunk)  # validates
+        if isinstance(self.segments, bool) or not isinstance(self.segments, int) or self.segments < 1:
+            raise ValueError(f"segments must be a positive int, got {self.segments!r}")
         for name in ("passkey_trials", "memory_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -132,15 +135,12 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
     for cfg in cfgs.values():
         if cfg is not None and hasattr(cfg, "bits_per_value"):
             cfg.bits_per_value(_head_dim(model.config))  # a codec that cannot serve this head size fails now
-    need = max(plan.contexts) + plan.score
+    need = max(plan.contexts) + plan.score  # one segment's tokens; segment s starts at s * need for every context
     ids, metas, skipped = {}, {}, []
     for text in plan.texts:
-        try:
-            ids[text], metas[text] = load_text_ids(tok, text, need)
-        except ValueError:  # shorter than the longest context: evaluate the contexts it holds
-            ids[text], metas[text] = load_text_ids(tok, text, min(plan.contexts) + plan.score)
+        ids[text], metas[text] = _load_segments(tok, text, need, plan.segments, min(plan.contexts) + plan.score)
     held = [t for t in plan.texts if t in CORPUS and t != TUNING_TEXT] or list(plan.texts)
-    total = (len(plan.texts) * len(plan.contexts) * len(plan.methods)
+    total = (len(plan.texts) * len(plan.contexts) * len(plan.methods) * plan.segments
              + len(plan.methods) * len(plan.passkey_lengths) * plan.passkey_trials  # one per method and prompt
              + (len(plan.methods) if plan.memory_tokens else 0))
     results = {name: {"config": _describe(cfg, model), "texts": {}} for name, cfg in cfgs.items()}
@@ -158,23 +158,37 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
     for text in plan.texts:
         for ctx in plan.contexts:
             setup = EvalSetup(context=ctx, score=plan.score, chunk=plan.chunk)
-            if ids[text].numel() < setup.tokens:
+            starts = [s * need for s in range(plan.segments) if s * need + setup.tokens <= ids[text].numel()]
+            bar.update(len(plan.methods) * (plan.segments - len(starts)))
+            if not starts:
                 skipped.append({"text": text, "context": ctx, "reason": f"the text has fewer than "
                                 f"{setup.tokens} tokens"})
-                bar.update(len(plan.methods))
                 continue
-            ref = None  # the reference's group comes first: every other method is measured against it
-            for name, cache, first in prefill_methods(model, ids[text][:ctx], cfgs):
-                logp, secs = score_prefilled(model, ids[text], setup, cache, first)
-                m = measure(logp, cache, secs, ids[text], setup, ref)
-                if name == REFERENCE:
-                    m, ref = {**m, "kl": 0.0, "top1": 1.0}, logp
-                    if text == plan.texts[0] and plan.memory_tokens and (kv_src is None or ctx > kv_src[1]):
-                        kv_src = (held_kv(cache), ctx)  # real keys and values for the memory measure
-                _record(results[name], text, ctx, m)
-                del cache, logp
-                bar.update(1)
-            del ref
+            cols, secs = {name: [] for name in cfgs}, dict.fromkeys(cfgs, 0.0)
+            for start in starts:
+                window = ids[text][start: start + setup.tokens]
+                ref = None  # the reference's group comes first: every other method is measured against it
+                for name, cache, first in prefill_methods(model, window[:ctx], cfgs):
+                    logp, sec = score_prefilled(model, window, setup, cache, first)
+                    cols[name].append(token_quality(logp, window[ctx: setup.tokens], ref))
+                    secs[name] += sec
+                    if name == REFERENCE:
+                        ref = logp
+                        if (start == 0 and text == plan.texts[0] and plan.memory_tokens
+                                and (kv_src is None or ctx > kv_src[1])):
+                            kv_src = (held_kv(cache), ctx)  # real keys and values for the memory measure
+                    if start == starts[-1]:  # the bytes held: the last segment's cache
+                        joined = {k: torch.cat([c[k] for c in cols[name]]) for k in cols[name][0]}
+                        m = measure_tokens(joined, cache, secs[name], (setup.score - 1) * len(starts))
+                        if name == REFERENCE:
+                            m = {**m, "kl": 0.0, "top1": 1.0}
+                        if plan.segments > 1:
+                            m["segments"] = len(starts)
+                        _record(results[name], text, ctx, m)
+                    del cache, logp
+                    bar.update(1)
+                del ref
+            del cols
             checkpoint()  # long runs keep every finished text
     if plan.passkey_trials:
         makers = {name: (lambda cfg=cfg: make_cache(model, cfg)) for name, cfg in cfgs.items()}
@@ -199,6 +213,18 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
         checkpoint()
     bar.close()
     return checkpoint(done=True)
+
+
+def _load_segments(tok, text: str, need: int, segments: int, least: int) -> tuple:
+    """The first ``need * segments`` token ids of ``text``, or of as many whole segments as it holds, or (shorter
+    than one segment) the ``least`` tokens the shortest context needs -> (ids, meta).  Raises ValueError if even
+    those are missing."""
+    for k in range(segments, 0, -1):
+        try:
+            return load_text_ids(tok, text, need * k)
+        except ValueError:
+            continue
+    return load_text_ids(tok, text, least)
 
 
 def _summarize(results: dict, held: list) -> None:

@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from qjl.integrations.transformers.layer import QJLCacheLayer
+from qjl.integrations.transformers.names import cache_kwargs
 from qjl.tools.methods import cache_memory, make_cache, prefill_groups
 
 __all__ = ["EvalSetup", "load_text_ids", "prefill_methods", "score_prefilled", "score_method", "quality", "measure",
-           "evaluate_method", "block_standard_error", "SE_BLOCK", "capture_kv", "held_kv", "tile_kv", "memory_at",
-           "DEFAULT_TEXT"]
+           "evaluate_method", "block_standard_error", "token_quality", "summarize_tokens", "measure_tokens", "SE_BLOCK",
+           "capture_kv", "held_kv", "tile_kv", "memory_at", "DEFAULT_TEXT"]
 
 DEFAULT_TEXT = "gpl-3"
 
@@ -91,7 +92,7 @@ def prefill_methods(model, prompt: torch.Tensor, cfgs: dict):
     caches = {name: make_cache(model, cfg) for name, cfg in cfgs.items()}
     for names in prefill_groups(model, caches):
         group = [caches.pop(n) for n in names]
-        out = shared_prefill(model, group, lambda c: model(prompt.unsqueeze(0), past_key_values=c, use_cache=True))
+        out = shared_prefill(model, group, lambda c: model(prompt.unsqueeze(0), **cache_kwargs(c), use_cache=True))
         logp = torch.log_softmax(out.logits[0, -1:].float(), dim=-1)
         del out
         for name, cache in zip(names, group):
@@ -112,7 +113,7 @@ def score_prefilled(model, ids: torch.Tensor, setup: EvalSetup, cache, first: to
     t0 = time.perf_counter()
     for start in range(0, setup.score - 1, setup.chunk):
         piece = scored[start: min(start + setup.chunk, setup.score - 1)].unsqueeze(0)
-        out = model(piece, past_key_values=cache, use_cache=True)
+        out = model(piece, **cache_kwargs(cache), use_cache=True)
         logps.append(torch.log_softmax(out.logits[0].float(), dim=-1))
     return torch.cat(logps)[: setup.score], time.perf_counter() - t0
 
@@ -150,6 +151,43 @@ def block_standard_error(x: torch.Tensor, block: int = SE_BLOCK) -> float:
     return (means.std() / math.sqrt(nb)).item()
 
 
+def token_quality(logp: torch.Tensor, targets: torch.Tensor, reference: torch.Tensor | None = None) -> dict:
+    """logp, reference: [n, V] log-probs; targets: [n] true next tokens -> per-token columns [n] (logp's dtype): ``nll``
+    and, against ``reference``, ``kl`` (KL(ref || logp), nats), ``top1`` (1.0 where the argmaxes agree) and
+    ``ref_nll`` -- what :func:`summarize_tokens` averages, and what segments of one text concatenate."""
+    if logp.dim() != 2 or targets.dim() != 1:
+        raise ValueError(f"logp must be [n, V] and targets [n], got {tuple(logp.shape)} and {tuple(targets.shape)}")
+    if logp.shape[0] != targets.shape[0]:
+        raise ValueError(f"logp has {logp.shape[0]} rows, targets {targets.shape[0]}")
+    cols = {"nll": -logp.gather(1, targets.unsqueeze(1))[:, 0]}
+    if reference is not None:
+        if reference.shape != logp.shape:
+            raise ValueError(f"reference has shape {tuple(reference.shape)}, logp {tuple(logp.shape)}")
+        cols["kl"] = (reference.exp() * (reference - logp)).sum(-1)
+        cols["top1"] = (reference.argmax(-1) == logp.argmax(-1)).float()
+        cols["ref_nll"] = -reference.gather(1, targets.unsqueeze(1))[:, 0]
+    return cols
+
+
+def summarize_tokens(cols: dict) -> dict:
+    """Per-token columns of :func:`token_quality` (one segment's, or several segments' concatenated) -> {ppl, nll}
+    and, where a reference was given, {kl, top1, dnll_se}: means over the tokens, and the standard error of the mean
+    NLL change (blocks of :data:`SE_BLOCK` tokens, :func:`block_standard_error`; segments of a multiple of the block
+    concatenate into whole blocks)."""
+    n = cols["nll"].numel()
+    if n == 0:
+        raise ValueError("no scored tokens")
+    if any(c.shape != (n,) for c in cols.values()):
+        raise ValueError(f"columns of unequal shapes: { {k: tuple(c.shape) for k, c in cols.items()} }")
+    nll = cols["nll"].mean().item()
+    m = {"nll": nll, "ppl": math.exp(nll)}
+    if "kl" in cols:
+        m["kl"] = cols["kl"].mean().item()
+        m["top1"] = cols["top1"].mean().item()
+        m["dnll_se"] = block_standard_error(cols["nll"] - cols["ref_nll"])
+    return m
+
+
 def quality(logp: torch.Tensor, targets: torch.Tensor, reference: torch.Tensor | None = None) -> dict:
     """logp, reference: [n, V] log-probs; targets: [n] true next tokens.
 
@@ -158,18 +196,7 @@ def quality(logp: torch.Tensor, targets: torch.Tensor, reference: torch.Tensor |
     difference, blocks of :data:`SE_BLOCK` tokens, :func:`block_standard_error`)}.  The perplexity change's
     standard error in percent is ``100 * ppl / ppl_ref * dnll_se`` (first order).
     """
-    if logp.shape[0] != targets.shape[0]:
-        raise ValueError(f"logp has {logp.shape[0]} rows, targets {targets.shape[0]}")
-    token_nll = -logp.gather(1, targets.unsqueeze(1))[:, 0]
-    nll = token_nll.mean().item()
-    m = {"nll": nll, "ppl": math.exp(nll)}
-    if reference is not None:
-        if reference.shape != logp.shape:
-            raise ValueError(f"reference has shape {tuple(reference.shape)}, logp {tuple(logp.shape)}")
-        m["kl"] = (reference.exp() * (reference - logp)).sum(-1).mean().item()
-        m["top1"] = (reference.argmax(-1) == logp.argmax(-1)).float().mean().item()
-        m["dnll_se"] = block_standard_error(token_nll + reference.gather(1, targets.unsqueeze(1))[:, 0])
-    return m
+    return summarize_tokens(token_quality(logp, targets, reference))
 
 
 def evaluate_method(model, ids: torch.Tensor, setup: EvalSetup, cfg, reference: torch.Tensor | None = None) -> tuple:
@@ -182,8 +209,15 @@ def measure(logp: torch.Tensor, cache, secs: float, ids: torch.Tensor, setup: Ev
             reference: torch.Tensor | None = None) -> dict:
     """Metrics of one scored method: :func:`quality` of ``logp`` [score, V] against ``reference``, the scoring
     speed and the bytes ``cache`` holds after scoring."""
-    m = quality(logp, ids[setup.context: setup.tokens], reference)
-    m.update(tokens_per_s=(setup.score - 1) / secs if secs > 0 else float("nan"), cache=cache_memory(cache))
+    return measure_tokens(token_quality(logp, ids[setup.context: setup.tokens], reference), cache, secs,
+                          setup.score - 1)
+
+
+def measure_tokens(cols: dict, cache, secs: float, fed: int) -> dict:
+    """:func:`summarize_tokens` of ``cols`` (per-token columns, one or several segments), ``fed`` tokens fed in
+    ``secs`` seconds of scoring, and the bytes ``cache`` (the last segment's) holds after scoring."""
+    m = summarize_tokens(cols)
+    m.update(tokens_per_s=fed / secs if secs > 0 else float("nan"), cache=cache_memory(cache))
     m["compressed_bits"] = m["cache"]["compressed_bits"]
     return m
 
@@ -194,7 +228,7 @@ def capture_kv(model, ids: torch.Tensor, tokens: int) -> list:
     -> [(keys, values)] per layer, each ``[1, H_kv, tokens, D]``."""
     reps = -(-tokens // ids.numel())
     cache = make_cache(model, None)
-    model(ids.repeat(reps)[:tokens].unsqueeze(0), past_key_values=cache, use_cache=True)
+    model(ids.repeat(reps)[:tokens].unsqueeze(0), **cache_kwargs(cache), use_cache=True)
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
@@ -232,8 +266,8 @@ def memory_at(model, ids: torch.Tensor, cfg, tokens: int, kv: list | None = None
     if kv is None:
         reps = -(-tokens // ids.numel())
         x = ids.repeat(reps)[:tokens].unsqueeze(0)
-        model(x[:, :-1], past_key_values=cache, use_cache=True)
-        model(x[:, -1:], past_key_values=cache, use_cache=True)
+        model(x[:, :-1], **cache_kwargs(cache), use_cache=True)
+        model(x[:, -1:], **cache_kwargs(cache), use_cache=True)
     else:
         if kv[0][0].shape[-2] != tokens:
             raise ValueError(f"kv holds {kv[0][0].shape[-2]} tokens, not {tokens}")

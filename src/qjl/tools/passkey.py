@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+
+from qjl.integrations.transformers.names import cache_kwargs
 __all__ = ["passkey_prompts", "passkey_hits", "passkey_hits_by_method", "generate_by_method"]
 
 _FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -64,7 +66,7 @@ def passkey_hits_by_method(model, tokenizer, prompts: list, makers: dict, max_ne
 @torch.no_grad()
 def generate_by_method(model, ids: torch.Tensor, caches: dict, max_new_tokens: int, pad_token_id=None) -> dict:
     """Greedy answers to ``ids`` [1, T] with each of ``caches`` ({name: empty cache}) -> {name: [1, T + n] ids},
-    each equal, token for token, to ``model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens,
+    each equal, token for token, to ``model.generate(ids, **cache_kwargs(cache), max_new_tokens=max_new_tokens,
     do_sample=False)``.
 
     One prefill per group of caches that prefill alike (:func:`qjl.tools.methods.prefill_groups`): the group's
@@ -83,9 +85,9 @@ def generate_by_method(model, ids: torch.Tensor, caches: dict, max_new_tokens: i
     out = {}
     for names in prefill_groups(model, caches):
         group = [caches[n] for n in names]
-        first = shared_prefill(model, group, lambda c: model.generate(ids, past_key_values=c, max_new_tokens=1, **gen))
+        first = shared_prefill(model, group, lambda c: model.generate(ids, **cache_kwargs(c), max_new_tokens=1, **gen))
         for name, cache in zip(names, group):
             out[name] = first
             if max_new_tokens > 1 and int(first[0, -1]) not in stop:
-                out[name] = model.generate(first, past_key_values=cache, max_new_tokens=max_new_tokens - 1, **gen)
+                out[name] = model.generate(first, **cache_kwargs(cache), max_new_tokens=max_new_tokens - 1, **gen)
     return {name: out[name] for name in caches}

@@ -3,7 +3,7 @@
     import qjl
     qjl.patch_attention(model)                     # once: switch attention to "qjl"
     cache = qjl.QJLCache(model)                    # the default preset (QJLConfig())
-    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=256)   # transformers >= 5.24: cache=cache
     print(cache.memory_report())                   # a table; cache.memory_report()["bytes"] etc.
 
 Full-attention layers become :class:`qjl.integrations.transformers.layer.QJLCacheLayer`; sliding-window

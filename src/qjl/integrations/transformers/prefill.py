@@ -10,7 +10,7 @@ those calls and feeds them to the others (:func:`replay_prefill`): each ends in 
 would have left, bit for bit, at the cost of one forward.
 
     caches = [qjl.QJLCache(model, qjl.QJLConfig.preset(n)) for n in ("tq-k45v3", "tq-k3v3")]
-    out = shared_prefill(model, caches, lambda c: model(input_ids, past_key_values=c, use_cache=True))
+    out = shared_prefill(model, caches, lambda c: model(input_ids, **cache_kwargs(c), use_cache=True))
 
 What makes two prefills the same (:func:`prefill_key`), per layer: a compressed layer's exact storage dtype,
 key smoothing, value smoothing with its sink and window sizes (its mean covers the tokens to be coded, weighted
@@ -146,8 +146,8 @@ def replay_prefill(cache, calls: list, attention_mask=None) -> None:
 def shared_prefill(model, caches: list, run, attention_mask=None):
     """Prefill every cache of ``caches`` (empty; with more than one, of equal :func:`prefill_key`) with one forward.
 
-    ``run(cache)`` does the prefill with one cache (e.g. ``model(ids, past_key_values=cache)``, or
-    ``model.generate(ids, past_key_values=cache, max_new_tokens=1)``) and its result is returned: it holds for
+    ``run(cache)`` does the prefill with one cache (e.g. ``model(ids, **cache_kwargs(cache))``, or
+    ``model.generate(ids, **cache_kwargs(cache), max_new_tokens=1)``) and its result is returned: it holds for
     every cache, as their prefills compute the same.  ``attention_mask``: the prompt's [B, L] padding mask
     (None: no padding).  On error every cache is reset.
     """
