@@ -183,7 +183,7 @@ def _legend(many: bool, held: list, mem_tokens) -> str:
                      "mean dppl: the average over them, ± its standard error.")
     lines.append("dppl: perplexity change against full precision, ± its standard error (paired per-token NLL "
                  "differences, means of 16-token blocks): over 512 scored tokens a few copied tokens can move it by "
-                 "a point.")
+                 "a point (--segments N pools N windows of each text).")
     if mem_tokens:
         lines.append(f"bits@{mem_tokens}: every byte held for {mem_tokens} tokens (window included) per value; "
                      f"x@{mem_tokens}: fp16 bytes of those tokens / bytes held; MiB: bytes held.")
