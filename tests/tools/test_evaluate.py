@@ -286,6 +286,26 @@ def test_segments_pool_the_scored_tokens_of_disjoint_windows(lm, text_file, tmp_
         evalrun.EvalPlan(methods=("full precision",), segments=0)
 
 
+def test_token_columns_refuse_bad_input():
+    logp = torch.log_softmax(torch.randn(4, 6), -1)
+    cols = evaluate.token_quality(logp, torch.tensor([0, 1, 2, 3]), logp)
+    assert evaluate.summarize_tokens(cols)["kl"] == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="targets"):
+        evaluate.token_quality(logp, torch.tensor([[0, 1, 2, 3]]))
+    with pytest.raises(ValueError, match="reference"):
+        evaluate.token_quality(logp, torch.tensor([0, 1, 2, 3]), logp[:2])
+    with pytest.raises(ValueError, match="cols"):
+        evaluate.summarize_tokens({"kl": cols["kl"]})
+    with pytest.raises(ValueError, match="top1"):
+        evaluate.summarize_tokens({"nll": cols["nll"], "kl": cols["kl"]})
+    with pytest.raises(ValueError, match="no scored tokens"):
+        evaluate.summarize_tokens({"nll": cols["nll"][:0]})
+    with pytest.raises(ValueError, match="unequal"):
+        evaluate.summarize_tokens({**cols, "top1": cols["top1"][:2]})
+    with pytest.raises(ValueError, match="fed"):
+        evaluate.measure_tokens(cols, None, 1.0, -1)
+
+
 def test_over_seeds_means_the_worst_held_out_text():
     def run(kls, dppls, top1s):
         texts = {t: {"512": {"kl": k, "dppl": p, "top1": a}} for t, k, p, a in zip("ab", kls, dppls, top1s)}

@@ -174,9 +174,13 @@ def summarize_tokens(cols: dict) -> dict:
     and, where a reference was given, {kl, top1, dnll_se}: means over the tokens, and the standard error of the mean
     NLL change (blocks of :data:`SE_BLOCK` tokens, :func:`block_standard_error`; segments of a multiple of the block
     concatenate into whole blocks)."""
+    if not isinstance(cols, dict) or "nll" not in cols:
+        raise ValueError(f"cols must be token_quality's columns (a dict with 'nll'), got {type(cols).__name__}")
+    if "kl" in cols and not {"top1", "ref_nll"} <= cols.keys():
+        raise ValueError(f"cols has 'kl' but not 'top1' and 'ref_nll': {sorted(cols)}")
     n = cols["nll"].numel()
     if n == 0:
-        raise ValueError("no scored tokens")
+        raise ValueError("cols: no scored tokens")
     if any(c.shape != (n,) for c in cols.values()):
         raise ValueError(f"columns of unequal shapes: { {k: tuple(c.shape) for k, c in cols.items()} }")
     nll = cols["nll"].mean().item()
@@ -216,6 +220,8 @@ def measure(logp: torch.Tensor, cache, secs: float, ids: torch.Tensor, setup: Ev
 def measure_tokens(cols: dict, cache, secs: float, fed: int) -> dict:
     """:func:`summarize_tokens` of ``cols`` (per-token columns, one or several segments), ``fed`` tokens fed in
     ``secs`` seconds of scoring, and the bytes ``cache`` (the last segment's) holds after scoring."""
+    if isinstance(fed, bool) or not isinstance(fed, int) or fed < 0:
+        raise ValueError(f"fed must be a non-negative int, got {fed!r}")
     m = summarize_tokens(cols)
     m.update(tokens_per_s=fed / secs if secs > 0 else float("nan"), cache=cache_memory(cache))
     m["compressed_bits"] = m["cache"]["compressed_bits"]
