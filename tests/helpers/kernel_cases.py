@@ -43,6 +43,11 @@ def codec_pair(name: str, d: int):
         return SplitTurboQuant(d, 2, 4, d // 4, seed=1, norm_dtype="fp8", correct_norm=True), TurboQuantMSE(d, 3, seed=2)
     if name == "qjl-hadamard-tq2":
         return QJLSketch(d, 2 * d, "hadamard", seed=3), TurboQuantMSE(d, 2, seed=2)
+    if name == "tq3-tq2c8":  # values over 8 rotations in turn (one accumulator per rotation)
+        return (TurboQuantMSE(d, 3, seed=1, correct_norm=True),
+                TurboQuantMSE(d, 2, seed=2, norm_dtype="fp8", correct_norm=True, cycles=8))
+    if name == "tq4-tq3c3":  # 3 rotations: cycles that do not divide a block of 16 slots
+        return TurboQuantMSE(d, 4, seed=1), TurboQuantMSE(d, 3, seed=2, cycles=3)
     widths = re.fullmatch(r"tq(\d)-tq(\d)", name)  # any other TurboQuant pair of widths
     if widths:
         return TurboQuantMSE(d, int(widths[1]), seed=1), TurboQuantMSE(d, int(widths[2]), seed=2)
@@ -51,6 +56,7 @@ def codec_pair(name: str, d: int):
 
 PAIRS = ["tq3-tq2", "tq4-uni3", "tq5-tq3", "tq1-uni4", "tq8-tq6", "tq7-tq5", "qjl-uni2", "qjl-outliers-uni2",
          "qjl-hadamard-tq2", "tqsplit-tq3"]
+CYCLED_PAIRS = ["tq3-tq2c8", "tq4-tq3c3"]  # value codes over rotations in turn
 
 
 def fields_of(codes) -> dict:

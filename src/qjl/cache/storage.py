@@ -130,7 +130,7 @@ class LayerStore:
         seed = self.config.seed + 1000 * self.layer_idx
         self.key_codec, self.value_codec = codecs or (key_spec.build(self.key_dim, seed),
                                                        value_spec.build(self.value_dim, seed + 1))
-        self.kernel_ok = self.backend != "torch" and kernels.supports(self.key_codec, self.value_codec)
+        self.kernel_ok = self.backend != "torch" and kernels.supports(self.key_codec, self.value_codec, self.backend)
 
     @property
     def pending(self) -> bool:

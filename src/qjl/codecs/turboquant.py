@@ -9,6 +9,13 @@ at n = 128 and b = 1..4.  Seed 003's table prints 0.030 at b = 3; the Lloyd-Max
 optimum of this density is 0.034 (0.0345 in the Gaussian limit), so we reproduce
 the optimum, not the printed value.  Upper bound: ``sqrt(3) pi / 2 * 4^-b``.
 
+``TurboQuantMSE(cycles=K)``: the same code over K rotations used in turn, token at code position t by rotation
+``t mod K`` (same bits; ``cycles=1`` is the paper's codec).  With one rotation, near-identical vectors (a
+repeated identifier's values) get identical quantization errors, which add up coherently in an attention
+output ``sum_t p_t v_t``; rotations in turn decorrelate them (docs/cache.md, "Value codes over rotations in
+turn").  Kernels mix token t's weighted row into accumulator ``t mod K`` and unmix with the K inverse
+rotations (:meth:`TurboQuantMSE.unmix` on rows of ``K n``).
+
 ``TurboQuantProd``: a (b-1)-bit MSE stage, then a QJL sketch (any family, with its
 exact constant) of the residual ``r = x - x_hat_mse`` and ``||r||``.  The score
 ``<q, x_hat_mse> + Prod_QJL(q, r)`` is unbiased for ``<q, x>`` because the QJL part
@@ -49,19 +56,27 @@ class TurboQuantMSE(Codec):
             Lloyd-Max centroid condition gives ``E<u, u_hat> = E||u_hat||^2 = 1 - D_mse``), which
             flattens attention; the correction removes that systematic shrink for the same bits
             (MSE grows by ~D_mse^2).  Default False: the paper's algorithm.
+        cycles: K rotations used in turn by code position (module doc): the vector at position t is coded with
+            ``rotations[t % K]`` (``rotations[0]`` is ``rotation``, the others from seeds derived from ``seed``).
+            Positions are those of the codes in their sequence: ``quantize(x, start=s)`` and
+            ``dequantize(codes, start=s)`` give the position of ``x``'s first vector (axis -2).  Kernels mix these
+            codes as values (``mix_view``); they do not score them as keys (``score_view`` is None for K > 1).
     """
 
     name = "turboquant_mse"
     params = {"bits": Param(integer(1, 8)), "rotation": Param(choice(*ROTATIONS)), "seed": Param(seed_param),
-              "norm_dtype": Param(choice(*NORM_DTYPES, *NORM_DTYPES.values())), "correct_norm": Param(boolean)}
+              "norm_dtype": Param(choice(*NORM_DTYPES, *NORM_DTYPES.values())), "correct_norm": Param(boolean),
+              "cycles": Param(integer(1, 64))}
 
     def __init__(self, dim: int, bits: int = 3, rotation: str = "haar", seed: int = 0, norm_dtype="fp16",
-                 correct_norm: bool = False):
+                 correct_norm: bool = False, cycles: int = 1):
         self.dim = check_positive_int("dim", dim)
         self.check_params(dict(bits=bits, rotation=rotation, seed=seed, norm_dtype=norm_dtype,
-                               correct_norm=correct_norm))
+                               correct_norm=correct_norm, cycles=cycles))
         self.bits = bits
         self.rotation = Rotation(dim, rotation, seed)
+        self.cycles = cycles
+        self.rotations = (self.rotation, *(Rotation(dim, rotation, derive_seed(seed, 1000 + k)) for k in range(1, cycles)))
         n = self.rotation.out_dim
         if n < 3:
             raise ValueError(f"dim must be >= 3 for a rotation codebook, got {dim}")
@@ -72,17 +87,56 @@ class TurboQuantMSE(Codec):
         self._cos_floor = None
 
     def __repr__(self):
-        return f"TurboQuantMSE(dim={self.dim}, bits={self.bits}, rotation={self.rotation.kind!r}, seed={self.rotation.seed})"
+        cyc = f", cycles={self.cycles}" if self.cycles > 1 else ""
+        return (f"TurboQuantMSE(dim={self.dim}, bits={self.bits}, rotation={self.rotation.kind!r}, "
+                f"seed={self.rotation.seed}{cyc})")
 
-    def quantize(self, x: torch.Tensor) -> Codes:
-        """x: [..., dim] -> Codes(codes [..., ceil(n*bits/8)] uint8, norm [...])."""
+    @property
+    def positional(self) -> bool:
+        """Whether codes depend on their position in the sequence (``cycles > 1``): a cache passes ``start``."""
+        return self.cycles > 1
+
+    def _in_turn(self, fn, x: torch.Tensor, start: int, width: int) -> torch.Tensor:
+        """``fn(rotations[k], rows)`` on the rows of x [..., m, w] (axis -2; a 1-D x is one row) at positions
+        ``start + i`` with ``(start + i) % K == k``, for each k -> [..., m, width]."""
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be a non-negative int (the code position of the first vector), got {start!r}")
+        if self.cycles == 1:
+            return fn(self.rotation, x)
+        if x.ndim == 1:
+            return fn(self.rotations[start % self.cycles], x)
+        out = x.new_empty(*x.shape[:-1], width, dtype=torch.float32)
+        for k, rot in enumerate(self.rotations):
+            first = (k - start) % self.cycles
+            if first < x.shape[-2]:
+                out[..., first::self.cycles, :] = fn(rot, x[..., first::self.cycles, :])
+        return out
+
+    def quantize(self, x: torch.Tensor, start: int = 0) -> Codes:
+        """x: [..., dim] -> Codes(codes [..., ceil(n*bits/8)] uint8, norm [...]); ``start``: the code position of
+        x's first vector (axis -2), read only with ``cycles > 1``."""
         check_vectors("x", x, self.dim)
         xf = x.float()
         norm = torch.linalg.vector_norm(xf, dim=-1)
         check_fits("norm of x", norm, self.norm_dtype)
         unit = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
-        idx, stored = self.cells(self.rotation.apply(unit), norm)
+        y = self._in_turn(lambda rot, u: rot.apply(u), unit, start, self.rotation.out_dim)
+        idx, stored = self.cells(y, norm)
         return Codes(tuple(x.shape[:-1]), {"codes": pack_bits(idx, self.bits), "norm": stored})
+
+    def check_storable(self, x: torch.Tensor, name: str = "x", *fit) -> None:
+        """As :meth:`Codec.check_storable`; with ``cycles > 1`` and ``correct_norm`` the vectors beyond
+        :meth:`norm_limit` are quantized with every rotation (the corrected norm depends on it)."""
+        if self.cycles == 1 or not self.correct_norm or x.numel() == 0:
+            return super().check_storable(x, name, *fit)
+        norms = torch.linalg.vector_norm(x.float(), dim=-1)
+        over = x.reshape(-1, self.dim)[(norms > self.norm_limit()).reshape(-1)]
+        try:
+            for k in range(self.cycles if over.shape[0] else 0):
+                self.quantize(over.unsqueeze(-2), start=k)  # each vector the first of its row: position k
+        except ValueError as e:
+            raise ValueError(f"{name}: a vector of norm {float(norms.max()):.4g} cannot be stored by {self!r} ({e}); "
+                             "give the codec a wider norm_dtype, e.g. 'fp16' or 'fp32' instead of 'fp8'") from None
 
     def cells(self, y: torch.Tensor, norm: torch.Tensor) -> tuple:
         """The quantizer after the rotation: y [..., n] = Pi x / ||x||, norm [...] = ||x|| -> (idx [..., n]
@@ -123,12 +177,17 @@ class TurboQuantMSE(Codec):
         idx = unpack_bits(packed, self.bits, n)
         return on_device(self._centroids, packed.device)[idx] * codes.fields["norm"].float().unsqueeze(-1)
 
-    def dequantize(self, codes: Codes) -> torch.Tensor:
-        return self.rotation.inverse(self.rotated(codes))
+    def dequantize(self, codes: Codes, start: int = 0) -> torch.Tensor:
+        """codes (lead [..., m]) -> [..., m, dim]; ``start``: the code position of the first vector (``cycles > 1``)."""
+        rotated = self.rotated(codes)
+        return self._in_turn(lambda rot, y: rot.inverse(y), rotated, start, self.dim)
 
-    def inner_product(self, q: torch.Tensor, codes: Codes) -> torch.Tensor:
-        """Rotate the query once, score against centroids: q: [..., t, dim] -> [..., t, n]."""
+    def inner_product(self, q: torch.Tensor, codes: Codes, start: int = 0) -> torch.Tensor:
+        """Rotate the query once, score against centroids: q: [..., t, dim] -> [..., t, n] (with ``cycles > 1``:
+        against the dequantized vectors at positions from ``start``)."""
         self._check_query(q, codes)
+        if self.cycles > 1:
+            return torch.matmul(q.float(), self.dequantize(codes, start).transpose(-1, -2))
         return torch.matmul(self.rotation.apply(q.float()), self.rotated(codes).transpose(-1, -2))
 
     # -- kernel views: keys scored and values mixed in the rotated basis ------------------------
@@ -138,31 +197,47 @@ class TurboQuantMSE(Codec):
         return PackedCodes("codes", self.bits, self.rotation.out_dim, self._centroids)
 
     def score_view(self):
-        """One term: ``norm * <Pi q, c[idx]>`` (:meth:`inner_product`)."""
+        """One term: ``norm * <Pi q, c[idx]>`` (:meth:`inner_product`); None with ``cycles > 1`` (one query map
+        per rotation: kernels do not score such keys)."""
         from qjl.codecs.views import KeyTerm, ScoreView
 
-        return ScoreView((KeyTerm(self._packed(), "norm"),))
+        return ScoreView((KeyTerm(self._packed(), "norm"),)) if self.cycles == 1 else None
 
     def score_queries(self, q: torch.Tensor, shared: dict | None = None) -> list:
         """q: [..., dim] -> [Pi q] ([..., n] float32)."""
+        if self.cycles > 1:
+            raise TypeError(f"{self!r} declares no score view (cycles > 1)")
         return [self.rotation.apply(q.float())]
 
     def quantize_view(self):
-        """Normalize, rotate, Lloyd-Max cell, pack (norm correction as configured)."""
+        """Normalize, rotate, Lloyd-Max cell, pack (norm correction as configured); None with ``cycles > 1`` (the
+        quantize kernels take one matrix: such codes come from :meth:`quantize`)."""
         from qjl.codecs.views import ProjectQuantize, QuantizeView
 
+        if self.cycles > 1:
+            return None
         return QuantizeView((ProjectQuantize(self.rotation, self.bits, "codes", "norm", self.norm_dtype, self._boundaries,
                                              self._centroids, normalize=True, correct_norm=self.correct_norm),))
 
     def mix_view(self):
-        """One group, scale ``norm``, no zero point; rows mixed in the rotated basis (see :meth:`unmix`)."""
+        """One group, scale ``norm``, no zero point; rows mixed in the rotated basis (see :meth:`unmix`), into
+        ``cycles`` accumulators (token at position t into accumulator ``t % cycles``)."""
         from qjl.codecs.views import MixView
 
-        return MixView(self._packed(), self.rotation.out_dim, "norm", None, rotated=True)
+        return MixView(self._packed(), self.rotation.out_dim, "norm", None, rotated=True, cycles=self.cycles)
 
     def unmix(self, o: torch.Tensor) -> torch.Tensor:
-        """o: [..., n] mixed rotated rows -> ``Pi^T o`` [..., dim]."""
-        return self.rotation.inverse(o.float())
+        """o: [..., K n] rows mixed in the rotated bases (accumulator k in columns ``[k n, (k + 1) n)``) ->
+        ``sum_k Pi_k^T o_k`` [..., dim]."""
+        n = self.rotation.out_dim
+        if o.shape[-1] != self.cycles * n:
+            raise ValueError(f"o: mixed rows of {self.cycles} x {n} = {self.cycles * n} columns expected, got "
+                             f"{o.shape[-1]}")
+        o = o.float()
+        out = self.rotation.inverse(o[..., :n])
+        for k in range(1, self.cycles):
+            out = out + self.rotations[k].inverse(o[..., k * n:(k + 1) * n])
+        return out
 
     @property
     def centroids(self) -> torch.Tensor:

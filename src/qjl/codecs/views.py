@@ -72,13 +72,22 @@ class MixView:
     """A value codec's vectors: ``v[t, c] = zero[t, g] + scale[t, g] * centroids[code[t, c]]``,
     ``g = c // group_size``; ``scale`` / ``zero`` name per-vector fields of shape ``[groups]`` (or a
     scalar when there is one group); ``zero`` is None when there is no zero point.  ``rotated``: the
-    codec's ``unmix`` is not the identity (the output must be mapped back)."""
+    codec's ``unmix`` is not the identity (the output must be mapped back).  ``cycles`` (K): the stored vector at
+    code position t is mixed into accumulator ``t % K`` (its own basis: TurboQuant's rotations in turn), the
+    mixed row is ``[K * length]`` (accumulator k in columns ``[k length, (k + 1) length)``) and ``unmix`` maps
+    it back."""
 
     codes: PackedCodes
     group_size: int
     scale: str
     zero: str | None = None
     rotated: bool = False
+    cycles: int = 1
+
+    @property
+    def mixed_length(self) -> int:
+        """Columns of a mixed row: ``cycles * codes.length``."""
+        return self.cycles * self.codes.length
 
     @property
     def groups(self) -> int:

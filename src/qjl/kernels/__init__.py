@@ -20,7 +20,7 @@ import functools
 import importlib
 import os
 
-__all__ = ["BACKENDS", "pick_backend", "cpu_available", "triton_usable", "supports", "paged_decode", "PagedField",
+__all__ = ["BACKENDS", "CYCLED_BACKENDS", "pick_backend", "cpu_available", "triton_usable", "supports", "paged_decode", "PagedField",
            "FieldMap", "PagedRows", "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu", "encode_rows_cpu",
            "store_cpu", "cpu_pass", "quantize_with"]
 
@@ -85,9 +85,18 @@ def pick_backend(device, requested: str = "auto") -> str:
     return requested
 
 
-def supports(key_codec, value_codec) -> bool:
+# the backends whose decode kernels mix value codes over rotations in turn (MixView.cycles > 1)
+CYCLED_BACKENDS = ()
+
+
+def supports(key_codec, value_codec, backend: str | None = None) -> bool:
     """Whether the decode kernels read this pair of codecs (others use the reference path): both declare
-    views (:func:`qjl.codecs.views.kernel_readable`)."""
+    views (:func:`qjl.codecs.views.kernel_readable`), and, for values over rotations in turn (``cycles > 1``),
+    ``backend``'s kernel mixes them (:data:`CYCLED_BACKENDS`; ``backend`` None: every kernel backend must)."""
     from qjl.codecs.views import kernel_readable
 
-    return kernel_readable(key_codec, value_codec)
+    if not kernel_readable(key_codec, value_codec):
+        return False
+    if value_codec.mix_view().cycles > 1:
+        return all(b in CYCLED_BACKENDS for b in (("cpu", "triton") if backend is None else (backend,)))
+    return True

@@ -59,13 +59,14 @@ def query_maps(key_codec) -> list | None:
 
 
 def unmix_matrix(value_codec) -> torch.Tensor | None:
-    """``unmix`` as a matrix [n, dim] float32 (``unmix(o) = o @ U``), once per codec; None for the identity."""
+    """``unmix`` as a matrix [K n, dim] float32 (``unmix(o) = o @ U``; K the view's ``cycles``, accumulator k in
+    rows ``[k n, (k + 1) n)``), once per codec; None for the identity."""
     view = _view(value_codec, "mix_view")
     if not view.rotated:
         return None
     memo = _VIEWS.get(value_codec, {})
     if "unmix" not in memo:
-        memo["unmix"] = value_codec.unmix(torch.eye(view.codes.length)).float().contiguous()
+        memo["unmix"] = value_codec.unmix(torch.eye(view.mixed_length)).float().contiguous()
     return memo["unmix"]
 
 

@@ -5,7 +5,8 @@ the same attention one sequence at a time from the codecs' declared views (:mod:
 
 * each key term scores ``norm[t] * <qt, centroids[code[t]]>`` with ``qt = codec.score_queries(q)[i]``;
 * values are ``zero + scale * centroids[code]`` in the value codec's basis, mixed by the softmax
-  weights and mapped back once per row with ``codec.unmix``;
+  weights (the token at code position t into accumulator ``t % cycles`` of the view) and mapped back once
+  per row with ``codec.unmix``;
 * exact tokens join the same float32 softmax.
 
 A partial softmax of a key set is ``(m, l, o)``: the row max of the logits, ``l = sum exp(s - m)`` and
@@ -64,8 +65,20 @@ def _key_logits(q, codec, view, fields, block_row, block_size, h, start, end) ->
     return s
 
 
+def _in_cycles(v: torch.Tensor, cycles: int, start: int) -> torch.Tensor:
+    """Rows v [n, length] of code positions start.. -> [n, cycles * length]: row i in the accumulator of position
+    ``(start + i) % cycles`` (zeros elsewhere), so that ``p @ result`` mixes each position into its own."""
+    if cycles == 1:
+        return v
+    n, length = v.shape
+    out = v.new_zeros(n, cycles, length)
+    acc = (torch.arange(start, start + n, device=v.device) % cycles)
+    out[torch.arange(n, device=v.device), acc] = v
+    return out.reshape(n, cycles * length)
+
+
 def _mixed_values(view, fields, block_row, block_size, h, start, end) -> torch.Tensor:
-    """v [n, length] float32 in the value codec's basis."""
+    """v [n, cycles * length] float32 in the value codec's basis (:func:`_in_cycles`)."""
     names = {view.codes.field, view.scale} | ({view.zero} if view.zero else set())
     rows = gather_codes(fields, names, block_row, block_size, h, start, end)
     group = torch.arange(view.codes.length, device=block_row.device) // view.group_size
@@ -73,7 +86,7 @@ def _mixed_values(view, fields, block_row, block_size, h, start, end) -> torch.T
     v = _values(view.codes, rows) * scale
     if view.zero:
         v = v + rows[view.zero].float().reshape(end - start, -1)[:, group]
-    return v
+    return _in_cycles(v, view.cycles, start)
 
 
 def paged_decode_reference(q, key_codec, key_fields: dict, value_codec, value_fields: dict, block_table,

@@ -200,6 +200,9 @@ def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_ta
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
+    if value_codec.mix_view().cycles > 1:
+        raise ValueError(f"the CPU kernel does not mix value codes over rotations in turn yet ({value_codec!r}); "
+                         "use the reference path (backend='torch')")
     sig, room = check_static(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                              code_end)
     tpl = _template(mod, key_codec, key_fields, value_codec, value_fields, d, sig)

@@ -109,6 +109,9 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the Triton kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
+    if value_codec.mix_view().cycles > 1:
+        raise ValueError(f"the Triton kernel does not mix value codes over rotations in turn yet ({value_codec!r}); "
+                         "use the reference path (backend='torch')")
     if max_codes is None:  # else the caller vouches for the arguments (qjl.kernels.paged.paged_decode)
         check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                     code_end)
