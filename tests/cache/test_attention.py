@@ -15,6 +15,18 @@ from qjl.integrations.transformers.names import cache_kwargs
 pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="the C kernels do not build here")
 
 
+def _config(preset: str, **fields) -> QJLConfig:
+    """A preset by name; ``<preset>c8``: its values over 8 rotations in turn (TurboQuantMSE ``cycles``)."""
+    from dataclasses import replace
+
+    from qjl.cache.config import CodecSpec
+
+    if preset.endswith("c8"):
+        cfg = QJLConfig.preset(preset[:-2], **fields)
+        return replace(cfg, value=CodecSpec(cfg.value.name, {**cfg.value.params, "cycles": 8}))
+    return QJLConfig.preset(preset, **fields)
+
+
 def _int_path():
     from qjl.kernels.cpu import launch
 
@@ -23,7 +35,7 @@ def _int_path():
 
 @pytest.mark.parametrize("impl,tol", [("c", 1e-4), pytest.param("c-int", 2e-3, marks=pytest.mark.skipif(
     not _int_path(), reason="no AVX-512 VBMI / VNNI here"))])
-@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper"])
+@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper", "tq-k3v2c8"])
 def test_kernel_path_equals_reference_path(preset, impl, tol, monkeypatch):
     """A decode step (GQA rows, padding mask over codes and exact tokens) through the kernel and through the
     codecs' estimators, from one store: the fp32 path within 1e-4 of the output's scale, the integer path ("c-int",
@@ -31,7 +43,7 @@ def test_kernel_path_equals_reference_path(preset, impl, tol, monkeypatch):
     monkeypatch.setenv("QJL_CPU_IMPL", impl)
     g = torch.Generator().manual_seed(1)
     b, hkv, hq, d, n = 2, 2, 6, 64, 300
-    store = LayerStore(0, QJLConfig.preset(preset, kernel="cpu"), num_layers=30)
+    store = LayerStore(0, _config(preset, kernel="cpu"), num_layers=30)
     v = torch.randn(b, hkv, n, d, generator=g)
     store.append(torch.randn(b, hkv, n, d, generator=g), v)
     store.flush()
@@ -119,15 +131,17 @@ def test_unavailable_kernel_is_refused_before_anything_is_stored(monkeypatch):
     assert cache.get_seq_length() == 0 and not cache.layers[0].is_initialized
 
 
-def test_decode_steps_across_flushes_read_every_code(monkeypatch):
+@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k3v2c8"])
+def test_decode_steps_across_flushes_read_every_code(monkeypatch, preset):
     """Unmasked decode steps keep the C kernel's filled arguments (:class:`DecodeCall`) between calls: steps
-    that cross flushes (more codes, same buffers) must still attend to every code, as the reference does."""
+    that cross flushes (more codes, same buffers) must still attend to every code, as the reference does (with
+    values over rotations in turn: each flushed block at its own positions)."""
     from qjl.kernels.cpu import launch
 
     monkeypatch.setenv("QJL_CPU_IMPL", "c")
     g = torch.Generator().manual_seed(2)
     b, hkv, hq, d = 1, 2, 4, 64
-    store = LayerStore(0, QJLConfig.preset("tq-k3v2", kernel="cpu"), num_layers=30)
+    store = LayerStore(0, _config(preset, kernel="cpu"), num_layers=30)
     store.append(torch.randn(b, hkv, 200, d, generator=g), torch.randn(b, hkv, 200, d, generator=g))
     store.flush()
     calls, real = [], launch.DecodeCall.__call__
@@ -145,7 +159,7 @@ def test_decode_steps_across_flushes_read_every_code(monkeypatch):
     assert len(seen) >= 3 and len(calls) == 300  # flushes crossed, every step through the kept step arguments
 
 
-@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper"])
+@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper", "tq-k3v2c8"])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 def test_decode_call_equals_the_general_kernel_path(preset, qdtype, monkeypatch):
     """A decode step through the layer's kept DecodeCall (value mean added and the output rounded in the C call)
@@ -162,7 +176,7 @@ def test_decode_call_equals_the_general_kernel_path(preset, qdtype, monkeypatch)
     g = torch.Generator().manual_seed(3)
     b, hkv, hq, d, n = 2, 2, 6, 64, 300
     for smooth in (True, False):
-        store = LayerStore(0, QJLConfig.preset(preset, kernel="cpu", smooth_values=smooth), num_layers=30)
+        store = LayerStore(0, _config(preset, kernel="cpu", smooth_values=smooth), num_layers=30)
         store.append(torch.randn(b, hkv, n, d, generator=g), torch.randn(b, hkv, n, d, generator=g) + 2)
         q = torch.randn(b, hq, 1, d, generator=g).to(qdtype)
         store.before_attention(None, q, d ** -0.5, None)  # (fits the means, as a model's first forward does)

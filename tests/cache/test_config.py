@@ -137,6 +137,15 @@ def test_named_takes_presets_and_auto_budgets():
     assert QJLConfig.named("tq-k3v2", kernel="torch") == QJLConfig.preset("tq-k3v2", kernel="torch")
     auto = QJLConfig.named("auto-2.5", residual_length=64)
     assert auto.allocation.bits_per_value == 2.5 and auto.residual_length == 64
-    for bad, match in (("auto-x", "auto-<bits"), ("auto-0.5", r"\[1, 16\]"), ("tq-k9", "preset")):
+    for bad, match in (("auto-x", "auto-<bits"), ("auto-0.5", r"\[1, 16\]"), ("tq-k9", "preset"),
+                       ("auto-3.0c", "auto-<bits"), ("auto-3.0c0", "value_cycles")):
         with pytest.raises(ValueError, match=match):
             QJLConfig.named(bad)
+    cyc = QJLConfig.named("auto-3.0c8")  # value candidates over 8 rotations in turn (the default), the same widths
+    plain = QJLConfig.named("auto-3.0c1")
+    assert QJLConfig.named("auto-3.0") == cyc and plain.allocation.value_cycles == 1
+    assert all("cycles" not in s.params for s in plain.allocation.value_candidates)
+    assert cyc.allocation.value_cycles == 8 and "8 rotations in turn" in cyc.allocation.describe()
+    assert [dict(s.params, cycles=8) for s in plain.allocation.value_candidates] == \
+        [dict(s.params) for s in cyc.allocation.value_candidates]
+    assert cyc.allocation.key_candidates == plain.allocation.key_candidates

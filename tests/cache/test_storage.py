@@ -221,3 +221,27 @@ def test_split_keys_fit_to_the_prompts_queries_then_drop_them():
     assert torch.equal(store.key_fit[0], want)
     assert not torch.equal(want, store.key_codec.fit(block)[0])  # the queries changed the choice
     assert torch.equal(store.key_codes.shared["split_idx"].long(), want)
+
+
+def test_values_over_rotations_in_turn_are_coded_at_their_positions():
+    """Flushes of a cycled value codec code each token with the rotation of its code position: the codes held
+    after token-by-token flushes (and a crop and regrowth) equal the one-shot codes of the same tokens."""
+    cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 4}),
+                    value=CodecSpec("turboquant_mse", {"bits": 2, "cycles": 8, "correct_norm": True}),
+                    late_key=None, residual_length=8, flush_block=4, sink_tokens=2, kernel="torch",
+                    smooth_keys=False, smooth_values=False)
+    store = LayerStore(0, cfg)
+    k, v = _kv(30)
+    store.append(k[:, :, :17], v[:, :, :17])
+    store.flush()
+    for t in range(17, 30):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        store.flush()
+    store.crop(9)  # back into the codes, then regrow over the same positions
+    for t in range(21, 30):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        store.flush()
+    n = store.n_codes
+    want = store.value_codec.quantize(v[:, :, 2:2 + n])
+    assert n >= 16 and torch.equal(store.value_codes.fields["codes"], want.fields["codes"])
+    assert not torch.equal(store.value_codes.fields["codes"], store.value_codec.quantize(v[:, :, 3:3 + n]).fields["codes"])

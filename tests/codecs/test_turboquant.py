@@ -214,3 +214,72 @@ def test_norm_limit_is_a_guarantee(bits):
     codec.check_storable(x)
     with pytest.raises(ValueError, match="norm_dtype"):
         codec.check_storable(torch.randn(3, 64) * 1000)
+
+
+# -- values over rotations in turn (cycles) ------------------------------------------------------------------
+def test_cycles_code_each_position_with_its_rotation():
+    """Token t of a cycled codec is coded exactly as a one-rotation codec with rotation t % K codes it."""
+    from qjl.codecs.outliers import derive_seed
+
+    x = torch.randn(2, 3, 21, 64, generator=torch.Generator().manual_seed(0))
+    cyc = TurboQuantMSE(64, 3, seed=5, correct_norm=True, cycles=4)
+    codes = cyc.quantize(x)
+    for k in range(4):
+        one = TurboQuantMSE(64, 3, seed=5 if k == 0 else derive_seed(5, 1000 + k), correct_norm=True)
+        want = one.quantize(x[:, :, k::4])
+        assert torch.equal(codes.fields["codes"][:, :, k::4], want.fields["codes"])
+        assert torch.equal(codes.fields["norm"][:, :, k::4], want.fields["norm"])
+        assert torch.allclose(cyc.dequantize(codes)[:, :, k::4], one.dequantize(want), atol=1e-6)
+    # positions continue across calls: a later block from `start` gets the codes it has in the whole sequence
+    late = cyc.quantize(x[:, :, 7:], start=7)
+    assert torch.equal(late.fields["codes"], codes.fields["codes"][:, :, 7:])
+    assert torch.allclose(cyc.dequantize(late, start=7), cyc.dequantize(codes)[:, :, 7:], atol=1e-6)
+    assert not torch.equal(cyc.quantize(x[:, :, 7:]).fields["codes"], late.fields["codes"])
+    one_vec = cyc.quantize(x[0, 0, 9], start=9)  # a single vector at position 9
+    assert torch.equal(one_vec.fields["codes"], codes.fields["codes"][0, 0, 9])
+
+
+def test_cycles_unmix_is_the_mix_of_the_reconstructions():
+    """Rows mixed into accumulator t % K in the rotated bases, unmixed: sum_t p_t x_hat_t."""
+    x = torch.randn(30, 64, generator=torch.Generator().manual_seed(1))
+    cyc = TurboQuantMSE(64, 2, seed=2, cycles=8)
+    codes = cyc.quantize(x, start=3)
+    p = torch.rand(5, 30, generator=torch.Generator().manual_seed(2))
+    rows = cyc.rotated(codes)
+    acc = torch.zeros(5, 8, 64)
+    for t in range(30):
+        acc[:, (3 + t) % 8] += p[:, t:t + 1] * rows[t]
+    assert torch.allclose(cyc.unmix(acc.reshape(5, 8 * 64)), p @ cyc.dequantize(codes, start=3), atol=1e-5)
+    view = cyc.mix_view()
+    assert view.cycles == 8 and view.mixed_length == 8 * 64 and view.rotated
+    assert cyc.score_view() is None and cyc.quantize_view() is None  # kernels neither score nor encode them
+    assert cyc.bit_budget() == TurboQuantMSE(64, 2).bit_budget()  # same bits: no index is stored
+
+
+def test_cycles_decorrelate_the_errors_of_repeated_vectors():
+    """The reason for cycles: one rotation gives copies of a vector the same error, which survives averaging
+    (an attention output over repeated tokens); K rotations give K independent errors, so the mean of K copies'
+    reconstructions has about 1/K of the squared error (same distortion per vector)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 1, 128, generator=g).expand(200, 64, 128)  # 200 vectors, each repeated 64 times
+    err = {}
+    for k in (1, 8):
+        c = TurboQuantMSE(128, 2, seed=4, correct_norm=True, cycles=k)
+        x_hat = c.dequantize(c.quantize(x))
+        per_vector = (x_hat - x).pow(2).sum(-1).mean().item()
+        err[k] = ((x_hat.mean(1) - x[:, 0]).pow(2).sum(-1).mean().item(), per_vector)
+    assert err[8][1] == pytest.approx(err[1][1], rel=0.05)  # the same distortion per vector
+    assert err[8][0] < 0.25 * err[1][0]  # 1/8 expected (cross terms of 8 independent errors average out)
+
+
+def test_cycles_bad_arguments():
+    with pytest.raises(ValueError, match="cycles"):
+        TurboQuantMSE(64, 2, cycles=0)
+    cyc = TurboQuantMSE(64, 2, cycles=4)
+    with pytest.raises(ValueError, match="start"):
+        cyc.quantize(torch.randn(3, 64), start=-1)
+    with pytest.raises(ValueError, match="o: mixed rows"):
+        cyc.unmix(torch.randn(2, 64))
+    with pytest.raises(TypeError, match="score view"):
+        cyc.score_queries(torch.randn(2, 64))
+    assert "cycles=4" in repr(cyc)

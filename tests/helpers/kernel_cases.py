@@ -48,6 +48,9 @@ def codec_pair(name: str, d: int):
                 TurboQuantMSE(d, 2, seed=2, norm_dtype="fp8", correct_norm=True, cycles=8))
     if name == "tq4-tq3c3":  # 3 rotations: cycles that do not divide a block of 16 slots
         return TurboQuantMSE(d, 4, seed=1), TurboQuantMSE(d, 3, seed=2, cycles=3)
+    if name == "tqsplit-tq3c3":  # per-sequence key maps (read per page) with values over 3 rotations in turn
+        return (SplitTurboQuant(d, 2, 4, d // 4, seed=1, norm_dtype="fp8", correct_norm=True),
+                TurboQuantMSE(d, 3, seed=2, cycles=3))
     widths = re.fullmatch(r"tq(\d)-tq(\d)", name)  # any other TurboQuant pair of widths
     if widths:
         return TurboQuantMSE(d, int(widths[1]), seed=1), TurboQuantMSE(d, int(widths[2]), seed=2)

@@ -349,3 +349,11 @@ def test_prefill_without_vllms_ops_is_the_reference(monkeypatch):
     pre = prefill.VLLMPrefill()
     assert torch.equal(pre(*args), paged_attention_reference(*args))
     assert pre.usable is False and not pre.ran
+
+
+def test_codes_over_rotations_in_turn_are_refused_by_name():
+    """The pages do not serve value codes over rotations in turn yet: the layout refuses them, naming the codec."""
+    from qjl import TurboQuantMSE
+
+    with pytest.raises(ValueError, match=r"value codec TurboQuantMSE\(.*cycles=8\).*rotations in turn"):
+        PageLayout(TurboQuantMSE(D, 3), TurboQuantMSE(D, 2, cycles=8), D, 16, torch.bfloat16, 2, 8)

@@ -1,10 +1,12 @@
 """The C decode kernel's fp32 paths (AVX2 where the CPU has it, and portable) against the torch reference (the
 integer path, ``impl="c-int"``: test_cpu_int.py)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from kernel_cases import PAIRS, Case, close, segment_views
+from kernel_cases import CYCLED_PAIRS, PAIRS, Case, close, segment_views
 from qjl import kernels
 from qjl.kernels.cpu import launch
 
@@ -24,6 +26,68 @@ def _run(c, impl, **kw):
 def test_every_codec_pair(name, impl):
     c = Case(name, b=2, h=2, rows=3, n=301, n_exact=6, ragged=True)
     close(_run(c, impl, split_tokens=128, threads=2), c.reference(), TOL)  # several items per thread
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", CYCLED_PAIRS)
+@pytest.mark.parametrize("rows,split", [(6, 128), (3, 0), (9, 100)])
+def test_cycled_values(name, rows, split, impl):
+    """Values over K rotations in turn (K = 8, and 3: no divisor of a pass of 512 tokens, a split of 128 or 100): each
+    token mixed into accumulator t % K of its code position t, with a ragged code start (3: not a multiple of K, so a
+    residue counted from an item's or a pass's first token fails), a masked prefix, exact tokens with a per-row mask,
+    GQA groups past RW = 4 (6 = 4 + 2, 9 = 4 + 4 + 1) and token splits (128, 100, automatic) merged per unit."""
+    c = Case(name, b=2, h=2, rows=rows, n=301, n_exact=6, ragged=True, seed=rows)
+    close(_run(c, impl, split_tokens=split, threads=2), c.reference(), TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", CYCLED_PAIRS)
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_cycled_values_on_paged_pools(name, block_size, impl):
+    """Shuffled block pools (vLLM's layout): each pass cut into spans of one block, a residue's tokens K slots apart
+    in each (K = 8 in blocks of 16: 2 per span; K = 3: the residue of a block's first slot changing from block to
+    block; blocks of 7: spans of odd lengths, shorter than K = 8)."""
+    from paged_pool import paged_pool
+
+    c = Case(name, b=2, h=3, rows=5, n=301, n_exact=5, ragged=True, seed=block_size)
+    kf, table = paged_pool(dict(c.kcodes.fields), {}, None, block_size, block_size)
+    vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, block_size, block_size)
+    got = launch.paged_decode(c.q, c.kc, kf, c.vc, vf, table, block_size, c.start, c.end, exact=c.exact,
+                              code_bias=c.bias, impl=impl, split_tokens=128, threads=2)
+    close(got, c.reference(), TOL)
+
+
+class _OneAccumulator:
+    """A cycled value codec as a kernel that ignores ``cycles`` would mix it: every token into one accumulator, mapped
+    back by the first rotation's inverse."""
+
+    def __init__(self, codec):
+        self.codec = codec
+
+    def mix_view(self):
+        return replace(self.codec.mix_view(), cycles=1)
+
+    def unmix(self, o):
+        return self.codec.rotation.inverse(o.float())
+
+    def __getattr__(self, name):
+        return getattr(self.codec, name)
+
+
+@pytest.mark.parametrize("name", CYCLED_PAIRS)
+def test_cycled_values_are_not_one_accumulator(name):
+    """The cycled tests above can fail: the reference with every token in one accumulator (what the K = 1 kernel
+    computes on these codes) is far outside their tolerance (> 100 TOL of the output scale) from the output the
+    kernel matches."""
+    from qjl.kernels.reference import paged_decode_reference
+
+    c = Case(name, b=2, h=2, rows=6, n=301, n_exact=6, ragged=True, seed=6)
+    args = list(c.args())
+    args[3] = _OneAccumulator(c.vc)
+    wrong = paged_decode_reference(*args, exact=c.exact, code_bias=c.bias)
+    got, want = _run(c, "c", split_tokens=128), c.reference()
+    close(got, want, TOL)
+    assert (got - wrong).abs().max() > 100 * TOL * want.abs().max()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -127,7 +191,8 @@ def _paged_exact(c, seed: int = 4):
 
 
 @pytest.mark.parametrize("impl", IMPLS_HERE)
-@pytest.mark.parametrize("name", ["tq3-tq2", "qjl-outliers-uni2"])  # the kernel maps the queries / the general path
+@pytest.mark.parametrize("name", ["tq3-tq2", "qjl-outliers-uni2", "tq3-tq2c8"])  # the kernel maps the queries / the
+# general path / values over rotations in turn
 def test_decode_step_equals_paged_decode(name, impl):
     """paged_decode_step (a step's ranges, exact offsets and bias converted once, each layer's fields, exact
     fields and current token filled per call) makes the same C call as paged_decode: equal bit for bit, for a
@@ -328,9 +393,11 @@ def test_fp8_norms_every_byte(impl, subnormal):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_long_items_rescale_online(impl):
-    """Items longer than one pass, with the largest logits late (the running max grows: online rescaling)."""
-    c = Case("tq4-uni3", b=1, h=2, rows=4, n=3000, masked=False)
+@pytest.mark.parametrize("name", ["tq4-uni3", *CYCLED_PAIRS])
+def test_long_items_rescale_online(name, impl):
+    """Items longer than one pass, with the largest logits late (the running max grows: online rescaling, of every
+    accumulator of cycled values)."""
+    c = Case(name, b=1, h=2, rows=4, n=3000, masked=False)
     big = c.kcodes.fields["norm"].clone()
     big[..., 2500:] *= 3
     c.kf["norm"] = type(c.kf["norm"]).of(big)
@@ -548,3 +615,40 @@ def test_decode_call_bad_input():
     with pytest.raises(ValueError, match="moved"):
         call(q, seg, q_scale=0.5, out=out)
     assert torch.equal(out, before)  # nothing written
+
+
+@pytest.mark.parametrize("name", CYCLED_PAIRS)
+def test_cycled_values_through_the_decode_call(name):
+    """The transformers cache's call (a kept DecodeCall: a raw bf16 query scaled in the call, sinks and window
+    segments, a value mean added in the call) mixes values over rotations in turn as paged_decode_step does, bit for
+    bit, and as the reference does, within TOL."""
+    from qjl.kernels.paged import FieldMap
+    from qjl.kernels.reference import paged_decode_reference
+
+    c = Case(name, b=2, h=2, rows=6, n=77, n_exact=5, seed=3, masked=False, ragged=True)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    kf, vf = FieldMap(kf), FieldMap(vf)
+    xk, xv, _ = c.exact
+    mean = torch.randn(2, 2, 64, generator=torch.Generator().manual_seed(9))
+    step = launch.DecodeStep(bt, bs, start, end, segments=2)
+    qr = (q * 3).bfloat16()
+    call = launch.DecodeCall(qr, kc, kf, vc, vf, step, mean=mean)
+    segs = ((xk[:, :, :1].half(), xv[:, :, :1].half()), (xk[:, :, 1:].half(), xv[:, :, 1:].half()))
+    got = call(qr, segs, q_scale=0.37, out=torch.empty(2, 2, 6, 64))
+    want = launch.paged_decode_step(qr, kc, kf, vc, vf, step, segments=segs, q_scale=0.37) + mean[:, :, None]
+    assert torch.equal(got, want)
+    ref = paged_decode_reference(qr.float() * 0.37, kc, kf, vc, vf, bt, bs, start, end,
+                                 exact=(xk.half().float(), xv.half().float(), None))
+    close(got, ref + mean[:, :, None], TOL)
+
+
+def test_cycled_values_refused_by_the_fused_store_step():
+    """DecodeStore (vLLM's store-and-decode step in one call, step.c) quantizes values with one rotation: a value codec
+    over rotations in turn is refused by name before anything else is read."""
+    from qjl.kernels.paged import FieldMap
+
+    c = Case("tq3-tq2c8", b=2, h=2, rows=4, n=40, masked=False)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    step = launch.DecodeStep(bt, bs, start, end, segments=1)
+    with pytest.raises(ValueError, match=r"value_codec TurboQuantMSE\(.*cycles=8\).*rotations in turn"):
+        launch.DecodeStore(q, kc, FieldMap(kf), vc, FieldMap(vf), step, None)

@@ -7,7 +7,7 @@ has no AMX-TILE / AMX-INT8 (the tests then cannot tell the engines apart)."""
 import pytest
 import torch
 
-from kernel_cases import PAIRS, Case
+from kernel_cases import CYCLED_PAIRS, PAIRS, Case
 from qjl.kernels.cpu import launch
 
 if not launch.available():  # pragma: no cover - no C compiler / cffi here
@@ -56,6 +56,23 @@ def test_amx_on_paged_pools(name, block_size):
     kf, table = paged_pool(dict(c.kcodes.fields), shared, None, block_size, block_size)
     vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, block_size, block_size)
     a, b = _both(c, (kf, vf, table, block_size), split_tokens=128, threads=2)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", CYCLED_PAIRS)
+@pytest.mark.parametrize("block_size", [0, 16])  # 0: contiguous codes
+def test_amx_cycled_values(name, block_size):
+    """Values over rotations in turn: "c-amx" mixes them on vpdpwssd as "c-int" does (keys on tiles where they
+    qualify), from 3 rows (where tiles take the values at K = 1), contiguous and in blocks of 16: equal."""
+    from paged_pool import paged_pool
+
+    c = Case(name, b=2, h=2, rows=6, d=128, n=301, n_exact=5, ragged=True, seed=11)
+    fields = None
+    if block_size:
+        kf, table = paged_pool(dict(c.kcodes.fields), {}, None, block_size, block_size)
+        vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, block_size, block_size)
+        fields = (kf, vf, table, block_size)
+    a, b = _both(c, fields, split_tokens=100, threads=2)
     assert torch.equal(a, b)
 
 

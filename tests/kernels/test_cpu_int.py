@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernel_cases import PAIRS, Case, close
+from kernel_cases import CYCLED_PAIRS, PAIRS, Case, close
 from qjl.codecs.views import KeyTerm
 from qjl.kernels.cpu import launch
 from qjl.kernels.reference import paged_decode_reference
@@ -114,6 +114,33 @@ def test_int_path_on_paged_pools(name, block_size):
     got = launch.paged_decode(c.q, c.kc, kf, c.vc, vf, table, block_size, c.start, c.end, exact=c.exact,
                               code_bias=c.bias, impl="c-int", split_tokens=128, threads=2)
     _within(got, want, 1e-3, c.v.abs().max().item())
+
+
+@pytest.mark.parametrize("name", CYCLED_PAIRS)
+@pytest.mark.parametrize("block_size", [0, 16])  # 0: contiguous codes
+def test_int_path_cycled_values(name, block_size):
+    """Values over rotations in turn (K = 8, 3) on the integer path: each residue's weights rounded to int16 on their
+    own scale (a residue's largest weight, at most the pass's: the model's bound holds) and mixed on vpdpwssd into its
+    accumulator, contiguous and in shuffled blocks of 16, with a ragged start, masks, GQA rows past RW and splits;
+    and a running max growing late over passes of one item: the same model."""
+    from paged_pool import paged_pool
+
+    c = Case(name, b=2, h=2, rows=6, n=301, n_exact=6, ragged=True, seed=7)
+    want = _model(c)
+    if block_size:
+        kf, table = paged_pool(dict(c.kcodes.fields), {}, None, block_size, block_size)
+        vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, block_size, block_size)
+        got = launch.paged_decode(c.q, c.kc, kf, c.vc, vf, table, block_size, c.start, c.end, exact=c.exact,
+                                  code_bias=c.bias, impl="c-int", split_tokens=100, threads=2)
+    else:
+        got = _run(c, split_tokens=100, threads=2)
+    _within(got, want, 1e-3, c.v.abs().max().item())
+    c = Case(name, b=1, h=2, rows=4, n=1500, masked=False)
+    big = c.kcodes.fields["norm"].clone()
+    big[..., 1200:] *= 3
+    c.kf["norm"] = type(c.kf["norm"]).of(big)
+    c.kcodes.fields["norm"] = big
+    _within(_run(c, split_tokens=1500), _model(c), 1e-3, c.v.abs().max().item())
 
 
 def test_int_path_long_items_and_masks():

@@ -203,3 +203,33 @@ def test_the_rotation_matrix_is_refused_for_a_map_that_is_not_orthogonal():
     assert torch.equal(rotation_matrix(tq), unmix_matrix(tq).T)
     assert rotation_matrix(TokenwiseQuantizer(64, 2, group_size=32)) is None
     assert rotation_matrix(Scaled(64, 3, seed=1)) is None
+
+
+@pytest.mark.parametrize("cycles,d", [(3, 64), (8, 80)])
+def test_cycled_rows_are_read_mapped_back(cycles, d):
+    """Values over K rotations in turn (TurboQuant ``cycles=K``): with ``unmix`` each token's row is mapped back by
+    its own rotation (code position t: the unmix matrix's rows [k n, (k + 1) n), k = t % K; the runs start mid-block
+    and mid-cycle), the codec's dequantization within float32 rounding, and fp16 / bf16 ``out`` rounded as ``.to()``;
+    without ``unmix`` (rows in K bases) the kernel and its reference refuse such a codec by name."""
+    codec = TurboQuantMSE(d, 3, seed=3, cycles=cycles)
+    codes, fields, table = _pool(codec, d=d)
+    truth = codec.dequantize(codes)  # [B, H, N, D]: code position t by rotation t % K
+    n = codec.mix_view().codes.length
+    from qjl.kernels.paged import unmix_matrix
+
+    u = unmix_matrix(codec).double()  # [K n, D]
+    rotated = codec.rotated(codes).double()  # [B, H, N, n]: each token in its own rotation's basis
+    for b, (start, end) in ((0, (0, 75)), (1, (5, 61)), (1, (17, 33))):
+        got = launch.value_rows(codec, fields, table[b], 16, 3, start, end, unmix=True)
+        assert got.shape == (end - start, 3, d)
+        assert torch.allclose(got, truth[b, :, start:end].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        k = torch.arange(start, end) % cycles
+        blocks = u.reshape(cycles, n, d)[k]  # [L, n, D]
+        want = torch.einsum("hln,lnd->lhd", rotated[b, :, start:end], blocks)
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        half = launch.value_rows(codec, fields, table[b], 16, 3, start, end, unmix=True,
+                                 out=torch.empty(end - start, 3, d, dtype=torch.bfloat16))
+        assert torch.equal(half.view(torch.int16), got.to(torch.bfloat16).view(torch.int16))
+    for read in (launch.value_rows, launch.value_rows_reference):
+        with pytest.raises(ValueError, match=r"codec TurboQuantMSE\(.*cycles=.*rotations in turn.*unmix=True"):
+            read(codec, fields, table[0], 16, 3, 0, 5)

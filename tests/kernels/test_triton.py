@@ -6,12 +6,13 @@ interpreter runs every program in Python.  The paged decode kernel reads the sam
 CPU kernel's tests (:mod:`paged_pool`).
 """
 
+import copy
 import os
 
 import pytest
 import torch
 
-from kernel_cases import PAIRS, TRITON_DEVICE as DEV, Case, close, codec_pair, segment_views
+from kernel_cases import CYCLED_PAIRS, PAIRS, TRITON_DEVICE as DEV, Case, close, codec_pair, segment_views
 from paged_pool import paged_pool
 
 triton = pytest.importorskip("triton")
@@ -166,6 +167,62 @@ def test_paged_decode_from_a_shuffled_pool(name):
     close(got.cpu(), c.reference(), TOL)
 
 
+def _cycled(name, **kw):
+    """A Case of values over rotations in turn whose second sequence starts at code position 5 (no multiple of 3
+    or 8: its residues differ from the ones counted from its start), with the reference of a kernel that mixes
+    every token into one accumulator (mapped back by the first rotation), which must be far from the right one."""
+    c = Case(name, **kw)
+    c.start[1] = 5
+    one = copy.copy(c)
+    one.vc = copy.copy(c.vc)
+    one.vc.cycles, one.vc.rotations = 1, c.vc.rotations[:1]
+    want = c.reference()
+    assert (one.reference() - want).abs().max() > 0.1 * want.abs().max()  # so the tests below can tell
+    return c, want
+
+
+@pytest.mark.parametrize("precision,rows", [("auto", 3), ("ieee", 9)])  # auto: "fma" for 3 rows
+@pytest.mark.parametrize("name", CYCLED_PAIRS)
+def test_paged_decode_mixes_values_over_rotations_in_turn(name, precision, rows):
+    """Values over K rotations in turn (K = 8, 3): the token at code position t mixed into accumulator t % K, the
+    K accumulators mapped back by the unmix matrix [K n, d]: the reference's result over three splits of 16
+    positions (a split's first position in each residue class is not the split's start), ragged starts, masked
+    codes and exact tokens, both product forms."""
+    c, want = _cycled(name, b=2, h=1, rows=rows, d=64, n=45, n_exact=4, ragged=True)
+    g = c.on(DEV)
+    got = tk.paged_decode(*g.args(), exact=g.exact, code_bias=g.bias, splits=3, precision=precision)
+    close(got.cpu(), want, TOL)
+
+
+@pytest.mark.parametrize("name", [*CYCLED_PAIRS, "tqsplit-tq3c3"])  # tqsplit: per-page query maps
+def test_paged_decode_cycled_values_from_a_shuffled_pool(name):
+    """Pages of 16 slots in a shuffled pool (K = 3 does not divide a page: a token's accumulator follows its code
+    position, not its slot): the reference's result (the default splits)."""
+    c, want = _cycled(name, b=2, h=2, rows=4, n=50, n_exact=3, ragged=True)
+    shared = {}
+    if c.kcodes.shared:
+        shared = {n: t.unsqueeze(2).expand(*t.shape[:2], 4, *t.shape[2:]) for n, t in c.kcodes.shared.items()}
+    kf, table = paged_pool(dict(c.kcodes.fields), shared, None, 16, seed=3, device=DEV)
+    vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, 16, seed=3, device=DEV)
+    g = c.on(DEV)
+    got = tk.paged_decode(g.q, c.kc, kf, c.vc, vf, table, 16, g.start, g.end, exact=g.exact, code_bias=g.bias)
+    close(got.cpu(), want, TOL)
+
+
+def test_combine_merges_cycled_partials_with_exact_segments():
+    """Five splits of 3 accumulators each (15 partials: the combine reads 4 splits of an accumulator at once),
+    exact tokens as two bf16 segments read in place and a vouched max_codes: the reference's result."""
+    c = Case("tq4-tq3c3", b=2, h=2, rows=4, n=77, n_exact=5, seed=3)
+    xk, xv, xb = c.exact
+    xk, xv = xk.bfloat16().float(), xv.bfloat16().float()
+    c.exact = (xk, xv, xb)
+    ks, vs = segment_views(xk, xv, (2,), torch.bfloat16, DEV)
+    g = c.on(DEV)
+    got = tk.paged_decode(*g.args(), exact=(tuple(ks), tuple(vs), xb.to(DEV)), code_bias=g.bias, splits=5,
+                          max_codes=77)
+    close(got.cpu(), c.reference(), TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cuts", [(2,), (0, 2), (1, 3), (0,)])  # 2 segments (one empty), 3 (joined into 2), 1
 def test_combine_reads_exact_segments_in_place(dtype, cuts):
@@ -260,3 +317,7 @@ def test_quantize_refuses_codecs_it_does_not_cover():
     with pytest.raises(TypeError, match="codec"):
         kernels.quantize(KIVIKeys(64, 2), torch.randn(1, 32, 64))
     assert not kernels.can_quantize(KIVIKeys(64, 2)) and kernels.can_quantize(TurboQuantMSE(64, 2))
+    cycled = TurboQuantMSE(64, 2, cycles=3)  # codes by position: codec.quantize(x, start=...), not the kernel
+    assert not kernels.can_quantize(cycled)
+    with pytest.raises(TypeError, match="TurboQuantMSE"):
+        kernels.quantize(cycled, torch.randn(1, 32, 64))

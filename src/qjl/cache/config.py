@@ -310,14 +310,20 @@ class QJLConfig:
     @staticmethod
     def named(name: str, **overrides) -> "QJLConfig":
         """A preset by name (:meth:`preset`) or ``"auto-<bits>"`` (e.g. ``"auto-3.0"``: :meth:`auto` with that
-        budget, bits in [1, 16]), with fields replaced; the names ``qjl eval --methods`` and lm-eval's model take."""
+        budget, bits in [1, 16]; ``"auto-3.0c1"``: values over one rotation instead of AutoBits' default 8 rotations in
+        turn, ``value_cycles``), with
+        fields replaced; the names ``qjl eval --methods`` and lm-eval's model take."""
         if isinstance(name, str) and name.startswith("auto-"):
-            try:
-                bits = float(name[5:])
-            except ValueError:
-                raise ValueError(f"{name!r}: write auto-<bits per value>, e.g. auto-3.0") from None
+            import re
+
+            m = re.fullmatch(r"auto-([0-9]*\.?[0-9]+)(?:c([0-9]+))?", name)
+            if m is None:
+                raise ValueError(f"{name!r}: write auto-<bits per value>[c<rotations>], e.g. auto-3.0 or auto-3.0c8")
+            bits = float(m[1])
             if not 1.0 <= bits <= 16.0:
                 raise ValueError(f"{name!r}: bits per value must be in [1, 16]")
+            if m[2] is not None:
+                overrides = {"value_cycles": int(m[2]), **overrides}
             return QJLConfig.auto(bits_per_value=bits, **overrides)
         return QJLConfig.preset(name, **overrides)
 

@@ -300,8 +300,9 @@ class LayerStore:
         wk, wv = self._wk.view(), self._wv.view()
         if self.key_fit is None:
             self.key_fit = self._fit_keys(self._without_padding(wk[:, :, :n]))
-        key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit)
-        value_codes = self._quantize(self.value_codec, wv[:, :, :n])
+        at = self.n_codes  # the code position of the block's first token (codecs over rotations in turn read it)
+        key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit, start=at)
+        value_codes = self._quantize(self.value_codec, wv[:, :, :n], start=at)
         self._kc.append(key_codes)
         self._vc.append(value_codes)
         self._wk.replace(wk[:, :, n:])
@@ -363,13 +364,14 @@ class LayerStore:
         """The first flushed block with each row's padding slots (just after its sinks) zeroed."""
         return block if self.pads is None or self.n_codes else padding.zero_padding(block, self.pads)
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        """Codes of keys and values ``[B, H_kv, n, D]`` with this layer's codecs and kernels (not stored)."""
+    def encode(self, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> tuple:
+        """Codes of keys and values ``[B, H_kv, n, D]`` with this layer's codecs and kernels (not stored), their
+        first token at code position ``start``."""
         fit = self.key_fit if self.key_fit is not None else self.key_codec.fit(k)
-        return self._quantize(self.key_codec, k, *fit), self._quantize(self.value_codec, v)
+        return self._quantize(self.key_codec, k, *fit, start=start), self._quantize(self.value_codec, v, start=start)
 
-    def _quantize(self, codec, x: torch.Tensor, *fit) -> Codes:
-        return kernels.quantize_with(self.backend, codec, x, *fit)
+    def _quantize(self, codec, x: torch.Tensor, *fit, start: int = 0) -> Codes:
+        return kernels.quantize_with(self.backend, codec, x, *fit, start=start)
 
     # -- undo ----------------------------------------------------------------------------------
     def snapshot(self):

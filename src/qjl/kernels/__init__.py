@@ -86,7 +86,7 @@ def pick_backend(device, requested: str = "auto") -> str:
 
 
 # the backends whose decode kernels mix value codes over rotations in turn (MixView.cycles > 1)
-CYCLED_BACKENDS = ()
+CYCLED_BACKENDS = ("cpu", "triton")
 
 
 def supports(key_codec, value_codec, backend: str | None = None) -> bool:

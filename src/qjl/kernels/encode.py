@@ -242,16 +242,20 @@ def _raise_for(rc: int, codec, x: torch.Tensor, p) -> None:
         raise ValueError("the C bucketing refused its arguments (code width or boundaries)")
 
 
-def quantize_with(backend: str, codec, x: torch.Tensor, *fit):
+def quantize_with(backend: str, codec, x: torch.Tensor, *fit, start: int = 0):
     """The codes of x with the fastest quantizer ``backend`` has for ``codec`` ("triton": the Triton kernel for
     codecs with a quantize view; "cpu": the C bucketing for TurboQuant MSE when there is no per-sequence fit;
     otherwise, and for "torch", ``codec.quantize``).  Every path gives ``codec.quantize(x, *fit)``'s codes
-    (tested bit-exact).  ``fit``: the codec's per-sequence choice (outlier channels), if any."""
+    (tested bit-exact).  ``fit``: the codec's per-sequence choice (outlier channels), if any.  ``start``: the code
+    position of x's first vector (axis -2), for codecs whose codes depend on it (``codec.positional``: TurboQuant
+    over rotations in turn, quantized by ``codec.quantize(x, start=start)``)."""
     from qjl.kernels import BACKENDS
 
     if backend not in BACKENDS[1:]:
         raise ValueError(f"backend must be one of {BACKENDS[1:]} (pick one with qjl.kernels.pick_backend), "
                          f"got {backend!r}")
+    if getattr(codec, "positional", False):
+        return codec.quantize(x, *fit, start=start)
     if backend == "triton" and can_quantize(codec):
         return quantize(codec, x, *fit)
     if backend == "cpu" and not fit and can_quantize_cpu(codec):

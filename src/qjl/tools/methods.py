@@ -4,7 +4,8 @@
   other method is measured against (always run);
 * every name in :data:`qjl.PRESETS` -- a :class:`qjl.QJLCache` with that preset;
 * ``"auto-<bits>"`` (e.g. ``auto-3.0``) -- ``QJLConfig.auto(bits_per_value=<bits>)``, where this version
-  of the cache has it: codec widths chosen per layer from the prompt;
+  of the cache has it: codec widths chosen per layer from the prompt; ``"auto-<bits>c<K>"`` (e.g.
+  ``auto-3.0c1``): its value candidates over K rotations in turn (AutoBits ``value_cycles``; default 8);
 * ``"hf-quanto-k4v4"``, ``"hf-quanto-k2v2"`` -- transformers' own ``QuantizedCache`` (quanto backend,
   per-channel groups of 64, residual 128), with ``pip install optimum-quanto``;
 * ``"<preset or auto-bits>@<seed>"`` (e.g. ``tq-k3v3@2``) -- the same configuration with another base seed
@@ -74,7 +75,7 @@ def method_names() -> list:
     """Every name ``--methods`` accepts (presets, peers, and ``auto-<bits>`` where available)."""
     from qjl.cache.presets import PRESETS
 
-    return [*PRESETS, *_PEERS] + (["auto-<bits>"] if _has_auto() else [])
+    return [*PRESETS, *_PEERS] + (["auto-<bits>[c<rotations>]"] if _has_auto() else [])
 
 
 def split_seed(name: str) -> tuple:

@@ -51,14 +51,15 @@ class Args:
 
 
 def fill_view(a: Args, vv, vview, fields: dict) -> None:
-    """A ``qjl_value_view`` struct's fields, bits, groups and centroids from a codec's
-    :class:`qjl.codecs.views.MixView` and its stored fields (``unmix`` left to the caller)."""
+    """A ``qjl_value_view`` struct's fields, bits, groups, centroids and cycles (K accumulators) from a codec's
+    :class:`qjl.codecs.views.MixView` and its stored fields (``unmix``, [K n, out_dim], left to the caller)."""
     a.field(vv.codes, fields[vview.codes.field], False)
     a.field(vv.scale, fields[vview.scale], True)
     if vview.zero:
         a.field(vv.zero, fields[vview.zero], True)
     vv.bits, vv.n, vv.group_size, vv.groups = vview.codes.bits, vview.codes.length, vview.group_size, vview.groups
     vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(vview.codes.centroids)
+    vv.cycles = vview.cycles
 
 
 def f32(t: torch.Tensor) -> torch.Tensor:

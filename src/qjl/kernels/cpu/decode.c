@@ -5,12 +5,14 @@
  * the fields sit at fixed strides; small blocks do not shorten the pass): the key terms are scored span by
  * span into logits [RW][SUB], the online softmax
  * is updated (running max, rescaling what was accumulated when it grows), and the values are mixed with
- * the weights p * scale into accumulators [RW][n] (zero points summed per group apart).  The thread that
- * finishes the last item of a (sequence, KV head, row chunk) merges that unit's splits exactly and merges
- * the exact tokens (sinks, window, current token) in at the same max, then writes the output
- * (unmix(o) + ox) / l: the codes' values o are mixed in the value codec's basis and mapped back once per
- * row (TurboQuant's inverse rotation as a matrix), the exact tokens' values ox in the model's.  The key
- * terms' query maps (TurboQuant's rotation, QJL's c S) are applied here too, as matrices, once per item.
+ * the weights p * scale into accumulators [RW][n] (zero points summed per group apart; a value view of K > 1
+ * cycles has K of them, a pass's tokens at code positions t with t % K == k mixed into accumulator k as a pass of
+ * their own: by_residue).  The thread that finishes the last item of a (sequence, KV head, row chunk) merges that
+ * unit's splits exactly and merges the exact tokens (sinks, window, current token) in at the same max, then writes
+ * the output (unmix(o) + ox) / l: the codes' values o [K n] are mixed in the value codec's basis and mapped back
+ * once per row (TurboQuant's inverse rotations as one [K n, out_dim] matrix), the exact tokens' values ox in the
+ * model's.  The key terms' query maps (TurboQuant's rotation, QJL's c S) are applied here too, as matrices, once
+ * per item.
  * The AVX2 path (decode_avx2.c) and the portable path (decode_portable.c) compute the same sums in
  * another order: results agree to float32 rounding; the integer path (decode_vnni.c) rounds queries, centroids
  * and weights at the bound stated there. */
@@ -87,19 +89,87 @@ static int64_t pass_spans(const qjl_decode_args *a, const qjl_item *it, const qj
     return len;
 }
 
-/* one work item: the partial softmax (m, l, o [RW][n_v]) of its coded tokens.  mode: 0 portable, 1 AVX2 (fp32),
- * 2 integer (decode_vnni.c) for the codes of <= VNNI_MAX_BITS bits, AVX2 for the rest, 3 the integer path on AMX
- * tiles (decode_amx.c; the same sums) */
+/* A pass's tokens by residue (K > 1 cycles; pass token i at code position t0 + i goes into accumulator
+ * (t0 + i) % K): residue k's tokens i = first[k], first[k] + K, ... are entries [base[k], base[k] + count[k]) of
+ * the residue order, into which their weights p [RW][SUB] (nr live rows), scales and zero points [G][SUB] are
+ * gathered (pk, sk, zk; zk with zero points only), and, with `rows` [SUB][row_bytes], their codes copied in one sweep
+ * over the spans (a pass of short spans, blocks of a few slots in shuffled order, read from memory once and in
+ * order rather than once per residue; a strided gather of the weights measured faster than a sweep's scatter). */
+typedef struct {
+    int64_t first[64], base[64], count[64];
+} qjl_residues;
+
+static void by_residue(const qjl_spans *s, int64_t t0, int64_t K, int64_t stride, int nr, int64_t G, const float *p,
+                       const float *scale, const float *zero, uint8_t *rows, int64_t row_bytes, qjl_residues *rz,
+                       float *pk, float *sk, float *zk) {
+    const int64_t len = s->len;
+    int64_t at = 0;
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t i0 = rz->first[k] = (k - t0 % K + K) % K;
+        const int64_t cnt = rz->count[k] = i0 < len ? (len - i0 + K - 1) / K : 0;
+        rz->base[k] = at;
+        for (int r = 0; r < nr; r++)
+            for (int64_t j = 0; j < cnt; j++) pk[r * SUB + at + j] = p[r * SUB + i0 + j * K];
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < cnt; j++) {
+                sk[g * SUB + at + j] = scale[g * SUB + i0 + j * K];
+                if (zero) zk[g * SUB + at + j] = zero[g * SUB + i0 + j * K];
+            }
+        at += cnt;
+    }
+    if (!rows) return;
+    int64_t next[64], k = t0 % K;
+    memcpy(next, rz->base, sizeof(int64_t) * (size_t)K);
+    for (int si = 0; si < s->n; si++)
+        for (int64_t i = 0; i < s->cnt[si]; i++, k = k + 1 == K ? 0 : k + 1) {
+            const uint8_t *src = s->v[si] + i * stride;
+            uint8_t *to = rows + next[k]++ * row_bytes;
+            int64_t c = 0;
+            for (; c + 8 <= row_bytes; c += 8) memcpy(to + c, src + c, 8);
+            for (; c < row_bytes; c++) to[c] = src[c];
+        }
+}
+
+/* residue k of a pass (by_residue) read in place: span si's tokens i0, i0 + K, ... as a span of `res` (its codes K
+ * token strides apart: the caller's view with codes.stride_token * K) at its place in the residue order */
+static void residue_spans(const qjl_spans *s, int64_t t0, int64_t K, int64_t k, int64_t stride, const qjl_residues *rz,
+                          qjl_spans *res) {
+    int ns = 0;
+    for (int si = 0; si < s->n; si++) {
+        const int64_t i0 = (k - (t0 + s->off[si]) % K + K) % K; /* the span's first token of residue k */
+        if (i0 >= s->cnt[si]) continue;
+        res->off[ns] = (s->off[si] + i0 - rz->first[k]) / K, res->cnt[ns] = (s->cnt[si] - i0 + K - 1) / K;
+        res->v[ns++] = s->v[si] + i0 * stride;
+    }
+    res->n = ns, res->len = rz->count[k];
+}
+
+/* one work item: the partial softmax (m, l, o [RW][K n_v]) of its coded tokens (K = the value view's cycles).  mode:
+ * 0 portable, 1 AVX2 (fp32), 2 integer (decode_vnni.c) for the codes of <= VNNI_MAX_BITS bits, AVX2 for the rest,
+ * 3 the integer path on AMX tiles (decode_amx.c; the same sums; with K > 1 the values on vpdpwssd) */
 static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, float *m, float *l, float *o) {
     const qjl_value_view *v = &a->value;
-    const int64_t nv = v->n, G = v->groups;
+    const int64_t nv = v->n, G = v->groups, K = v->cycles;
     const int nr = a->rows - it->rc * RW < RW ? (int)(a->rows - it->rc * RW) : RW; /* live rows of this chunk */
     float *q[2] = {NULL, NULL};
     for (int k = 0; k < a->n_terms; k++) q[k] = malloc(sizeof(float) * RW * (size_t)a->key[k].n);
     float *logits = malloc(sizeof(float) * RW * SUB), *pw = malloc(sizeof(float) * SUB * (size_t)G * RW);
     float *knorm = malloc(sizeof(float) * SUB), *vscale = malloc(sizeof(float) * SUB * (size_t)G);
     float *vzero = v->has_zero ? malloc(sizeof(float) * SUB * (size_t)G) : NULL;
-    float *zsum = calloc((size_t)(RW * G), sizeof(float));
+    float *zsum = calloc((size_t)(K * RW * G), sizeof(float)); /* [K][RW][G] */
+    /* K > 1: accumulators [K][RW][n_v] (copied into o's [RW][K n_v] at the end), a residue's spans, the pass's weights,
+     * scales, zero points and (short spans) codes in residue order (by_residue), and the views of its codes */
+    float *acc = K > 1 ? malloc(sizeof(float) * (size_t)(K * RW * nv)) : o;
+    qjl_spans *res = K > 1 ? malloc(sizeof(qjl_spans)) : NULL;
+    float *cp = K > 1 ? malloc(sizeof(float) * RW * SUB) : NULL;
+    float *cs = K > 1 ? malloc(sizeof(float) * SUB * (size_t)G) : NULL;
+    float *cz = K > 1 && v->has_zero ? malloc(sizeof(float) * SUB * (size_t)G) : NULL;
+    qjl_value_view vcyc = *v, vrow = *v; /* reading every K-th token; reading rows copied one after another */
+    vcyc.codes.stride_token *= K;
+    const int64_t row_bytes = nv * v->bits / 8; /* (n_v a multiple of 8) */
+    vrow.codes.stride_token = row_bytes;
+    uint8_t *rows = K > 1 ? malloc((size_t)(SUB * row_bytes + 64)) : NULL; /* (+64: slack past the last row) */
+    qjl_residues rz;
     int64_t nmax = nv;
     for (int k = 0; k < a->n_terms; k++) nmax = a->key[k].n > nmax ? a->key[k].n : nmax;
     float *buf = malloc(sizeof(float) * (size_t)nmax);
@@ -122,7 +192,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     float *vmul = iv ? malloc(sizeof(float) * (size_t)(G * RW)) : NULL;
     const float vsc = iv ? int8_table(v->cent, v->bits, 0, vtab) : 1.0f;
     /* one scale group and no zero points: the softmax and the weights fused (exp_weights) */
-    const int fused = iv && G == 1 && !v->has_zero;
+    const int fused = iv && G == 1 && !v->has_zero && K == 1;
     float pmax[RW];
 #endif
 #if QJL_HAVE_AMX
@@ -140,7 +210,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
         kb[k] = (a->key[k].n + 63) / 64;
         if (ak[k]) qv[k] = malloc((size_t)(kb[k] * 256)), table64(ktab[k], ktab64[k]);
     }
-    const int av = amx_here && iv;
+    const int av = amx_here && iv && K == 1; /* (K > 1: the values on vpdpwssd) */
     uint8_t *wb = av ? calloc((size_t)(G * 2 * RW * SUB), 1) : NULL; /* rows past nr stay zero */
     const uint8_t **vrows = av ? malloc(sizeof(uint8_t *) * SUB) : NULL;
     if (av) table64(vtab, vtab64);
@@ -160,14 +230,13 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
 #endif
 #endif
     for (int r = 0; r < RW; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
-    memset(o, 0, sizeof(float) * RW * (size_t)nv);
+    memset(acc, 0, sizeof(float) * RW * (size_t)(K * nv));
     int64_t loaded[2] = {-1, -1}; /* block-table column whose query rows each key term holds */
     qjl_spans *cur = malloc(sizeof(qjl_spans));
     for (int64_t t = it->t0, len; t < it->t1; t += len) {
         len = pass_spans(a, it, v, t, cur);
         const int ns = cur->n;
         const int64_t *sp_j = cur->j, *sp_blk = cur->blk, *sp_slot = cur->slot, *sp_off = cur->off, *sp_cnt = cur->cnt;
-        const uint8_t *const *sp_v = cur->v;
         /* the nr live rows only (scores, softmax, weights): rows past them stay m = -inf, l = 0, o = 0 */
         for (int r = 0; r < nr; r++) memset(logits + r * SUB, 0, sizeof(float) * (size_t)len);
         for (int k = 0; k < a->n_terms; k++) {
@@ -234,8 +303,11 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
             if (mx > m[r] && m[r] != -INFINITY) { /* rescale what was accumulated so far */
                 const float w = expf(m[r] - mx);
                 l[r] *= w;
-                for (int64_t c = 0; c < nv; c++) o[r * nv + c] *= w;
-                for (int64_t g = 0; g < G; g++) zsum[r * G + g] *= w;
+                for (int64_t k = 0; k < K; k++) {
+                    float *ok = acc + (k * RW + r) * nv, *zk = zsum + (k * RW + r) * G;
+                    for (int64_t c = 0; c < nv; c++) ok[c] *= w;
+                    for (int64_t g = 0; g < G; g++) zk[g] *= w;
+                }
             }
             m[r] = mx;
 #if QJL_HAVE_VNNI
@@ -246,53 +318,87 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
 #endif
             l[r] += exp_sum(x, len, mx == -INFINITY ? 0.0f : mx); /* masked logits give p = 0 */
         }
-#if QJL_HAVE_AMX
-        if (av) {
-            if (fused)
-                for (int r = 0; r < nr; r++) vmul[r] = amx_bytes_row(pw + r * SUB, len, pmax[r], vsc, wb + r * SUB, wb + (RW + r) * SUB);
-            else {
-                value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
-                int16_weights(G, nr, len, pw, vsc, w16, vmul);
-                amx_weight_bytes(G, nr, len, w16, wb);
+        /* K > 1: the pass by residue; its codes copied where its spans are shorter than 32 tokens per residue on
+         * average (blocks of 16 or 128 slots with K = 8: a mix call per span and residue would read a token or two) */
+        const int copied = K > 1 && len < 32 * K * ns;
+        if (K > 1)
+            by_residue(cur, t, K, v->codes.stride_token, nr, G, logits, vscale, vzero, copied ? rows : NULL, row_bytes,
+                       &rz, cp, cs, cz);
+        for (int64_t k = 0; k < K; k++) { /* the pass's values: all (K = 1), or each residue's into its accumulator */
+            const qjl_value_view *vk = v;
+            const qjl_spans *sp = cur;
+            const float *pp = logits, *ps = vscale, *pz = vzero;
+            int64_t n_k = len;
+            float *ok = acc + k * RW * nv, *zk = zsum + k * RW * G;
+            if (K > 1) { /* residue k as a pass of its own (by_residue, above the loop) */
+                n_k = rz.count[k];
+                if (n_k == 0) continue;
+                const int64_t b0 = rz.base[k];
+                if (copied)
+                    res->n = 1, res->len = n_k, res->off[0] = 0, res->cnt[0] = n_k, res->v[0] = rows + b0 * row_bytes;
+                else
+                    residue_spans(cur, t, K, k, v->codes.stride_token, &rz, res);
+                vk = copied ? &vrow : &vcyc, sp = res, pp = cp + b0, ps = cs + b0, pz = cz ? cz + b0 : NULL;
             }
-            for (int si = 0; si < ns; si++) /* the pass's value rows; past len (to 64) the last one, weight zero */
-                for (int64_t i = 0; i < sp_cnt[si]; i++) vrows[sp_off[si] + i] = sp_v[si] + i * v->codes.stride_token;
-            for (int64_t i = len; i < (len + 63) / 64 * 64; i++) vrows[i] = vrows[len - 1];
-            amx_configure(&AMX_VALUES), amx_used = 1;
-            mix_amx(v, nr, len, vrows, wb, vtab64, vmul, o);
-        } else
+            const int nk = sp->n;
+            const int64_t *k_off = sp->off, *k_cnt = sp->cnt;
+            const uint8_t *const *k_v = sp->v;
+#if QJL_HAVE_AMX
+            if (av) { /* (K = 1) */
+                if (fused)
+                    for (int r = 0; r < nr; r++)
+                        vmul[r] = amx_bytes_row(pw + r * SUB, n_k, pmax[r], vsc, wb + r * SUB, wb + (RW + r) * SUB);
+                else {
+                    value_weights(vk, nr, ps, pz, n_k, pp, pw, zk);
+                    int16_weights(G, nr, n_k, pw, vsc, w16, vmul);
+                    amx_weight_bytes(G, nr, n_k, w16, wb);
+                }
+                for (int si = 0; si < nk; si++) /* the pass's value rows; past len (to 64) the last one, weight zero */
+                    for (int64_t i = 0; i < k_cnt[si]; i++) vrows[k_off[si] + i] = k_v[si] + i * vk->codes.stride_token;
+                for (int64_t i = n_k; i < (n_k + 63) / 64 * 64; i++) vrows[i] = vrows[n_k - 1];
+                amx_configure(&AMX_VALUES), amx_used = 1;
+                mix_amx(vk, nr, n_k, vrows, wb, vtab64, vmul, ok);
+            } else
 #endif
 #if QJL_HAVE_VNNI
-        if (iv) {
-            if (fused)
-                for (int r = 0; r < nr; r++) vmul[r] = int16_row(pw + r * SUB, len, pmax[r], vsc, w16 + r * (SUB + 2));
-            else {
-                value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
-                int16_weights(G, nr, len, pw, vsc, w16, vmul);
-            }
-            mix_vnni(v, nr, ns, sp_v, sp_off, sp_cnt, w16, vtab, vmul, o);
-        } else
+            if (iv) {
+                if (fused) /* (K = 1) */
+                    for (int r = 0; r < nr; r++)
+                        vmul[r] = int16_row(pw + r * SUB, n_k, pmax[r], vsc, w16 + r * (SUB + 2));
+                else {
+                    value_weights(vk, nr, ps, pz, n_k, pp, pw, zk);
+                    int16_weights(G, nr, n_k, pw, vsc, w16, vmul);
+                }
+                mix_vnni(vk, nr, nk, k_v, k_off, k_cnt, w16, vtab, vmul, ok);
+            } else
 #endif
 #if QJL_HAVE_AVX2
-        if (mode) {
-            value_weights(v, nr, vscale, vzero, len, logits, pw, zsum);
-            for (int si = 0; si < ns; si++)
-                if (vs) mix_sliced(v, nr, sp_v[si], sp_cnt[si], pw + sp_off[si], o);
-                else mix_avx2(v, nr, sp_v[si], sp_cnt[si], pw + sp_off[si], o);
-        } else
+            if (mode) {
+                value_weights(vk, nr, ps, pz, n_k, pp, pw, zk);
+                for (int si = 0; si < nk; si++)
+                    if (vs) mix_sliced(vk, nr, k_v[si], k_cnt[si], pw + k_off[si], ok);
+                    else mix_avx2(vk, nr, k_v[si], k_cnt[si], pw + k_off[si], ok);
+            } else
 #endif
-            for (int si = 0; si < ns; si++)
-                mix_portable(v, nr, sp_v[si], vscale + sp_off[si], vzero ? vzero + sp_off[si] : NULL, sp_cnt[si],
-                             logits + sp_off[si], o, zsum, buf);
+                for (int si = 0; si < nk; si++)
+                    mix_portable(vk, nr, k_v[si], ps + k_off[si], pz ? pz + k_off[si] : NULL, k_cnt[si],
+                                 pp + k_off[si], ok, zk, buf);
+        }
     }
     free(cur);
 #if QJL_HAVE_AVX2
-    if (vs) unslice_rows(o, nv, v->bits, buf);
+    for (int64_t k = 0; k < K && vs; k++) unslice_rows(acc + k * RW * nv, nv, v->bits, buf);
     for (int k = 0; k < a->n_terms; k++) free(qsl[k]);
 #endif
     if (v->has_zero)
+        for (int64_t kr = 0; kr < K * RW; kr++) /* (accumulator k, row r) */
+            for (int64_t c = 0; c < nv; c++) acc[kr * nv + c] += zsum[kr * G + c / v->group_size];
+    if (K > 1) { /* [K][RW][n_v] -> o [RW][K n_v] */
         for (int r = 0; r < RW; r++)
-            for (int64_t c = 0; c < nv; c++) o[r * nv + c] += zsum[r * G + c / v->group_size];
+            for (int64_t k = 0; k < K; k++)
+                memcpy(o + (r * K + k) * nv, acc + (k * RW + r) * nv, sizeof(float) * (size_t)nv);
+        free(acc), free(res), free(cp), free(cs), free(cz), free(rows);
+    }
     for (int k = 0; k < a->n_terms; k++) free(q[k]);
 #if QJL_HAVE_VNNI
     for (int k = 0; k < a->n_terms; k++) free(q8[k]);
@@ -321,12 +427,12 @@ static void exact_rows(const qjl_decode_args *a, int64_t b, int64_t h, float *xk
     }
 }
 
-/* the exact tokens of (b, h, row chunk) merged into its partial (m, l, o); their values into ox [RW][dx]:
+/* the exact tokens of (b, h, row chunk) merged into its partial (m, l, o [RW][K n_v]); their values into ox [RW][dx]:
  * s[r][j] = <qx[r], xk[j]> + xbias[r][j]; m' = max(m, max_j s); o *= exp(m - m'); ox[r] = sum_j exp(s - m') xv[j];
  * l' = l exp(m - m') + sum_j exp(s - m').  xk, xv: [ne][dx] float32 (exact_rows) */
 static void merge_exact(const qjl_decode_args *a, int64_t b, int64_t h, int64_t rc, const float *xk, const float *xv,
                         float *m, float *l, float *o, float *ox, float *s) {
-    const int64_t ne = a->ne, dx = a->dx, nv = a->value.n, bh = b * a->heads + h;
+    const int64_t ne = a->ne, dx = a->dx, nv = a->value.cycles * a->value.n, bh = b * a->heads + h;
     for (int r = 0; r < RW; r++) {
         const int64_t row = rc * RW + r;
         memset(ox + r * dx, 0, sizeof(float) * (size_t)dx);
@@ -364,6 +470,7 @@ static int check_args(const qjl_decode_args *a) {
     if (v->bits < 1 || v->bits > 8 || v->n < 8 || v->n % 8 || v->group_size < 8 || v->group_size % 8) return -1;
     if (v->groups != (v->n + v->group_size - 1) / v->group_size) return -1;
     if (v->out_dim < 1 || (!v->unmix && v->out_dim != v->n) || (a->ne > 0 && a->dx != v->out_dim)) return -1;
+    if (v->cycles < 1 || v->cycles > 64 || (v->cycles > 1 && !v->unmix)) return -1; /* (K accumulators: an unmix) */
     if (a->ne < 0 || a->n_xseg < 0 || a->n_xseg > 2) return -1;
     int64_t nx = 0;
     for (int sg = 0; sg < a->n_xseg; sg++) {
@@ -432,13 +539,39 @@ typedef struct {
     const qjl_item *list;
     const int64_t *first, *unit_of; /* items of unit u: [first[u], first[u + 1]); the unit of item i */
     int64_t *left;                  /* items of each unit not finished yet */
-    float *pm, *pl, *po;            /* partials of every item: [items][RW], [items][RW][n_v] */
+    float *pm, *pl, *po;            /* partials of every item: [items][RW], [items][RW][K n_v] */
 } qjl_job;
+
+/* y [RW][od] = o [RW][nk] @ U [nk, od]: 16 columns at a time, the RW rows' sums in registers over U's rows, so U is
+ * read once per unit (with K cycles it is K rotations' size: read per row it cost 5-10% of a K = 8 call); each
+ * element the products o[r][k] U[k][c] added in k's order (rows past the live ones are zero in o) */
+static void unmix_rows(const float *o, int64_t nk, const float *U, int64_t od, float *y) {
+    int64_t c0 = 0;
+    for (; c0 + 16 <= od; c0 += 16) {
+        v8f acc[2 * RW];
+        memset(acc, 0, sizeof acc);
+        for (int64_t k = 0; k < nk; k++) {
+            const v8f u0 = load8(U + k * od + c0), u1 = load8(U + k * od + c0 + 8);
+            for (int r = 0; r < RW; r++) {
+                const float w = o[r * nk + k];
+                acc[r] += w * u0;
+                acc[RW + r] += w * u1;
+            }
+        }
+        for (int r = 0; r < RW; r++) store8(y + r * od + c0, acc[r]), store8(y + r * od + c0 + 8, acc[RW + r]);
+    }
+    for (; c0 < od; c0++)
+        for (int r = 0; r < RW; r++) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < nk; k++) sum += o[r * nk + k] * U[k * od + c0];
+            y[r * od + c0] = sum;
+        }
+}
 
 /* the unit (b, h, row chunk) whose items are done: its splits merged, the exact tokens merged in, written out */
 static void finish_unit(const qjl_job *j, int64_t u) {
     const qjl_decode_args *a = j->a;
-    const int64_t H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.n;
+    const int64_t H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.cycles * a->value.n; /* K n_v */
     const int64_t f0 = j->first[u], f1 = j->first[u + 1], b = u / (H * rchunks), h = (u / rchunks) % H,
                   rc = u % rchunks;
     float *pm = j->pm, *pl = j->pl, *po = j->po;
@@ -466,26 +599,23 @@ static void finish_unit(const qjl_job *j, int64_t u) {
         merge_exact(a, b, h, rc, xk, xv, m, l, o, ox, s);
         free(xk);
     }
-    const int64_t od = a->value.out_dim;
+    const int64_t od = a->value.out_dim, live = a->rows - rc * RW < RW ? a->rows - rc * RW : RW;
+    const float *U = a->value.unmix;
     float *yrow = a->out ? NULL : malloc(sizeof(float) * (size_t)od); /* a row before out_raw's conversion */
-    for (int r = 0; r < RW; r++) {
+    float *yu = NULL; /* [RW][od]: o @ U (unmix_rows) */
+    if ((a->out || a->out_raw) && U) {
+        yu = malloc(sizeof(float) * RW * (size_t)od);
+        unmix_rows(o, nv, U, od, yu);
+    }
+    for (int r = 0; r < live; r++) {
         const int64_t row = rc * RW + r, dst = (b * H + h) * a->rows + row;
-        if (row >= a->rows) break;
         if (a->out_m) a->out_m[dst] = m[r];
         if (a->out_l) a->out_l[dst] = l[r];
         if (a->out_o) memcpy(a->out_o + dst * nv, o + r * nv, sizeof(float) * (size_t)nv);
         if (ox && a->out_ox) memcpy(a->out_ox + dst * a->dx, ox + r * a->dx, sizeof(float) * (size_t)a->dx);
-        if (a->out || a->out_raw) { /* (unmix(o) + ox) / l; a row that saw nothing gets 0 / 0 */
+        if (a->out || a->out_raw) { /* (unmix(o) + ox) / l (unmix [K n_v, out_dim]); a row that saw nothing: 0 / 0 */
             float *y = a->out ? a->out + dst * od : yrow;
-            const float *orow = o + r * nv, *U = a->value.unmix;
-            if (U) {
-                memset(y, 0, sizeof(float) * (size_t)od);
-                for (int64_t k = 0; k < nv; k++) {
-                    const float ok = orow[k];
-                    if (ok != 0.0f)
-                        for (int64_t c = 0; c < od; c++) y[c] += ok * U[k * od + c];
-                }
-            } else memcpy(y, orow, sizeof(float) * (size_t)od);
+            memcpy(y, U ? yu + r * od : o + r * nv, sizeof(float) * (size_t)od);
             if (ox)
                 for (int64_t c = 0; c < od; c++) y[c] += ox[r * a->dx + c];
             const float inv = 1.0f / l[r];
@@ -493,13 +623,13 @@ static void finish_unit(const qjl_job *j, int64_t u) {
             if (!a->out) store_half_row(y, od, a->out_dtype, a->out_raw + dst * od * 2);
         }
     }
-    free(ox), free(s), free(yrow);
+    free(ox), free(s), free(yrow), free(yu);
 }
 
 /* one item; the thread finishing a unit's last item finishes the unit (no barrier between the phases) */
 static void do_item(void *ctx, int64_t i) {
     const qjl_job *j = ctx;
-    const int64_t nv = j->a->value.n;
+    const int64_t nv = j->a->value.cycles * j->a->value.n;
     run_item(j->a, j->mode, &j->list[i], j->pm + i * RW, j->pl + i * RW, j->po + i * RW * nv);
     const int64_t u = j->unit_of[i];
     if (__atomic_sub_fetch(&j->left[u], 1, __ATOMIC_ACQ_REL) == 0) finish_unit(j, u);
@@ -556,7 +686,7 @@ static int decode_checked(const qjl_decode_args *a) {
     const int avx2 = a->simd && QJL_HAVE_AVX2 && cpu_has_avx2();
     const int vnni = a->simd >= 2 && avx2 && QJL_HAVE_VNNI && cpu_has_vnni();
     const int mode = vnni && a->simd == 3 && QJL_HAVE_AMX && amx_ready() ? 3 : vnni ? 2 : avx2;
-    const int64_t B = a->batch, H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.n;
+    const int64_t B = a->batch, H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.cycles * a->value.n;
     const int64_t units = B * H * rchunks;
     const int threads = a->threads > 0 ? a->threads : 1;
     int64_t max_len = 0;

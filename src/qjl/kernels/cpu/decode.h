@@ -41,8 +41,10 @@ typedef struct {          /* v[t, c] = zero[t, c / group_size] + scale[t, c / gr
     qjl_field codes, scale, zero;
     int32_t bits, n, group_size, groups, has_zero;
     const float *cent;    /* [2^bits] */
-    const float *unmix;   /* [n, out_dim]: mixed rows back to the model's basis (o @ unmix), or NULL (identity) */
+    const float *unmix;   /* [K n, out_dim]: mixed rows back to the model's basis (o @ unmix), or NULL (identity) */
     int32_t out_dim;
+    int32_t cycles;       /* K >= 1: the token at code position t is mixed into accumulator t % K; a mixed row is
+                             K n wide (accumulator k in columns [k n, (k + 1) n)); K > 1 needs an unmix */
 } qjl_value_view;
 
 typedef struct {          /* exact tokens [B, H, n, dx] (sinks, window, the current token): rows of dx contiguous
@@ -84,7 +86,8 @@ typedef struct {
     int32_t q_dtype;
     float q_scale;
     float *out_m, *out_l;                 /* [B, H, R] the partial softmax (m, l), or NULL */
-    float *out_o;                         /* [B, H, R, value.n] codes' values (the value codec's basis), or NULL */
+    float *out_o;                         /* [B, H, R, K value.n] codes' values (the value codec's basis; K =
+                                             value.cycles accumulators), or NULL */
     float *out_ox;                        /* [B, H, R, dx] exact values, at the same max (if ne > 0), or NULL */
     int64_t split_tokens;                 /* coded tokens per work item (0: automatic) */
     int32_t threads, simd;                /* simd 0: portable path; 1: the AVX2 path where the CPU has it; 2: the

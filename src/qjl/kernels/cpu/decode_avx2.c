@@ -357,8 +357,10 @@ QJL_AVX2 static inline __attribute__((always_inline)) void mix_sliced_(const int
     }
 }
 
-QJL_AVX2 static void mix_sliced(const qjl_value_view *v, int nr, const uint8_t *codes, int64_t count, const float *pw,
-                                float *acc) {
+/* (not inlined: run_item calls it per residue of cycled values too, and GCC then inlined it there, as it never did
+ * before, into a run_item twice the size) */
+QJL_AVX2 __attribute__((noinline)) static void mix_sliced(const qjl_value_view *v, int nr, const uint8_t *codes,
+                                                          int64_t count, const float *pw, float *acc) {
     const int bits = v->bits;
     QJL_BY_ROWS5(mix_sliced_, v, codes, count, pw, acc)
 }

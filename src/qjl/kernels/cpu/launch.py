@@ -5,7 +5,9 @@
 views and the paged fields and makes one C call for the whole layer (all sequences, KV heads and query
 rows; OpenMP threads over them, libgomp's pool shared with torch), which returns the attention output:
 the key terms' query maps and the value codec's ``unmix`` (TurboQuant's rotation and its inverse) are
-applied inside the call as matrices built once per codec (:func:`qjl.kernels.paged.query_maps`).
+applied inside the call as matrices built once per codec (:func:`qjl.kernels.paged.query_maps`).  Values over K
+rotations in turn (``MixView.cycles``, TurboQuant's ``cycles=K``) are mixed into K accumulators by code position
+and mapped back by the [K n, D] unmix (``decode.c``'s by_residue; "c-amx" mixes them on vpdpwssd as "c-int").
 ``impl``: "auto" (default; ``$QJL_CPU_IMPL`` when set): "c-amx" where the CPU has AMX tiles, else "c-int" where
 it has AVX-512 VBMI + VNNI, else "c"; "c" (fp32 sums: the AVX2 path where the CPU has it); "c-int" (integer
 products: int8 queries and centroids for keys, int16 softmax weights for values, at the error bound stated in
@@ -118,7 +120,10 @@ class _Template:
         unmix = unmix_matrix(value_codec)
         if unmix is None and vview.codes.length != d:
             raise ValueError(f"value codes of length {vview.codes.length} with an identity unmix need D = {d}")
-        vv.unmix, vv.out_dim = a.ptr(unmix), d
+        if unmix is None and vview.cycles > 1:
+            raise ValueError(f"value_codec {value_codec!r}: {vview.cycles} accumulators (MixView.cycles) need an "
+                             "unmix that maps them back (MixView.rotated)")
+        vv.unmix, vv.out_dim = a.ptr(unmix), d  # unmix [K n, D]: the K accumulators (vv.cycles, fill_view) mapped back
         buffers = {id(f.buffer) for f in (*key_fields.values(), *value_fields.values())}
         self.keep = [t for t in a.keep if id(t) not in buffers]  # centroids and maps; no field buffer kept alive
         self.c = c  # owns the struct's memory
@@ -200,9 +205,6 @@ def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_ta
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
-    if value_codec.mix_view().cycles > 1:
-        raise ValueError(f"the CPU kernel does not mix value codes over rotations in turn yet ({value_codec!r}); "
-                         "use the reference path (backend='torch')")
     sig, room = check_static(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                              code_end)
     tpl = _template(mod, key_codec, key_fields, value_codec, value_fields, d, sig)
@@ -717,12 +719,17 @@ class DecodeStore:
     ``exact_fields`` (the (key, value) PagedFields the steps' exact rows are read in, when ``step.rows`` is set).
     :meth:`holds` tells whether a call's objects are these, their buffers unmoved (a call refuses moved buffers:
     build another); the key codec's query maps must be the kernel's own (:attr:`served`; else the general launcher
-    serves the layer).  One caller at a time."""
+    serves the layer); value codes over rotations in turn (``MixView.cycles > 1``: the store's jobs take one
+    rotation) are refused (ValueError naming the codec).  One caller at a time."""
 
     def __init__(self, q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, store: "EncodeStore",
                  *, mu_field=None, mu_v_field=None, exact_fields=None):
-        from qjl.kernels.paged import FieldMap, extent_bytes
+        from qjl.kernels.paged import FieldMap, extent_bytes, mix_view
 
+        view = mix_view(value_codec)
+        if view is not None and view.cycles > 1:  # (step.c's encode jobs take one rotation matrix)
+            raise ValueError(f"value_codec {value_codec!r} codes values over rotations in turn (cycles > 1): the fused "
+                             "step does not store them (their codes come from codec.quantize; use paged_decode_step)")
         if not isinstance(step, DecodeStep) or step.segments != 1:
             raise ValueError("step must be a DecodeStep with one segment (the new tokens)")
         if not isinstance(store, EncodeStore) or len(store.static) != 2:

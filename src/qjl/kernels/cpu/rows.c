@@ -4,10 +4,12 @@
  *     r[t, h, c] = zero[t, h, g] + scale[t, h, g] * cent[code[t, h, c]],  g = c / group_size
  * (without a zero point: scale * cent), one float multiply and one add per element, in that order and never
  * fused, so that the result equals the codecs' torch dequantization in their basis bit for bit (the torch
- * reference: qjl.kernels.cpu.rows.value_rows_reference).  With the view's unmix [n, out_dim] the row is mapped
- * back, o[j] = sum_c r[c] * unmix[c, j] in float32 (c in order, fused multiply-adds), one row at a time while it is in L1 (no
- * [tokens, heads, n] intermediate).  Each row is written in the output's dtype (fp32, or fp16 / bf16 rounded to
- * nearest even as torch's .to(), quantize.c's store_scalar) at byte strides per token and head. */
+ * reference: qjl.kernels.cpu.rows.value_rows_reference).  With the view's unmix [K n, out_dim] the row is mapped
+ * back, o[j] = sum_c r[c] * unmix[k n + c, j] in float32 (c in order, fused multiply-adds; K the view's cycles, k = t
+ * % K for the token at code position t: its own rotation's inverse; rows of K > 1 cycles are read mapped back
+ * only), one row at a time while it is in L1 (no [tokens, heads, n] intermediate).  Each row is written in the
+ * output's dtype (fp32, or fp16 / bf16 rounded to nearest even as torch's .to(), quantize.c's store_scalar) at byte
+ * strides per token and head. */
 
 /* the codes of one packed row -> cent[code] (n codes, n a multiple of 8: whole bytes per 8 codes); `bits` a
  * constant at each call site, so that the 8-code loads and shifts compile to fixed ones */
@@ -160,9 +162,10 @@ static void rows_item(void *ctx, int64_t item) {
         }
         const float *res = o;
         if (v->unmix) { /* mixed = o @ unmix (the usual widths as constants: the sums stay in registers) */
-            if (m == 64) unmix_row(o, n, v->unmix, 64, mixed);
-            else if (m == 128) unmix_row(o, n, v->unmix, 128, mixed);
-            else unmix_row(o, n, v->unmix, m, mixed);
+            const float *u = v->unmix + ((t0 + i) % v->cycles) * n * m; /* the token's own rotation (K cycles) */
+            if (m == 64) unmix_row(o, n, u, 64, mixed);
+            else if (m == 128) unmix_row(o, n, u, 128, mixed);
+            else unmix_row(o, n, u, m, mixed);
             res = mixed;
         }
         uint8_t *dst = j->out + (t0 - j->start + i) * j->out_st + h * j->out_sh;
@@ -177,9 +180,9 @@ static void rows_item(void *ctx, int64_t item) {
 
 /* Rows of tokens [start, end) of one sequence (`blocks`: its block-table row, n_blocks entries, each <= max_block),
  * every head: row (t, h) at out + (t - start) * out_st + h * out_sh (bytes), v->n elements in the codec's basis, or
- * v->out_dim mapped back where v->unmix is set, in out_dtype (0 fp32, 1 fp16, 2 bf16).  Returns 0, -1 for
- * arguments outside this contract (nothing written) or no memory for a work item's buffers (its rows unwritten),
- * -4 / -5 for a block index below 0 / above max_block (nothing written). */
+ * v->out_dim mapped back where v->unmix is set (required with v->cycles > 1), in out_dtype (0 fp32, 1 fp16, 2
+ * bf16).  Returns 0, -1 for arguments outside this contract (nothing written) or no memory for a work item's
+ * buffers (its rows unwritten), -4 / -5 for a block index below 0 / above max_block (nothing written). */
 QJL_EXPORT int qjl_value_rows(const qjl_value_view *v, const int32_t *blocks, int64_t n_blocks, int64_t block_size,
                               int64_t heads, int64_t start, int64_t end, int64_t max_block, uint8_t *out,
                               int32_t out_dtype, int64_t out_st, int64_t out_sh, int32_t threads) {
@@ -187,7 +190,8 @@ QJL_EXPORT int qjl_value_rows(const qjl_value_view *v, const int32_t *blocks, in
         v->group_size < 1 || v->groups < 1 || (v->groups - 1) * v->group_size >= v->n || block_size < 1 ||
         heads < 1 || start < 0 || end < start || end > n_blocks * block_size || v->scale.dtype < 0 ||
         v->scale.dtype > 3 || (v->has_zero && (v->zero.dtype < 0 || v->zero.dtype > 3)) || out_dtype < 0 ||
-        out_dtype > 2 || (v->unmix && v->out_dim < 1) || out_st < 0 || out_sh < 0)
+        out_dtype > 2 || (v->unmix && v->out_dim < 1) || out_st < 0 || out_sh < 0 || v->cycles < 1 ||
+        v->cycles > 64 || (v->cycles > 1 && !v->unmix))
         return -1;
     if (end == start) return 0;
     const int64_t b0 = start / block_size, b1 = (end - 1) / block_size;

@@ -10,13 +10,17 @@ from .binding import X_DTYPES, Args, fill_view, i32, require
 __all__ = ["value_rows", "value_rows_reference"]
 
 
-def _rows_args(codec, fields: dict, block_row, block_size: int, heads: int, start: int, end: int):
+def _rows_args(codec, fields: dict, block_row, block_size: int, heads: int, start: int, end: int,
+               unmix: bool = False):
     """:func:`value_rows`' arguments checked (ValueError naming the argument) -> the codec's mix view."""
     from qjl.kernels.paged import mix_view
 
     view = mix_view(codec)
     if view is None:
         raise ValueError(f"codec {type(codec).__name__} declares no mix view: its codes are not read as vectors")
+    if view.cycles > 1 and not unmix:
+        raise ValueError(f"codec {codec!r} codes vectors over {view.cycles} rotations in turn (MixView.cycles): its "
+                         "rows have no one basis to be read in; read them mapped back (value_rows(..., unmix=True))")
     if not isinstance(block_row, torch.Tensor) or block_row.ndim != 1 or block_row.dtype.is_floating_point:
         raise ValueError(f"block_row must be a 1-d int tensor, got {getattr(block_row, 'shape', block_row)!r}")
     for name, x in (("block_size", block_size), ("heads", heads), ("start", start), ("end", end)):
@@ -34,7 +38,8 @@ def _rows_args(codec, fields: dict, block_row, block_size: int, heads: int, star
 def value_rows_reference(codec, fields: dict, block_row, block_size: int, heads: int, start: int,
                          end: int) -> torch.Tensor:
     """:func:`value_rows` in plain torch: the codec's :class:`qjl.codecs.views.MixView` formula over the fields'
-    entries gathered through ``block_row`` -> [end - start, heads, n] float32 (the codec's basis)."""
+    entries gathered through ``block_row`` -> [end - start, heads, n] float32 (the codec's basis; ValueError for a
+    codec over rotations in turn, ``MixView.cycles > 1``, whose rows are in one basis per code position)."""
     from qjl.core.packing import unpack_bits
 
     view, row = _rows_args(codec, fields, block_row, block_size, heads, start, end), block_row.long()
@@ -61,13 +66,15 @@ def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, star
     bit for bit to :func:`value_rows_reference` (one C call, ``rows.c``); with ``unmix``, mapped back by the codec's
     unmix matrix (:func:`qjl.kernels.paged.unmix_matrix`: TurboQuant's inverse rotation) row by row inside the call,
     [end - start, heads, dim], the reference's rows times that matrix within float32 rounding (fused
-    multiply-adds, summed in order).  ``out``: None (a new float32 tensor), or an fp32 / fp16 / bf16 CPU tensor of that shape whose last
-    dimension is contiguous (e.g. a slice of a larger buffer), written in place (rounded as ``.to()`` rounds) and
-    returned.  ``threads``: torch's by default.  ValueError naming the argument for a codec without a mix view, a
-    bad ``out``, fields outside their buffers or a block outside them."""
+    multiply-adds, summed in order); for a codec over K rotations in turn (``MixView.cycles``, TurboQuant's
+    ``cycles=K``) the row of code position t times the matrix's rows ``[k n, (k + 1) n)``, k = t % K (such rows are
+    read with ``unmix`` only: ValueError without).  ``out``: None (a new float32 tensor), or an fp32 / fp16 / bf16
+    CPU tensor of that shape whose last dimension is contiguous (e.g. a slice of a larger buffer), written in place
+    (rounded as ``.to()`` rounds) and returned.  ``threads``: torch's by default.  ValueError naming the argument
+    for a codec without a mix view, a bad ``out``, fields outside their buffers or a block outside them."""
     from qjl.kernels.paged import mix_room, unmix_matrix
 
-    view = _rows_args(codec, fields, block_row, block_size, heads, start, end)
+    view = _rows_args(codec, fields, block_row, block_size, heads, start, end, unmix)
     mod = require()
     top, name = mix_room(codec, fields, heads, block_size, torch.device("cpu"))
     u = unmix_matrix(codec) if unmix else None

@@ -9,11 +9,15 @@ the grid, are in :mod:`qjl.kernels.triton.launch`.  Import only where Triton is 
   head, token split); the query rows of the GQA group are loaded once, then per block of tokens the
   block table gives each token's page, the key codes (1 or 2 terms) are unpacked and scored against all
   rows with one product (``PREC`` below; per token when the query map differs per page), an online softmax
-  is kept, and the value codes are unpacked, scaled and accumulated with ``p @ v``.
+  is kept, and the value codes are unpacked, scaled and accumulated with ``p @ v``.  Values over K rotations in
+  turn (``MixView.cycles``, constexpr ``CYC``; K = 1 compiles the plain loop): each split is K programs, program k
+  walking only the positions ``t % K == k`` (tiles of tokens K apart), so one accumulator stays live and a partial
+  is one rotation's accumulator; same score and value FLOPs as K = 1, K times the partials.
 * ``combine_kernel`` -- the rest of a decode step in one launch: one program per (sequence x KV head, tile of
   output coordinates) merges the split-K partials of ``paged_decode_kernel``, maps the merged values out of the
-  value codec's mix basis (``unmix``, a matrix), folds in the exact tokens (up to two segments, e.g. sinks and
-  window, read in place in their dtype, with an optional additive bias) by the same online softmax, and divides.
+  value codec's mix basis (``unmix``, a matrix; with K rotations in turn one [n, DT] block of the [K n, D] matrix
+  per accumulator), folds in the exact tokens (up to two segments, e.g. sinks and window, read in place in their
+  dtype, with an optional additive bias) by the same online softmax, and divides.
 
 All matrix products use ``input_precision="ieee"`` (exact fp32; the packing products must be exact), but for
 ``paged_decode_kernel``'s two products, whose form ``PREC`` its launcher picks: ``"fma"`` (the default up to 8
@@ -164,9 +168,13 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
                         BITS1: tl.constexpr, BITS2: tl.constexpr, VBITS: tl.constexpr,
                         NDT1: tl.constexpr, NDT2: tl.constexpr, SDT: tl.constexpr, ZDT: tl.constexpr, SB: tl.constexpr, ZB: tl.constexpr,
                         HAS2: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                        PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, CYC: tl.constexpr):
+    """Program (bh, j): the partial (m, l, acc) of split ``j // CYC``'s code positions ``[lo, hi)``; with values over
+    CYC rotations in turn (CYC > 1), only its positions ``t % CYC == j % CYC`` (tiles of BLOCK_N positions CYC
+    apart), so one accumulator stays live and partial j is that residue's accumulator (combine_kernel puts it in
+    columns ``[(j % CYC) NV, (j % CYC + 1) NV)`` of the mixed row).  m, l [BH, SPLITS * CYC, R], o [.., R, NV]."""
     bh = tl.program_id(0)
-    split = tl.program_id(1)
+    part = tl.program_id(1)
     b = bh // H
     h = bh % H
     offs_r = tl.arange(0, RP)
@@ -176,11 +184,19 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
     acc = tl.zeros([RP, VP], dtype=tl.float32)
     s0 = tl.load(start_ptr + b)
     s1 = tl.load(end_ptr + b)
-    lo = s0 + split * CHUNK
-    hi = tl.minimum(lo + CHUNK, s1)
+    if CYC == 1:
+        lo = s0 + part * CHUNK
+        hi = tl.minimum(lo + CHUNK, s1)
+    else:  # from the split's first position in this residue class (base >= 0: no negative remainders)
+        base = s0 + (part // CYC) * CHUNK
+        hi = tl.minimum(base + CHUNK, s1)
+        lo = base + (part % CYC + CYC - base % CYC) % CYC
     QB = MAXB if PER_BLOCK else 1
-    for start in range(lo, hi, BLOCK_N):
-        offs_t = start + tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N * CYC):
+        if CYC == 1:
+            offs_t = start + tl.arange(0, BLOCK_N)
+        else:
+            offs_t = start + tl.arange(0, BLOCK_N) * CYC
         ok_t = offs_t < hi
         col = tl.where(ok_t, offs_t // BS, 0)
         blk = tl.load(bt_ptr + b * MAXB + col, mask=ok_t, other=0).to(tl.int64)
@@ -206,7 +222,7 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
             z_off = (blk * vz_sb + h * vz_sh + slot * vz_st)[:, None] + grp[None, :] * ZB
             v += tl.where(ok, _scalar(vz_base, tl.where(ok, z_off, 0), ZDT), 0.0)
         m_i, l_i, acc = _online(m_i, l_i, acc, s, v, PREC)
-    out = (bh * SPLITS + split) * R + offs_r
+    out = (bh * SPLITS * CYC + part) * R + offs_r
     rmask = offs_r < R
     tl.store(m_ptr + out, m_i, mask=rmask)
     tl.store(l_ptr + out, l_i, mask=rmask)
@@ -237,15 +253,43 @@ def _exact_segment(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, k_st, v_st, N, 
 
 
 @triton.jit
+def _merged(m_ptr, l_ptr, o_ptr, bh, k, R, NV, SPLITS, m_safe, offs_r, rmask, cols, cmask,
+            RP: tl.constexpr, CW: tl.constexpr, SB: tl.constexpr, CYC: tl.constexpr):
+    """Accumulator k's split-K partials (rows ``s CYC + k`` of m, l [BH, SPLITS CYC, R] and o [.., R, NV]),
+    weighted by ``exp(m - m_safe)`` and summed over the splits, SB at a time (independent loads) -> (l [RP],
+    o [RP, CW] at columns ``cols``)."""
+    offs_s = tl.arange(0, SB)
+    l_i = tl.zeros([RP], dtype=tl.float32)
+    o = tl.zeros([RP, CW], dtype=tl.float32)
+    for s0 in range(0, SPLITS, SB):
+        sm = (s0 + offs_s) < SPLITS
+        if CYC == 1:
+            row = ((bh * SPLITS + s0 + offs_s) * R)[:, None] + offs_r[None, :]  # [SB, RP]
+        else:
+            row = (((bh * SPLITS + s0 + offs_s) * CYC + k) * R)[:, None] + offs_r[None, :]
+        ok = sm[:, None] & rmask[None, :]
+        w = tl.exp(tl.load(m_ptr + row, mask=ok, other=float("-inf")) - m_safe[None, :])
+        l_i += tl.sum(w * tl.load(l_ptr + row, mask=ok, other=0.0), axis=0)
+        o_s = tl.load(o_ptr + row[:, :, None] * NV + cols[None, None, :],
+                      mask=ok[:, :, None] & cmask[None, None, :], other=0.0)  # [SB, RP, CW]
+        o += tl.sum(w[:, :, None] * o_s, axis=0)
+    return l_i, o
+
+
+@triton.jit
 def combine_kernel(q_ptr, m_ptr, l_ptr, o_ptr, u_ptr,
                    k1_ptr, k1_sb, k1_sh, k1_st, v1_ptr, v1_sb, v1_sh, v1_st, N1,
                    k2_ptr, k2_sb, k2_sh, k2_st, v2_ptr, v2_sb, v2_sh, v2_st, N2,
                    xb_ptr, xb_sb, xb_sh, xb_sr, xb_sn, out_ptr, H, R, D, NV, SPLITS,
                    RP: tl.constexpr, DP: tl.constexpr, CW: tl.constexpr, DT: tl.constexpr, NSEG: tl.constexpr,
-                   HAS_U: tl.constexpr, HAS_XB: tl.constexpr, BLOCK_X: tl.constexpr, SB: tl.constexpr):
+                   HAS_U: tl.constexpr, HAS_XB: tl.constexpr, BLOCK_X: tl.constexpr, SB: tl.constexpr,
+                   CYC: tl.constexpr):
     """out[bh, r, o] for the DT output coordinates of program (bh, tile): the coded partials m, l [BH, SPLITS, R]
     and o [BH, SPLITS, R, NV] merged, ``o @ U`` (U [NV, D]; without U, NV == D and o is read at the tile's
-    columns: CW == DT), the exact tokens folded in, divided by the softmax sum.  q [BH, R, D] float32 (scaled)."""
+    columns: CW == DT), the exact tokens folded in, divided by the softmax sum.  q [BH, R, D] float32 (scaled).
+    With values over CYC > 1 rotations in turn (U required): partials [BH, SPLITS CYC, ...], accumulator k's
+    (rows ``s CYC + k``) merged and mapped back by its rows ``[k NV, (k + 1) NV)`` of U [CYC NV, D], one at a time
+    (a [CW, DT] tile of U live, as for CYC = 1)."""
     bh = tl.program_id(0)
     tile = tl.program_id(1)
     b = bh // H
@@ -259,31 +303,34 @@ def combine_kernel(q_ptr, m_ptr, l_ptr, o_ptr, u_ptr,
     else:
         cols = tile * DT + tl.arange(0, CW)
     cmask = cols < NV
-    # the split-K partials, SB splits at a time: the maximum first, then the weighted sums (independent loads)
+    # the split-K partials: the maximum first, then the weighted sums (_merged)
     offs_s = tl.arange(0, SB)
     m_i = tl.full([RP], float("-inf"), dtype=tl.float32)
-    for s0 in range(0, SPLITS, SB):
-        sm = (s0 + offs_s) < SPLITS
-        ms = tl.load(m_ptr + ((bh * SPLITS + s0 + offs_s) * R)[:, None] + offs_r[None, :],
+    for s0 in range(0, SPLITS * CYC, SB):
+        sm = (s0 + offs_s) < SPLITS * CYC
+        ms = tl.load(m_ptr + ((bh * SPLITS * CYC + s0 + offs_s) * R)[:, None] + offs_r[None, :],
                      mask=sm[:, None] & rmask[None, :], other=float("-inf"))
         m_i = tl.maximum(m_i, tl.max(ms, axis=0))
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    l_i = tl.zeros([RP], dtype=tl.float32)
-    o = tl.zeros([RP, CW], dtype=tl.float32)
-    for s0 in range(0, SPLITS, SB):
-        sm = (s0 + offs_s) < SPLITS
-        row = ((bh * SPLITS + s0 + offs_s) * R)[:, None] + offs_r[None, :]  # [SB, RP]
-        ok = sm[:, None] & rmask[None, :]
-        w = tl.exp(tl.load(m_ptr + row, mask=ok, other=float("-inf")) - m_safe[None, :])
-        l_i += tl.sum(w * tl.load(l_ptr + row, mask=ok, other=0.0), axis=0)
-        o_s = tl.load(o_ptr + row[:, :, None] * NV + cols[None, None, :],
-                      mask=ok[:, :, None] & cmask[None, None, :], other=0.0)  # [SB, RP, CW]
-        o += tl.sum(w[:, :, None] * o_s, axis=0)
-    if HAS_U:
-        u = tl.load(u_ptr + cols[:, None] * D + offs_o[None, :], mask=cmask[:, None] & omask[None, :], other=0.0)
-        acc = tl.dot(o, u, input_precision="ieee")  # [RP, DT]
+    if CYC == 1:
+        l_i, o = _merged(m_ptr, l_ptr, o_ptr, bh, 0, R, NV, SPLITS, m_safe, offs_r, rmask, cols, cmask, RP, CW, SB,
+                         CYC)
+        if HAS_U:
+            u = tl.load(u_ptr + cols[:, None] * D + offs_o[None, :], mask=cmask[:, None] & omask[None, :],
+                        other=0.0)
+            acc = tl.dot(o, u, input_precision="ieee")  # [RP, DT]
+        else:
+            acc = o
     else:
-        acc = o
+        l_i = tl.zeros([RP], dtype=tl.float32)
+        acc = tl.zeros([RP, DT], dtype=tl.float32)
+        for k in range(0, CYC):
+            l_k, o = _merged(m_ptr, l_ptr, o_ptr, bh, k, R, NV, SPLITS, m_safe, offs_r, rmask, cols, cmask, RP, CW,
+                             SB, CYC)
+            l_i += l_k
+            u = tl.load(u_ptr + (k * NV + cols)[:, None] * D + offs_o[None, :], mask=cmask[:, None] & omask[None, :],
+                        other=0.0)
+            acc += tl.dot(o, u, input_precision="ieee")
     if NSEG > 0:
         offs_d = tl.arange(0, DP)
         dmask = offs_d < D

@@ -102,16 +102,16 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     output's scale); ``"auto"`` (the default): ``"fma"`` for tiles up to the measured size (:func:`product_form`),
     which on an H100 took a Llama-3-8B layer's decode from 3.86 to 2.31 ms at 128k tokens and from 14.0 to 7.5 ms
     for 8 sequences of 64k, at fp32 accuracy (``benchmarks/gpu_kernels.py --parts sweep``), else ``"ieee"``.
-    ``block_n``, ``num_warps``: tuning knobs for the same sweep."""
+    ``block_n``, ``num_warps``: tuning knobs for the same sweep.  Values over K rotations in turn
+    (``MixView.cycles``): K programs per split, one per accumulator, each reading every K-th code position (the
+    token at position t mixed into accumulator ``t % K``), and the combine maps accumulator k back by rows
+    ``[k n, (k + 1) n)`` of :func:`qjl.kernels.paged.unmix_matrix`."""
     from qjl.codecs.views import kernel_readable
     from qjl.kernels.paged import check_exact, check_paged, term_queries, views
 
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the Triton kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
-    if value_codec.mix_view().cycles > 1:
-        raise ValueError(f"the Triton kernel does not mix value codes over rotations in turn yet ({value_codec!r}); "
-                         "use the reference path (backend='torch')")
     if max_codes is None:  # else the caller vouches for the arguments (qjl.kernels.paged.paged_decode)
         check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                     code_end)
@@ -123,8 +123,9 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     bt = block_table.to(torch.int32).contiguous()
     starts, ends = code_start.to(torch.int32).contiguous(), code_end.to(torch.int32).contiguous()
     max_len = (int((ends - starts).max()) if b else 0) if max_codes is None else int(max_codes)
+    cyc = vview.cycles
     if splits is None:
-        splits = _splits(dev, b * hkv, max_len, block_n)
+        splits = _splits(dev, b * hkv, max_len, block_n, cyc)
     chunk = max(block_n, math.ceil(math.ceil(max(max_len, 1) / splits) / block_n) * block_n)
     splits = max(1, math.ceil(max(max_len, 1) / chunk))
     qts = [qt.float().contiguous() for qt in term_queries(q, key_codec, key_fields, bt)]
@@ -141,11 +142,12 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     for f in (vs, vz, *(key_fields[t.norm] for t in kview.terms)):
         if f.dtype not in _DTYPES:
             raise ValueError(f"a norm/scale field stored as {f.dtype} is not read by the Triton kernel")
-    m = torch.empty(b * hkv, splits, r, dtype=torch.float32, device=dev)
+    # partial j: split j // cyc, accumulator j % cyc (values over cyc rotations in turn: cyc programs per split)
+    m = torch.empty(b * hkv, splits * cyc, r, dtype=torch.float32, device=dev)
     l_ = torch.empty_like(m)
-    o = torch.empty(b * hkv, splits, r, vview.codes.length, dtype=torch.float32, device=dev)
+    o = torch.empty(b * hkv, splits * cyc, r, vview.codes.length, dtype=torch.float32, device=dev)
     bias = code_bias.float().contiguous() if code_bias is not None else m  # m: a placeholder pointer, never read
-    paged_decode_kernel[(b * hkv, splits)](
+    paged_decode_kernel[(b * hkv, splits * cyc)](
         *args, *_field(vc), *_field(vs), *_field(vz), _on(vview.codes.centroids, dev), bt, starts, ends, bias,
         m, l_, o, hkv, r, bt.shape[1], int(block_size), chunk, splits, bias.shape[-1] if code_bias is not None else 0,
         terms[0].codes.length, terms[1].codes.length, vview.codes.length, vview.group_size, vview.groups,
@@ -155,7 +157,7 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         ZDT=_DTYPES[vz.dtype], SB=vs.entry_bytes // max(1, vs.shape[0] if vs.shape else 1),
         ZB=vz.entry_bytes // max(1, vz.shape[0] if vz.shape else 1), HAS2=len(kview.terms) == 2,
         HAS_ZERO=vview.zero is not None, HAS_BIAS=code_bias is not None, PER_BLOCK=bool(kview.shared),
-        BLOCK_N=block_n, PREC=precision, num_warps=num_warps, **consts)
+        BLOCK_N=block_n, PREC=precision, CYC=cyc, num_warps=num_warps, **consts)
     return _combine(q, m, l_, o, value_codec, segments)
 
 
@@ -194,25 +196,31 @@ def _combine(q: torch.Tensor, m: torch.Tensor, l_: torch.Tensor, o: torch.Tensor
              segments) -> torch.Tensor:
     """Split-K partials + exact tokens -> the decode output, in one launch of ``combine_kernel``.
 
-    q: [B, H_kv, R, D] (scaled); m, l: [B * H_kv, S, R] float32, o: [B * H_kv, S, R, NV] float32 (NV: the value
-    codec's mix length); segments: :func:`qjl.kernels.paged.check_exact`'s result.  Returns [B, H_kv, R, D]
-    float32, equal to ``merge_stacked_partials`` -> ``unmix`` -> ``partial_softmax`` of the exact tokens ->
-    ``merge_partials`` -> divide (:func:`qjl.kernels.reference`) within float32 rounding."""
-    from qjl.kernels.paged import unmix_matrix
+    q: [B, H_kv, R, D] (scaled); m, l: [B * H_kv, S K, R] float32, o: [B * H_kv, S K, R, NV] float32 (S splits, K
+    the value view's ``cycles``, partial ``s K + k`` accumulator k of split s; NV: the value codec's mix length);
+    segments: :func:`qjl.kernels.paged.check_exact`'s result.  Returns [B, H_kv, R, D] float32, equal to
+    ``merge_stacked_partials`` -> ``unmix`` -> ``partial_softmax`` of the exact tokens -> ``merge_partials`` ->
+    divide (:func:`qjl.kernels.reference`) within float32 rounding."""
+    from qjl.kernels.paged import mix_view, unmix_matrix
 
     b, hkv, r, d = q.shape
     nv = o.shape[-1]
+    cyc = mix_view(value_codec).cycles
     u = unmix_matrix(value_codec)
-    if u is None and nv != d:
-        raise ValueError(f"a value codec without an unmix matrix must mix {d} coordinates, got {nv}")
+    if u is None and (nv != d or cyc > 1):
+        raise ValueError(f"a value codec without an unmix matrix must mix {d} coordinates into one accumulator, got "
+                         f"{cyc} x {nv} ({value_codec!r})")
+    if u is not None and tuple(u.shape) != (cyc * nv, d):
+        raise ValueError(f"{value_codec!r}: an unmix matrix of {cyc} x {nv} rows and {d} columns expected, got "
+                         f"{tuple(u.shape)}")
     qf = q.float().contiguous()
     args, nseg, has_xb = _exact_args(segments, qf)
     out = torch.empty(b, hkv, r, d, dtype=torch.float32, device=q.device)
     dt = min(_p2(d), 64 if _p2(nv) <= 128 else 32)
     cw = _p2(nv) if u is not None else dt
     combine_kernel[(b * hkv, triton.cdiv(d, dt))](
-        qf, m, l_, o, _on(u, q.device) if u is not None else m, *args, out, hkv, r, d, nv, m.shape[1],
-        RP=_p2(r), DP=_p2(d), CW=cw, DT=dt, NSEG=nseg, HAS_U=u is not None, HAS_XB=has_xb, BLOCK_X=32, SB=4)
+        qf, m, l_, o, _on(u, q.device) if u is not None else m, *args, out, hkv, r, d, nv, m.shape[1] // cyc,
+        RP=_p2(r), DP=_p2(d), CW=cw, DT=dt, NSEG=nseg, HAS_U=u is not None, HAS_XB=has_xb, BLOCK_X=32, SB=4, CYC=cyc)
     return out
 
 
@@ -244,14 +252,16 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _splits(dev, programs: int, max_len: int, block_n: int) -> int:
+def _splits(dev, programs: int, max_len: int, block_n: int, cycles: int = 1) -> int:
     """Token splits per (sequence, KV head): on CUDA enough for about 2 programs per multiprocessor in all and at
     most 2,048 tokens per split, each at least 4 blocks of ``block_n`` tokens (on an H100: more splits than that
     did not speed the decode kernel up at batch 1 and slowed the merge; fewer, longer splits slowed batch 8 by
     half: ``benchmarks/gpu_kernels.py --parts sweep``); elsewhere (the interpreter) one split per 512 tokens, at
-    most 64."""
-    tiles = max(1, math.ceil(max_len / (4 * block_n)))
+    most 64.  With values over ``cycles`` rotations in turn every split is ``cycles`` programs, each reading every
+    ``cycles``-th token: the same bounds per program (not timed on a GPU)."""
+    tiles = max(1, math.ceil(max_len / (4 * block_n * cycles)))
     if dev.type == "cuda":
         sms = _sm_count(torch.cuda.current_device() if dev.index is None else dev.index)
-        return max(1, min(tiles, max(math.ceil(2 * sms / max(1, programs)), math.ceil(max_len / 2048))))
-    return max(1, min(64, max_len // 512))
+        return max(1, min(tiles, max(math.ceil(2 * sms / max(1, programs * cycles)),
+                                     math.ceil(max_len / (2048 * cycles)))))
+    return max(1, min(64, max_len // (512 * cycles)))
