@@ -154,14 +154,20 @@ def test_vouched_max_codes_skips_only_the_checks():
         kernels.paged_decode(*g.args(), max_codes=-1, backend="triton")
 
 
+def _shuffled(c, block_size: int, seed: int) -> tuple:
+    """A Case's codes in a shuffled pool of ``block_size``-slot blocks on DEV (a per-sequence shared field repeated
+    in each block) -> (key fields, value fields, block table)."""
+    blocks = -(-c.kcodes.lead[-1] // block_size)
+    shared = {n: t.unsqueeze(2).expand(*t.shape[:2], blocks, *t.shape[2:]) for n, t in c.kcodes.shared.items()}
+    kf, table = paged_pool(dict(c.kcodes.fields), shared, None, block_size, seed=seed, device=DEV)
+    vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, block_size, seed=seed, device=DEV)
+    return kf, vf, table
+
+
 @pytest.mark.parametrize("name", ["tq4-uni3", "qjl-outliers-uni2"])
 def test_paged_decode_from_a_shuffled_pool(name):
     c = Case(name, b=2, h=2, rows=4, n=29, n_exact=3, ragged=True)
-    shared = {}
-    if c.kcodes.shared:
-        shared = {n: t.unsqueeze(2).expand(*t.shape[:2], 5, *t.shape[2:]) for n, t in c.kcodes.shared.items()}
-    kf, table = paged_pool(dict(c.kcodes.fields), shared, None, 7, seed=2, device=DEV)
-    vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, 7, seed=2, device=DEV)
+    kf, vf, table = _shuffled(c, 7, 2)
     g = c.on(DEV)
     got = tk.paged_decode(g.q, c.kc, kf, c.vc, vf, table, 7, g.start, g.end, exact=g.exact, code_bias=g.bias)
     close(got.cpu(), c.reference(), TOL)
@@ -199,11 +205,7 @@ def test_paged_decode_cycled_values_from_a_shuffled_pool(name):
     """Pages of 16 slots in a shuffled pool (K = 3 does not divide a page: a token's accumulator follows its code
     position, not its slot): the reference's result (the default splits)."""
     c, want = _cycled(name, b=2, h=2, rows=4, n=50, n_exact=3, ragged=True)
-    shared = {}
-    if c.kcodes.shared:
-        shared = {n: t.unsqueeze(2).expand(*t.shape[:2], 4, *t.shape[2:]) for n, t in c.kcodes.shared.items()}
-    kf, table = paged_pool(dict(c.kcodes.fields), shared, None, 16, seed=3, device=DEV)
-    vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, 16, seed=3, device=DEV)
+    kf, vf, table = _shuffled(c, 16, 3)
     g = c.on(DEV)
     got = tk.paged_decode(g.q, c.kc, kf, c.vc, vf, table, 16, g.start, g.end, exact=g.exact, code_bias=g.bias)
     close(got.cpu(), want, TOL)
