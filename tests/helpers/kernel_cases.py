@@ -1,6 +1,7 @@
 """Shared cases for the kernel tests: codec pairs, codes in contiguous and paged layouts, the reference."""
 
 import copy
+import dataclasses
 import os
 import re
 
@@ -60,6 +61,23 @@ def codec_pair(name: str, d: int):
 PAIRS = ["tq3-tq2", "tq4-uni3", "tq5-tq3", "tq1-uni4", "tq8-tq6", "tq7-tq5", "qjl-uni2", "qjl-outliers-uni2",
          "qjl-hadamard-tq2", "tqsplit-tq3"]
 CYCLED_PAIRS = ["tq3-tq2c8", "tq4-tq3c3"]  # value codes over rotations in turn
+
+
+class OneAccumulator:
+    """A value codec over rotations in turn as a kernel that ignores ``cycles`` would mix it: every token into one
+    accumulator, mapped back by the first rotation's inverse (a wrong answer the cycled tests must tell apart)."""
+
+    def __init__(self, codec):
+        self.codec = codec
+
+    def mix_view(self):
+        return dataclasses.replace(self.codec.mix_view(), cycles=1)
+
+    def unmix(self, o):
+        return self.codec.rotation.inverse(o.float())
+
+    def __getattr__(self, name):
+        return getattr(self.codec, name)
 
 
 def fields_of(codes) -> dict:

@@ -1,12 +1,11 @@
 """The C decode kernel's fp32 paths (AVX2 where the CPU has it, and portable) against the torch reference (the
 integer path, ``impl="c-int"``: test_cpu_int.py)."""
 
-from dataclasses import replace
 
 import pytest
 import torch
 
-from kernel_cases import CYCLED_PAIRS, PAIRS, Case, close, segment_views
+from kernel_cases import CYCLED_PAIRS, PAIRS, Case, OneAccumulator, close, segment_views
 from qjl import kernels
 from qjl.kernels.cpu import launch
 
@@ -57,23 +56,6 @@ def test_cycled_values_on_paged_pools(name, block_size, impl):
     close(got, c.reference(), TOL)
 
 
-class _OneAccumulator:
-    """A cycled value codec as a kernel that ignores ``cycles`` would mix it: every token into one accumulator, mapped
-    back by the first rotation's inverse."""
-
-    def __init__(self, codec):
-        self.codec = codec
-
-    def mix_view(self):
-        return replace(self.codec.mix_view(), cycles=1)
-
-    def unmix(self, o):
-        return self.codec.rotation.inverse(o.float())
-
-    def __getattr__(self, name):
-        return getattr(self.codec, name)
-
-
 @pytest.mark.parametrize("name", CYCLED_PAIRS)
 def test_cycled_values_are_not_one_accumulator(name):
     """The cycled tests above can fail: the reference with every token in one accumulator (what the K = 1 kernel
@@ -83,7 +65,7 @@ def test_cycled_values_are_not_one_accumulator(name):
 
     c = Case(name, b=2, h=2, rows=6, n=301, n_exact=6, ragged=True, seed=6)
     args = list(c.args())
-    args[3] = _OneAccumulator(c.vc)
+    args[3] = OneAccumulator(c.vc)
     wrong = paged_decode_reference(*args, exact=c.exact, code_bias=c.bias)
     got, want = _run(c, "c", split_tokens=128), c.reference()
     close(got, want, TOL)
