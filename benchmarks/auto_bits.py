@@ -9,7 +9,8 @@ tokens, score 512 in chunks of 32 against the full-precision cache):
    rank correlation between predicted error and KL.
 2. cost: the time spent building the candidates, measuring and allocating (``candidate_codecs``,
    ``Allocator.observe``, ``Allocator.allocate``) against the whole prefill of the same prompt, at
-   ``--cost-contexts`` (median of ``--repeats`` runs).
+   ``--cost-contexts`` (median of ``--repeats`` runs), beside the prefill times of a fixed preset (``tq-k3v3``) and
+   of ``auto`` with scalar key codebooks (vector codebooks are encoded in torch).
 
     python benchmarks/auto_bits.py --rank --cost-contexts 1536,8192
 
@@ -106,22 +107,27 @@ def cost(model, tok, text, context, repeats, smooth) -> dict:
     allocation.Allocator.observe, allocation.Allocator.allocate = timed(real_observe), timed(real_allocate)
     allocation.candidate_codecs = timed(real_candidates)
     try:
-        fixed, auto, share = [], [], []
+        fixed, scalar, auto, share, share_scalar = [], [], [], [], []
         for _ in range(repeats):
             for cfg, sink in ((QJLConfig.preset("tq-k3v3", smooth_keys=smooth), fixed),
+                              (QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth, vector_keys=False), scalar),
                               (QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth), auto)):
                 spent.append(0.0)
                 t = time.perf_counter()
                 model(ids, **cache_kwargs(QJLCache(model, cfg)))
                 sink.append(time.perf_counter() - t)
             share.append(spent[-1] / auto[-1])
+            share_scalar.append(spent[-2] / scalar[-1])
     finally:
         allocation.Allocator.observe, allocation.Allocator.allocate = real_observe, real_allocate
         allocation.candidate_codecs = real_candidates
     r = {"context": context, "prefill_fixed_s": statistics.median(fixed), "prefill_auto_s": statistics.median(auto),
-         "measure_share": statistics.median(share)}
-    print(f"  {context} tokens: prefill tq-k3v3 {r['prefill_fixed_s']:.2f} s, auto {r['prefill_auto_s']:.2f} s; "
-          f"measuring + allocating = {100 * r['measure_share']:.1f}% of the auto prefill", flush=True)
+         "prefill_auto_scalar_keys_s": statistics.median(scalar), "measure_share": statistics.median(share),
+         "measure_share_scalar_keys": statistics.median(share_scalar)}
+    print(f"  {context} tokens: prefill tq-k3v3 {r['prefill_fixed_s']:.2f} s, auto with scalar keys "
+          f"{r['prefill_auto_scalar_keys_s']:.2f} s, auto (vector keys, the default) {r['prefill_auto_s']:.2f} s; "
+          f"measuring + allocating = {100 * r['measure_share']:.1f}% of the auto prefill "
+          f"({100 * r['measure_share_scalar_keys']:.1f}% with scalar keys)", flush=True)
     return r
 
 

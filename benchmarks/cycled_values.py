@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
-from paged_pool import paged_pool  # noqa: E402
+from paged_pool import code_layout  # noqa: E402
 
 from qjl.codecs import TurboQuantMSE  # noqa: E402
 from qjl.kernels.cpu import launch  # noqa: E402
-from qjl.kernels.paged import FieldMap, PagedField  # noqa: E402
 
 GEOMETRIES = {"smollm2 8k d64 3 heads 3 rows": (8192, 64, 3, 3), "llama-3-8b 16k d128 8 heads 4 rows": (16384, 128, 8, 4)}
 
@@ -36,15 +35,7 @@ def cases(ks):
         q = torch.randn(1, h, r, d) * 0.3
         st, en = torch.zeros(1, dtype=torch.int32), torch.full((1,), n, dtype=torch.int32)
         for layout in ("contiguous", "paged-16"):
-            if layout == "contiguous":
-                kf = {m: PagedField.of(t) for m, t in kcodes.fields.items()}
-                vf = {m: PagedField.of(t) for m, t in vcodes.fields.items()}
-                bt, bs = torch.zeros(1, 1, dtype=torch.int32), n
-            else:
-                kf, bt = paged_pool(dict(kcodes.fields), {}, None, 16, 1)
-                vf, _ = paged_pool(dict(vcodes.fields), {}, None, 16, 1)
-                bs = 16
-            kf, vf = FieldMap(kf), FieldMap(vf)
+            kf, vf, bt, bs = code_layout(kcodes, vcodes, layout, n)
             for k in ks:  # (the codes' bytes are the same for every K: only the mixing differs)
                 vc = v1 if k == 1 else TurboQuantMSE(d, 2, correct_norm=True, norm_dtype="fp8", cycles=k)
                 out.append((f"{gname}, {layout}", k, (q, kc, kf, vc, vf, bt, bs, st, en)))

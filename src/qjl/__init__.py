@@ -26,7 +26,7 @@ _PUBLIC = {
     "KIVIKeys": "qjl.codecs.kivi", "OutlierQJL": "qjl.codecs.outliers", "PolarQuant": "qjl.codecs.polarquant",
     "QJLSketch": "qjl.codecs.sketch", "scale_constant": "qjl.codecs.sketch", "sphere_abs_moment": "qjl.codecs.sketch",
     "TurboQuantMSE": "qjl.codecs.turboquant", "TurboQuantProd": "qjl.codecs.turboquant",
-    "SplitTurboQuant": "qjl.codecs.split",
+    "SplitTurboQuant": "qjl.codecs.split", "TurboQuantVQ": "qjl.codecs.vq",
     "TokenwiseQuantizer": "qjl.codecs.tokenwise", "Rotation": "qjl.core.rotation",
     "CodecSpec": "qjl.cache.config", "QJLConfig": "qjl.cache.config",
     "PRESETS": "qjl.cache.presets", "DEFAULT_PRESET": "qjl.cache.presets",

@@ -110,6 +110,34 @@ def test_default_key_candidates_leave_out_2_bit_keys_from_3_bits_per_value():
     assert widths(AutoBits(3.0, key_candidates=(AutoBits(2.5).key_candidates[0],))) == [2]
 
 
+def test_vector_codebook_candidates_are_measured_by_the_codecs_themselves():
+    """With vector codebooks the 2-4-bit candidates are TurboQuantVQ codecs (their own, lower, distortion measured
+    through quantize/dequantize, not the scalar cells' moments), a head size the group does not divide gets the scalar
+    twin, and the 5-6-bit key candidates stay scalar."""
+    from qjl import QJLConfig
+    from qjl.cache.allocation import _distortion, candidate_codecs, distortions
+    from qjl.codecs.turboquant import TurboQuantMSE
+    from qjl.codecs.vq import TurboQuantVQ
+
+    vec, sca = QJLConfig.auto(3.0, vector_values=True), QJLConfig.auto(3.0, vector_keys=False)
+    one = QJLConfig.auto(3.0, vector_values=True, value_cycles=1)  # (a cycled codec is read through rotation 0)
+    kv, vv = candidate_codecs(vec, 2, 64, 64)
+    ks, vs = candidate_codecs(sca, 2, 64, 64)
+    assert [type(c) for c in kv] == [TurboQuantVQ, TurboQuantVQ, TurboQuantMSE, TurboQuantMSE]  # 3, 4, 5, 6 bits
+    assert all(type(c) is TurboQuantVQ and c.cycles == 8 for c in vv)
+    x = torch.randn(1, 2, 300, 64, generator=torch.Generator().manual_seed(3))
+    v1 = candidate_codecs(one, 2, 64, 64)[1]
+    dv, ds, d1 = distortions(vv, x), distortions(vs, x), distortions(v1, x)
+    dk = distortions(kv[:2], x)  # keys: the shared-rotation path with the vector cells' moments
+    for c, a, b, a1 in zip(vv, dv, ds, d1):
+        assert a == a1 and a1 == pytest.approx(_distortion(v1[vv.index(c)], x), rel=1e-5) and a < 0.92 * b, c
+    for c, a in zip(kv[:2], dk):
+        assert a == pytest.approx(_distortion(c, x), rel=1e-5), c
+    assert all(c.rotation.seed == s.rotation.seed for c, s in zip(kv, ks))  # the layer's seeds, as before
+    k66, v66 = candidate_codecs(vec, 0, 66, 66)  # 66 = 2 x 33: 2-bit groups of 4 do not divide it
+    assert type(v66[0]) is TurboQuantMSE and v66[0].bits == 2 and type(v66[2]) is TurboQuantVQ  # 3 bits: pairs
+
+
 @pytest.mark.parametrize("moments", ["c", "torch"])
 def test_distortions_from_one_rotation_equal_the_codecs_own(moments, monkeypatch):
     """The batched path (one rotation per sample, each width's cell moments, every norm dtype's error from them)

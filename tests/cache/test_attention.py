@@ -16,11 +16,16 @@ pytestmark = pytest.mark.skipif(not kernels.cpu_available(), reason="the C kerne
 
 
 def _config(preset: str, **fields) -> QJLConfig:
-    """A preset by name; ``<preset>c8``: its values over 8 rotations in turn (TurboQuantMSE ``cycles``)."""
+    """A preset by name; ``<preset>c8``: its values over 8 rotations in turn (TurboQuantMSE ``cycles``);
+    ``<preset>c8vq``: and every codec of the layer with a vector codebook (``turboquant_vq``, the same parameters)."""
     from dataclasses import replace
 
     from qjl.cache.config import CodecSpec
 
+    if preset.endswith("vq"):
+        cfg = _config(preset[:-2], **fields)
+        vq = lambda s: None if s is None else CodecSpec("turboquant_vq", dict(s.params))  # noqa: E731
+        return replace(cfg, key=vq(cfg.key), late_key=vq(cfg.late_key), value=vq(cfg.value))
     if preset.endswith("c8"):
         cfg = QJLConfig.preset(preset[:-2], **fields)
         return replace(cfg, value=CodecSpec(cfg.value.name, {**cfg.value.params, "cycles": 8}))
@@ -35,7 +40,7 @@ def _int_path():
 
 @pytest.mark.parametrize("impl,tol", [("c", 1e-4), pytest.param("c-int", 2e-3, marks=pytest.mark.skipif(
     not _int_path(), reason="no AVX-512 VBMI / VNNI here"))])
-@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper", "tq-k3v2c8"])
+@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper", "tq-k3v2c8", "tq-k3v2c8vq"])
 def test_kernel_path_equals_reference_path(preset, impl, tol, monkeypatch):
     """A decode step (GQA rows, padding mask over codes and exact tokens) through the kernel and through the
     codecs' estimators, from one store: the fp32 path within 1e-4 of the output's scale, the integer path ("c-int",
@@ -131,7 +136,7 @@ def test_unavailable_kernel_is_refused_before_anything_is_stored(monkeypatch):
     assert cache.get_seq_length() == 0 and not cache.layers[0].is_initialized
 
 
-@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k3v2c8"])
+@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k3v2c8", "tq-k3v2c8vq"])
 def test_decode_steps_across_flushes_read_every_code(monkeypatch, preset):
     """Unmasked decode steps keep the C kernel's filled arguments (:class:`DecodeCall`) between calls: steps
     that cross flushes (more codes, same buffers) must still attend to every code, as the reference does (with
@@ -159,7 +164,7 @@ def test_decode_steps_across_flushes_read_every_code(monkeypatch, preset):
     assert len(seen) >= 3 and len(calls) == 300  # flushes crossed, every step through the kept step arguments
 
 
-@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper", "tq-k3v2c8"])
+@pytest.mark.parametrize("preset", ["tq-k3v2", "tq-k45v3", "qjl-paper", "tq-k3v2c8", "tq-k3v2c8vq"])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 def test_decode_call_equals_the_general_kernel_path(preset, qdtype, monkeypatch):
     """A decode step through the layer's kept DecodeCall (value mean added and the output rounded in the C call)

@@ -149,3 +149,18 @@ def test_named_takes_presets_and_auto_budgets():
     assert [dict(s.params, cycles=8) for s in plain.allocation.value_candidates] == \
         [dict(s.params) for s in cyc.allocation.value_candidates]
     assert cyc.allocation.key_candidates == plain.allocation.key_candidates
+    # vector codebooks (turboquant_vq) for the 2-4-bit key candidates by default; a final s: none, v: keys and values
+    dft, sca, both = QJLConfig.named("auto-3.0"), QJLConfig.named("auto-3.0c8s"), QJLConfig.named("auto-3.0v")
+    assert "vector codebooks for keys" in dft.allocation.describe() and "vector" not in sca.allocation.describe()
+    assert "for keys and values" in both.allocation.describe()
+    kind = lambda specs: [s.name for s in specs]  # noqa: E731
+    assert kind(dft.allocation.key_candidates) == ["turboquant_vq"] * 2 + ["turboquant_mse"] * 2  # 3, 4 | 5, 6 bits
+    assert kind(dft.allocation.value_candidates) == kind(sca.allocation.value_candidates) == ["turboquant_mse"] * 6
+    assert kind(both.allocation.value_candidates) == ["turboquant_vq"] * 6
+    for a, b in ((dft, sca), (both, sca)):
+        for role in ("key_candidates", "value_candidates"):
+            assert [s.params for s in getattr(a.allocation, role)] == [s.params for s in getattr(b.allocation, role)]
+    with pytest.raises(ValueError, match="vector_keys"):
+        QJLConfig.auto(bits_per_value=3.0, vector_keys=1)
+    with pytest.raises(ValueError, match="auto-<bits"):
+        QJLConfig.named("auto-3.0x")

@@ -9,6 +9,7 @@ PARAMS = {
     "turboquant_mse": {"bits": 3},
     "turboquant_prod": {"bits": 3},
     "turboquant_split": {"bits": 2, "split_bits": 4, "n_split": 16},
+    "turboquant_vq": {"bits": 2, "correct_norm": True},
     "polarquant": {"bits_per_level": (4, 2)},
     "kivi": {"bits": 2, "group_size": 8},
     "uniform": {"bits": 2, "group_size": 32},

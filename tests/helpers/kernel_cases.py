@@ -12,6 +12,8 @@ from qjl.codecs.sketch import QJLSketch
 from qjl.codecs.split import SplitTurboQuant
 from qjl.codecs.tokenwise import TokenwiseQuantizer
 from qjl.codecs.turboquant import TurboQuantMSE
+from qjl.codecs.vq import TurboQuantVQ
+from qjl.codecs.views import PackedCodes
 from qjl.kernels.paged import PagedField
 from qjl.kernels.reference import paged_decode_reference
 
@@ -52,6 +54,15 @@ def codec_pair(name: str, d: int):
     if name == "tqsplit-tq3c3":  # per-sequence key maps (read per page) with values over 3 rotations in turn
         return (SplitTurboQuant(d, 2, 4, d // 4, seed=1, norm_dtype="fp8", correct_norm=True),
                 TurboQuantMSE(d, 3, seed=2, cycles=3))
+    if name == "vq3-vq2c8":  # vector codebooks: keys 3 bits in pairs, values 2 bits in fours over 8 rotations
+        return (TurboQuantVQ(d, 3, seed=1, correct_norm=True),
+                TurboQuantVQ(d, 2, seed=2, norm_dtype="fp8", correct_norm=True, cycles=8))
+    if name == "vq4-vq3":  # 4-bit pairs (one byte) with 3-bit pairs (joint codes across byte boundaries)
+        return TurboQuantVQ(d, 4, seed=1), TurboQuantVQ(d, 3, seed=2, correct_norm=True)
+    if name == "vq2-tq3":  # 2-bit keys in fours (one byte per group) with scalar values
+        return TurboQuantVQ(d, 2, seed=1, correct_norm=True), TurboQuantMSE(d, 3, seed=2)
+    if name == "tq5-vq4":  # scalar keys with vector-codebook values
+        return TurboQuantMSE(d, 5, seed=1), TurboQuantVQ(d, 4, seed=2, norm_dtype="fp8", correct_norm=True)
     widths = re.fullmatch(r"tq(\d)-tq(\d)", name)  # any other TurboQuant pair of widths
     if widths:
         return TurboQuantMSE(d, int(widths[1]), seed=1), TurboQuantMSE(d, int(widths[2]), seed=2)
@@ -61,6 +72,7 @@ def codec_pair(name: str, d: int):
 PAIRS = ["tq3-tq2", "tq4-uni3", "tq5-tq3", "tq1-uni4", "tq8-tq6", "tq7-tq5", "qjl-uni2", "qjl-outliers-uni2",
          "qjl-hadamard-tq2", "tqsplit-tq3"]
 CYCLED_PAIRS = ["tq3-tq2c8", "tq4-tq3c3"]  # value codes over rotations in turn
+GROUPED_PAIRS = ["vq3-vq2c8", "vq4-vq3", "vq2-tq3", "tq5-vq4"]  # vector codebooks (PackedCodes.group > 1)
 
 
 class OneAccumulator:
@@ -153,3 +165,59 @@ def segment_views(xk, xv, cuts, dtype, device="cpu"):
         ks.append(bk[:, :, 1:1 + hi - lo])
         vs.append(bv[:, :, 1:1 + hi - lo])
     return ks, vs
+
+
+# -- grouped codes (vector codebooks) read wrongly: what a kernel that misreads them computes ----------------------
+@dataclasses.dataclass(frozen=True)
+class ReversedFields(PackedCodes):
+    """Grouped codes whose g fields are combined in reverse order: ``e = sum_s field[g j + s] << ((g - 1 - s) b)``."""
+
+    def values(self, codes):
+        g = self.group
+        return super().values(codes.reshape(*codes.shape[:-1], -1, g).flip(-1).reshape(codes.shape))
+
+
+class Recoded:
+    """A codec whose views' grouped codes (``PackedCodes.group > 1``; every codes with ``all_codes``) are replaced by
+    ``recode(packed)``: what a kernel reading them that way computes (the reference over these views)."""
+
+    def __init__(self, codec, recode, all_codes: bool = False):
+        self.codec, self.recode, self.all_codes = codec, recode, all_codes
+
+    def _codes(self, p):
+        return self.recode(p) if p.group > 1 or self.all_codes else p
+
+    def score_view(self):
+        v = self.codec.score_view()
+        return dataclasses.replace(v, terms=tuple(dataclasses.replace(t, codes=self._codes(t.codes)) for t in v.terms))
+
+    def mix_view(self):
+        v = self.codec.mix_view()
+        return dataclasses.replace(v, codes=self._codes(v.codes))
+
+    def __getattr__(self, name):
+        return getattr(self.codec, name)
+
+    def __repr__(self):
+        return repr(self.codec)
+
+
+MISREADS = {  # grouped codes read wrongly: the group ignored (centroids[field]), or the fields combined in reverse
+    "scalar": lambda p: dataclasses.replace(p, group=1),
+    "reversed": lambda p: ReversedFields(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)}),
+}
+
+
+def misreads_are_far(c):
+    """The reference of case ``c`` (grouped keys, values or both) -> want; asserts that each misreading of the grouped
+    side(s) (:data:`MISREADS`) is far from it (> 5% of the output scale), so a kernel reading them so fails."""
+    want = c.reference()
+    sides = [side for side in ("kc", "vc") if getattr(getattr(c, side), "group", 1) > 1]
+    assert sides
+    for side in sides:
+        for how, recode in MISREADS.items():
+            wrong = copy.copy(c)
+            setattr(wrong, side, Recoded(getattr(c, side), recode))
+            err = (wrong.reference() - want).abs().max().item()
+            assert err > 0.05 * want.abs().max().item(), (side, how, err)
+    return want

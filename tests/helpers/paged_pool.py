@@ -53,3 +53,18 @@ def paged_pool(per_token: dict, shared: dict, lengths, block_size: int, seed: in
         fields[name] = PagedField(pool, o, h * region, region, token, t.dtype, tuple(t.shape[3:]))
     del lengths
     return fields, table
+
+
+def code_layout(kcodes, vcodes, layout: str, n: int) -> tuple:
+    """One sequence's key and value codes as the decode kernels read them (the benchmarks' two layouts):
+    ``"contiguous"`` (the transformers cache: one block of ``n`` slots) or ``"paged-16"`` (shuffled blocks of 16
+    slots, vLLM's layout) -> (key FieldMap, value FieldMap, block table, block size)."""
+    from qjl.kernels.paged import FieldMap
+
+    if layout == "contiguous":
+        kf = {m: PagedField.of(t) for m, t in kcodes.fields.items()}
+        vf = {m: PagedField.of(t) for m, t in vcodes.fields.items()}
+        return FieldMap(kf), FieldMap(vf), torch.zeros(1, 1, dtype=torch.int32), n
+    kf, bt = paged_pool(dict(kcodes.fields), {}, None, 16, 1)
+    vf, _ = paged_pool(dict(vcodes.fields), {}, None, 16, 1)
+    return FieldMap(kf), FieldMap(vf), bt, 16

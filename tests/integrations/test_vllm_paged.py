@@ -357,3 +357,13 @@ def test_codes_over_rotations_in_turn_are_refused_by_name():
 
     with pytest.raises(ValueError, match=r"value codec TurboQuantMSE\(.*cycles=8\).*rotations in turn"):
         PageLayout(TurboQuantMSE(D, 3), TurboQuantMSE(D, 2, cycles=8), D, 16, torch.bfloat16, 2, 8)
+
+
+def test_vector_codebooks_are_refused_by_name():
+    """The backend's encoders place scalar cells: the layout refuses vector-codebook codecs, naming the codec."""
+    from qjl import TurboQuantMSE, TurboQuantVQ
+
+    with pytest.raises(ValueError, match=r"key codec TurboQuantVQ\(.*vector codebooks"):
+        PageLayout(TurboQuantVQ(D, 3), TurboQuantMSE(D, 2), D, 16, torch.bfloat16, 2, 8)
+    with pytest.raises(ValueError, match=r"value codec TurboQuantVQ\(.*vector codebooks"):
+        PageLayout(TurboQuantMSE(D, 3), TurboQuantVQ(D, 2), D, 16, torch.bfloat16, 2, 8)

@@ -2,11 +2,15 @@
 integer path, ``impl="c-int"``: test_cpu_int.py)."""
 
 
+import dataclasses
+
 import pytest
 import torch
 
-from kernel_cases import CYCLED_PAIRS, PAIRS, Case, OneAccumulator, close, segment_views
+from kernel_cases import (CYCLED_PAIRS, GROUPED_PAIRS, PAIRS, Case, OneAccumulator, Recoded, close, fields_of,
+                          misreads_are_far, segment_views)
 from qjl import kernels
+from qjl.codecs.turboquant import TurboQuantMSE
 from qjl.kernels.cpu import launch
 
 if not launch.available():  # pragma: no cover - no C compiler / cffi here
@@ -70,6 +74,87 @@ def test_cycled_values_are_not_one_accumulator(name):
     got, want = _run(c, "c", split_tokens=128), c.reference()
     close(got, want, TOL)
     assert (got - wrong).abs().max() > 100 * TOL * want.abs().max()
+
+
+class Regrouped(Recoded):
+    """A codec of scalar b-bit codes (TurboQuantMSE, token-wise values) whose codes are read ``group`` at a time
+    through a random table [2^(g b) g] (N(0, 1/n)): the groupings no vector codebook of TurboQuantVQ has (1 bit in
+    twos, fours and eights, 2 bits in twos), zero points and scale groups, the same bytes read as joint codes."""
+
+    def __init__(self, codec, group: int, seed: int):
+        view = codec.mix_view() if hasattr(codec, "mix_view") else None
+        p = view.codes if view is not None else codec.score_view().terms[0].codes
+        g = torch.Generator().manual_seed(seed)
+        table = torch.randn(group << (group * p.bits), generator=g) / p.length ** 0.5
+        super().__init__(codec, lambda q: dataclasses.replace(q, group=group, centroids=table), all_codes=True)
+        self.group, self.table = group, table
+
+
+def _with_codecs(c, kc, vc):
+    """Case ``c`` with its tokens coded by these codecs."""
+    c.kc, c.vc = kc, vc
+    c.kcodes, c.vcodes = kc.quantize(c.k), vc.quantize(c.v)
+    c.kf, c.vf = fields_of(c.kcodes), fields_of(c.vcodes)
+    return c
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", GROUPED_PAIRS)
+@pytest.mark.parametrize("rows,split,d", [(6, 128, 64), (3, 0, 64), (9, 100, 64), (4, 0, 128)])
+def test_grouped_codes(name, rows, split, d, impl):
+    """Vector-codebook codes (``PackedCodes.group`` g > 1: 2 bits in fours, 3 and 4 bits in pairs, a 3-bit pair's 6-bit
+    joint code straddling bytes) as keys, values (over 8 rotations in turn for vq3-vq2c8) or both: coordinate c read
+    as ``centroids[e g + c % g]`` from its group's joint code e, the reference's result with a ragged start, a masked
+    prefix, exact tokens with a per-row mask, GQA groups past RW = 4 (6, 9) and token splits; reading the groups as
+    scalar codes or their fields in reverse order is far off (:func:`_misreads_are_far`)."""
+    c = Case(name, b=2, h=2, rows=rows, d=d, n=301, n_exact=6, ragged=True, seed=rows)
+    want = misreads_are_far(c)
+    close(_run(c, impl, split_tokens=split, threads=2), want, TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", GROUPED_PAIRS)
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_grouped_codes_on_paged_pools(name, block_size, impl):
+    """Grouped codes in shuffled block pools (vLLM's layout): spans of one block each, of odd lengths in blocks of 7
+    (cycled values: a residue's tokens K slots apart)."""
+    from paged_pool import paged_pool
+
+    c = Case(name, b=2, h=3, rows=5, n=301, n_exact=5, ragged=True, seed=block_size)
+    want = misreads_are_far(c)
+    kf, table = paged_pool(dict(c.kcodes.fields), {}, None, block_size, block_size)
+    vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, block_size, block_size)
+    got = launch.paged_decode(c.q, c.kc, kf, c.vc, vf, table, block_size, c.start, c.end, exact=c.exact,
+                              code_bias=c.bias, impl=impl, split_tokens=128, threads=2)
+    close(got, want, TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits,group", [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (3, 2), (4, 2)])
+@pytest.mark.parametrize("d", [8, 24, 64])  # one 8-code run, three (the mix's single last chunk), eight
+def test_every_grouping(bits, group, d, impl):
+    """Every grouping the kernel reads (g 2, 4 or 8 fields of g b <= 8 bits; the AVX2 loops' run-time widths and the
+    vector codebooks' constant ones) as keys and as values over 3 rotations in turn: the reference's result, and
+    misreadings far off."""
+    c = Case("tq3-tq2", b=2, h=2, rows=5, d=d, n=150, n_exact=3, ragged=True, seed=d + 8 * group + bits)
+    _with_codecs(c, Regrouped(TurboQuantMSE(d, bits, seed=1), group, 3),
+                 Regrouped(TurboQuantMSE(d, bits, seed=2, cycles=3), group, 4))
+    want = misreads_are_far(c)
+    close(_run(c, impl, split_tokens=64, threads=2), want, TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits,group", [(2, 4), (3, 2), (1, 8)])
+@pytest.mark.parametrize("d,group_size", [(64, 16), (24, 8)])
+def test_grouped_codes_with_scale_groups(bits, group, d, group_size, impl):
+    """Grouped value codes with per-group scales and zero points (token-wise values read g at a time: scale groups of
+    8 and 16 coordinates, so a mixed 16-coordinate chunk takes two groups' weights or one): the reference's result."""
+    from qjl.codecs.tokenwise import TokenwiseQuantizer
+
+    c = Case("tq3-tq2", b=2, h=2, rows=6, d=d, n=150, n_exact=3, ragged=True, seed=d + bits)
+    _with_codecs(c, TurboQuantMSE(d, 4, seed=1), Regrouped(TokenwiseQuantizer(d, bits, group_size=group_size), group, 5))
+    want = misreads_are_far(c)
+    close(_run(c, impl, split_tokens=64, threads=2), want, TOL)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -173,8 +258,8 @@ def _paged_exact(c, seed: int = 4):
 
 
 @pytest.mark.parametrize("impl", IMPLS_HERE)
-@pytest.mark.parametrize("name", ["tq3-tq2", "qjl-outliers-uni2", "tq3-tq2c8"])  # the kernel maps the queries / the
-# general path / values over rotations in turn
+@pytest.mark.parametrize("name", ["tq3-tq2", "qjl-outliers-uni2", "tq3-tq2c8", "vq3-vq2c8", "tq5-vq4"])  # the kernel
+# maps the queries / the general path / values over rotations in turn / vector codebooks (both roles; values)
 def test_decode_step_equals_paged_decode(name, impl):
     """paged_decode_step (a step's ranges, exact offsets and bias converted once, each layer's fields, exact
     fields and current token filled per call) makes the same C call as paged_decode: equal bit for bit, for a
@@ -375,10 +460,10 @@ def test_fp8_norms_every_byte(impl, subnormal):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", ["tq4-uni3", *CYCLED_PAIRS])
+@pytest.mark.parametrize("name", ["tq4-uni3", *CYCLED_PAIRS, "vq3-vq2c8", "vq4-vq3"])
 def test_long_items_rescale_online(name, impl):
     """Items longer than one pass, with the largest logits late (the running max grows: online rescaling, of every
-    accumulator of cycled values)."""
+    accumulator of cycled values; grouped codes of both roles)."""
     c = Case(name, b=1, h=2, rows=4, n=3000, masked=False)
     big = c.kcodes.fields["norm"].clone()
     big[..., 2500:] *= 3
@@ -423,8 +508,6 @@ def test_norms_and_scales_read_in_their_dtype(impl, dtype):
         c = Case("tq3-tq2", b=1, h=2, rows=3, n=90, masked=False)
         c.kc, c.vc = kc, vc
         c.kcodes, c.vcodes = kc.quantize(c.k), vc.quantize(c.v)
-        from kernel_cases import fields_of
-
         c.kf, c.vf = fields_of(c.kcodes), fields_of(c.vcodes)
         close(_run(c, impl), c.reference(), TOL)
 
@@ -599,11 +682,11 @@ def test_decode_call_bad_input():
     assert torch.equal(out, before)  # nothing written
 
 
-@pytest.mark.parametrize("name", CYCLED_PAIRS)
+@pytest.mark.parametrize("name", [*CYCLED_PAIRS, *GROUPED_PAIRS])
 def test_cycled_values_through_the_decode_call(name):
     """The transformers cache's call (a kept DecodeCall: a raw bf16 query scaled in the call, sinks and window
-    segments, a value mean added in the call) mixes values over rotations in turn as paged_decode_step does, bit for
-    bit, and as the reference does, within TOL."""
+    segments, a value mean added in the call) mixes values over rotations in turn and reads vector codebooks' codes
+    (GROUPED_PAIRS) as paged_decode_step does, bit for bit, and as the reference does, within TOL."""
     from qjl.kernels.paged import FieldMap
     from qjl.kernels.reference import paged_decode_reference
 
@@ -634,3 +717,76 @@ def test_cycled_values_refused_by_the_fused_store_step():
     step = launch.DecodeStep(bt, bs, start, end, segments=1)
     with pytest.raises(ValueError, match=r"value_codec TurboQuantMSE\(.*cycles=8\).*rotations in turn"):
         launch.DecodeStore(q, kc, FieldMap(kf), vc, FieldMap(vf), step, None)
+
+
+@pytest.mark.parametrize("name,role", [("vq4-vq3", "key_codec"), ("vq2-tq3", "key_codec"), ("tq5-vq4", "value_codec")])
+def test_grouped_codes_refused_by_the_fused_store_step(name, role):
+    """DecodeStore's store jobs (step.c) place scalar cells: a vector codebook's codec (``PackedCodes.group > 1``) of
+    either role is refused by name before anything else is read (its codes come from codec.quantize; the decode
+    itself reads them: paged_decode_step, the tests above)."""
+    from qjl.kernels.paged import FieldMap
+
+    c = Case(name, b=2, h=2, rows=4, n=40, masked=False)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    step = launch.DecodeStep(bt, bs, start, end, segments=1)
+    with pytest.raises(ValueError, match=rf"{role} TurboQuantVQ\(.*vector codebook"):
+        launch.DecodeStore(q, kc, FieldMap(kf), vc, FieldMap(vf), step, None)
+
+
+def test_groups_the_kernel_cannot_read_are_refused():
+    """Grouped codes outside what the kernel reads -- g not 2, 4 or 8 (whole joint codes in each run of 8 codes), a
+    joint code wider than a byte, a codebook that is not [2^(g b) g] -- are refused by name before the call (keys
+    and values), and the C kernel itself refuses such a view (code -1) where a struct carries one."""
+    from qjl.kernels.paged import FieldMap
+
+    c = Case("vq4-vq3", b=1, h=1, rows=2, n=40, masked=False)
+    assert kernels.supports(c.kc, c.vc, "cpu") and "cpu" in kernels.GROUPED_BACKENDS
+    vp, kp = c.vc.mix_view().codes, c.kc.score_view().terms[0].codes
+    for packed in (dataclasses.replace(vp, group=4),                        # 4 x 3 bits: 12-bit joint codes
+                   dataclasses.replace(vp, centroids=vp.centroids[:-2])):  # a codebook too short
+        with pytest.raises(ValueError, match=r"value_codec TurboQuantVQ\(.*g at a time"):
+            launch.paged_decode(*_replace_args(c, vc=Recoded(c.vc, lambda p, x=packed: x)))
+    threes = _with_codecs(Case("tq3-tq2", b=1, h=1, rows=2, d=48, n=40, masked=False), TurboQuantMSE(48, 3),
+                          Regrouped(TurboQuantMSE(48, 2), 3, 0))  # 6-bit joint codes of 3 fields: across 8-code runs
+    with pytest.raises(ValueError, match=r"value_codec TurboQuantMSE\(.*g at a time.*got g 3 x 2 bits"):
+        launch.paged_decode(*threes.args())
+    bad = dataclasses.replace(kp, group=8)  # 8 x 4 bits
+    with pytest.raises(ValueError, match=r"key_codec TurboQuantVQ\(.*g at a time"):
+        launch.paged_decode(*_replace_args(c, kc=Recoded(c.kc, lambda p: bad)))
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    step = launch.DecodeStep(bt, bs, start, end)
+    for part in ("value", "key"):
+        call = launch.DecodeCall(q, kc, FieldMap(kf), vc, FieldMap(vf), step)
+        (call.c.value if part == "value" else call.c.key[0]).group = 3
+        with pytest.raises(ValueError, match="refused its arguments"):
+            call(q, (), q_scale=1.0, out=torch.empty(q.shape))
+
+
+def _replace_args(c, **codecs):
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    return q, codecs.get("kc", kc), kf, codecs.get("vc", vc), vf, bt, bs, start, end
+
+
+@pytest.mark.parametrize("part", ["key", "value"])
+def test_fused_store_step_refuses_grouped_views_in_c(part):
+    """step.c's own check: a fused store step whose decode struct carries a grouped key term or value view (which
+    its scalar store jobs would have coded) is refused before anything is read or stored (stage 0)."""
+    from qjl.kernels.cpu.store import store_bounds
+    from qjl.kernels.encode import encode_store
+    from qjl.kernels.paged import FieldMap
+
+    c = Case("tq3-tq2", b=2, h=2, rows=4, n=40, masked=False)
+    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
+    kf, vf = FieldMap(kf), FieldMap(vf)
+    g = torch.Generator().manual_seed(2)
+    key, value = torch.randn(2, 2, 64, generator=g), torch.randn(2, 2, 64, generator=g)
+    store, _ = encode_store([(kc, key, kf["codes"], kf["norm"]), (vc, value, vf["codes"], vf["norm"])])
+    step = launch.DecodeStep(bt, bs, start, end - 1, segments=1)
+    fused = launch.DecodeStore(q, kc, kf, vc, vf, step, store)
+    bounds = store_bounds(torch.tensor([0, 1]), torch.tensor([39, 39]))
+    assert fused(q, key, value, step, bounds)[0] == 0
+    before = [f.buffer.clone() for f in (*kf.values(), *vf.values())]
+    (fused.tpl.decode.key[0] if part == "key" else fused.tpl.decode.value).group = 2
+    with pytest.raises(ValueError, match="the C step refused its arguments"):
+        fused(q, key * 2, value * 2, step, bounds)
+    assert all(torch.equal(b, f.buffer) for b, f in zip(before, (*kf.values(), *vf.values())))

@@ -4,15 +4,16 @@ and against the fp32 reference, at the error bound stated in ``decode_vnni.c``.
 The torch model is the reference itself (``paged_decode_reference``) over codecs whose views carry what the integer
 path computes: key queries rounded to int8 per row (scale max|q| / 127), key and value centroids rounded to int8
 (scale max|c| / 127), for codes of <= 5 bits (wider codes and value groups that do not cover whole 32-coordinate
-chunks go through the fp32 path, as in the kernel).  What the model leaves out is the rounding of the softmax
-weights to int16 (|dw| <= W / 65534 per token, W the pass's largest weight) and float sums in another order."""
+chunks go through the fp32 path, as in the kernel; so do a vector codebook's grouped codes, ``PackedCodes.group >
+1``).  What the model leaves out is the rounding of the softmax weights to int16 (|dw| <= W / 65534 per token, W the
+pass's largest weight) and float sums in another order."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from kernel_cases import CYCLED_PAIRS, PAIRS, Case, close
+from kernel_cases import CYCLED_PAIRS, GROUPED_PAIRS, PAIRS, Case, close
 from qjl.codecs.views import KeyTerm
 from qjl.kernels.cpu import launch
 from qjl.kernels.reference import paged_decode_reference
@@ -32,6 +33,11 @@ def _int8_grid(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x * (1 / s)).clamp(-127, 127) * s
 
 
+def _int(packed) -> bool:
+    """Codes the integer path reads: scalar ones (group 1) of <= MAX_BITS bits (grouped codes: the fp32 loops)."""
+    return packed.bits <= MAX_BITS and packed.group == 1
+
+
 class IntKeys:
     """A key codec as the integer path scores it (queries and centroids on int8 grids)."""
 
@@ -41,13 +47,13 @@ class IntKeys:
     def score_view(self):
         v = self.codec.score_view()
         terms = tuple(KeyTerm(replace(t.codes, centroids=_int8_grid(t.codes.centroids)), t.norm)
-                      if t.codes.bits <= MAX_BITS else t for t in v.terms)
+                      if _int(t.codes) else t for t in v.terms)
         return replace(v, terms=terms)
 
     def score_queries(self, q, shared=None):
         qts = self.codec.score_queries(q) if shared is None else self.codec.score_queries(q, shared)
-        bits = [t.codes.bits for t in self.codec.score_view().terms]
-        return [_int8_grid(qt) if b <= MAX_BITS else qt for qt, b in zip(qts, bits)]
+        terms = self.codec.score_view().terms
+        return [_int8_grid(qt) if _int(t.codes) else qt for qt, t in zip(qts, terms)]
 
     def __getattr__(self, name):
         return getattr(self.codec, name)
@@ -62,7 +68,7 @@ class IntValues:
     def mix_view(self):
         v = self.codec.mix_view()
         whole = v.groups == 1 or v.group_size % 32 == 0
-        if v.codes.bits > MAX_BITS or not whole:
+        if not _int(v.codes) or not whole:
             return v
         return replace(v, codes=replace(v.codes, centroids=_int8_grid(v.codes.centroids)))
 
@@ -141,6 +147,35 @@ def test_int_path_cycled_values(name, block_size):
     c.kf["norm"] = type(c.kf["norm"]).of(big)
     c.kcodes.fields["norm"] = big
     _within(_run(c, split_tokens=1500), _model(c), 1e-3, c.v.abs().max().item())
+
+
+@pytest.mark.parametrize("name", GROUPED_PAIRS)
+@pytest.mark.parametrize("block_size", [0, 7])  # 0: contiguous codes
+def test_int_path_leaves_grouped_codes_to_fp32(name, block_size):
+    """A vector codebook's grouped codes (``PackedCodes.group > 1``) never take the integer products (their int8
+    tables index scalar codes): grouped keys and values are scored and mixed by the fp32 AVX2 loops while the other
+    role's scalar codes keep the integer path (vq2-tq3: int16 value weights; tq5-vq4: int8 keys; vq3-vq2c8: all fp32),
+    contiguous and in shuffled blocks of 7, GQA rows past RW, splits: the model (grouped sides unrounded); "c-amx" (where
+    the CPU has tiles) gives "c-int"'s outputs bit for bit."""
+    from paged_pool import paged_pool
+
+    c = Case(name, b=2, h=2, rows=6, n=301, n_exact=6, ragged=True, seed=11)
+    want = _model(c)
+    kf, vf, table, bs = c.kf, c.vf, c.block_table, c.block_size
+    if block_size:
+        kf, table = paged_pool(dict(c.kcodes.fields), {}, None, block_size, block_size)
+        vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, block_size, block_size)
+        bs = block_size
+    got = {impl: launch.paged_decode(c.q, c.kc, kf, c.vc, vf, table, bs, c.start, c.end, exact=c.exact,
+                                     code_bias=c.bias, impl=impl, split_tokens=100, threads=2)
+           for impl in ("c-int", "c-amx")[:1 + launch.has_amx_path()]}
+    _within(got["c-int"], want, 1e-3, c.v.abs().max().item())
+    if "c-amx" in got:
+        assert torch.equal(got["c-amx"], got["c-int"])
+    if all(getattr(x, "group", 1) > 1 for x in (c.kc, c.vc)):  # nothing for the integer path: the fp32 result
+        assert torch.equal(got["c-int"], launch.paged_decode(c.q, c.kc, kf, c.vc, vf, table, bs, c.start, c.end,
+                                                             exact=c.exact, code_bias=c.bias, impl="c",
+                                                             split_tokens=100, threads=2))
 
 
 def test_int_path_long_items_and_masks():

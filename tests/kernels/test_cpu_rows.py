@@ -7,6 +7,7 @@ import torch
 from qjl.codecs.outliers import OutlierQJL
 from qjl.codecs.tokenwise import TokenwiseQuantizer
 from qjl.codecs.turboquant import TurboQuantMSE
+from qjl.codecs.vq import TurboQuantVQ
 from qjl.integrations.vllm.paged import PagedField as PoolField
 from qjl.integrations.vllm.paged import gather_history
 from qjl.kernels.cpu import launch
@@ -28,6 +29,10 @@ CODECS = {
     "uni2": lambda d: TokenwiseQuantizer(d, 2, group_size=32),
     "uni3": lambda d: TokenwiseQuantizer(d, 3, group_size=16),
     "uni4-one-group": lambda d: TokenwiseQuantizer(d, 4),
+    # vector codebooks (PackedCodes.group > 1): 2 bits in fours, 3 and 4 bits in pairs
+    "vq2": lambda d: TurboQuantVQ(d, 2, seed=9),
+    "vq3-corrected": lambda d: TurboQuantVQ(d, 3, seed=10, correct_norm=True),
+    "vq4-fp8": lambda d: TurboQuantVQ(d, 4, seed=11, norm_dtype="fp8"),
 }
 
 
@@ -53,7 +58,7 @@ def test_rows_equal_reference_bit_for_bit(name, d):
     assert torch.equal(one, launch.value_rows(codec, fields, table[1], 16, 3, 3, 70, threads=2))
 
 
-@pytest.mark.parametrize("name", ["tq2-fp8", "tq3-corrected", "tq5-fp32", "uni2", "uni3"])
+@pytest.mark.parametrize("name", ["tq2-fp8", "tq3-corrected", "tq5-fp32", "uni2", "uni3", "vq2", "vq3-corrected"])
 def test_reference_is_the_codecs_dequantization(name):
     """The rows, mapped back by the codec's unmix, are the codec's own dequantization of the same codes (TurboQuant
     in its rotated basis bit for bit); the reference reads through a shuffled block table, so a wrong block,
@@ -152,7 +157,8 @@ def test_bad_arguments_are_refused_by_name():
         launch.value_rows(codec, small, row, 16, 3, 0, 5)
 
 
-@pytest.mark.parametrize("name,d", [("tq3-corrected", 64), ("tq5-fp32", 80), ("tq2-fp8", 128), ("uni3", 64)])
+@pytest.mark.parametrize("name,d", [("tq3-corrected", 64), ("tq5-fp32", 80), ("tq2-fp8", 128), ("uni3", 64),
+                                    ("vq2", 64), ("vq3-corrected", 80), ("vq4-fp8", 128)])
 def test_unmixed_rows_and_outputs_in_place(name, d):
     """With ``unmix`` the rows are the reference's times the codec's unmix matrix (float32 sums in another order:
     within 1e-5 of the rows' scale); written into an fp16 / bf16 ``out``, they are the float32 result rounded as
@@ -205,13 +211,15 @@ def test_the_rotation_matrix_is_refused_for_a_map_that_is_not_orthogonal():
     assert rotation_matrix(Scaled(64, 3, seed=1)) is None
 
 
+@pytest.mark.parametrize("cls", [TurboQuantMSE, TurboQuantVQ])
 @pytest.mark.parametrize("cycles,d", [(3, 64), (8, 80)])
-def test_cycled_rows_are_read_mapped_back(cycles, d):
-    """Values over K rotations in turn (TurboQuant ``cycles=K``): with ``unmix`` each token's row is mapped back by
-    its own rotation (code position t: the unmix matrix's rows [k n, (k + 1) n), k = t % K; the runs start mid-block
-    and mid-cycle), the codec's dequantization within float32 rounding, and fp16 / bf16 ``out`` rounded as ``.to()``;
-    without ``unmix`` (rows in K bases) the kernel and its reference refuse such a codec by name."""
-    codec = TurboQuantMSE(d, 3, seed=3, cycles=cycles)
+def test_cycled_rows_are_read_mapped_back(cycles, d, cls):
+    """Values over K rotations in turn (TurboQuant ``cycles=K``, scalar or vector codebooks): with ``unmix`` each
+    token's row is mapped back by its own rotation (code position t: the unmix matrix's rows [k n, (k + 1) n), k = t %
+    K; the runs start mid-block and mid-cycle), the codec's dequantization within float32 rounding, and fp16 / bf16
+    ``out`` rounded as ``.to()``; without ``unmix`` (rows in K bases) the kernel and its reference refuse such a codec
+    by name."""
+    codec = cls(d, 3, seed=3, cycles=cycles)
     codes, fields, table = _pool(codec, d=d)
     truth = codec.dequantize(codes)  # [B, H, N, D]: code position t by rotation t % K
     n = codec.mix_view().codes.length
@@ -231,5 +239,44 @@ def test_cycled_rows_are_read_mapped_back(cycles, d):
                                  out=torch.empty(end - start, 3, d, dtype=torch.bfloat16))
         assert torch.equal(half.view(torch.int16), got.to(torch.bfloat16).view(torch.int16))
     for read in (launch.value_rows, launch.value_rows_reference):
-        with pytest.raises(ValueError, match=r"codec TurboQuantMSE\(.*cycles=.*rotations in turn.*unmix=True"):
+        with pytest.raises(ValueError, match=rf"codec {cls.__name__}\(.*cycles=.*rotations in turn.*unmix=True"):
             read(codec, fields, table[0], 16, 3, 0, 5)
+
+
+@pytest.mark.parametrize("name,d", [("vq2", 64), ("vq3-corrected", 80), ("vq4-fp8", 64)])
+def test_grouped_rows_are_not_scalar_rows(name, d):
+    """A vector codebook's rows (each group's g fields one joint code e, coordinate c ``centroids[e g + c % g]``): the C
+    rows equal the reference bit for bit, and differ from what reading the fields as scalar codes (the group
+    ignored) or combining them in reverse order gives -- so the bit-for-bit tests above fail for either misreading.
+    Grouped codes the kernel cannot read (g not 2, 4 or 8, joint codes past a byte, a short codebook) are refused
+    by name."""
+    import dataclasses
+
+    from qjl.core.packing import unpack_bits
+
+    codec = CODECS[name](d)
+    codes, fields, table = _pool(codec, d=d)
+    got = launch.value_rows(codec, fields, table[1], 16, 3, 3, 70)
+    assert torch.equal(got, launch.value_rows_reference(codec, fields, table[1], 16, 3, 3, 70))
+    view = codec.mix_view()
+    p, g = view.codes, view.codes.group
+    idx = unpack_bits(codes.fields["codes"][1, :, 3:70], p.bits, p.length)  # [H, L, n]
+    scale = codes.fields["norm"][1, :, 3:70].float().unsqueeze(-1)
+    flipped = idx.reshape(*idx.shape[:-1], -1, g).flip(-1).reshape(idx.shape)
+    for wrong in (dataclasses.replace(p, group=1).values(idx), p.values(flipped)):
+        assert (scale * wrong).transpose(0, 1).sub(got).abs().max() > 0.1 * got.abs().max()
+
+    class Misgrouped:  # the codec with its view's codes replaced
+        def __init__(self, packed):
+            self.packed = packed
+
+        def mix_view(self):
+            return dataclasses.replace(view, codes=self.packed)
+
+        def __repr__(self):
+            return "Misgrouped"
+
+    for bad in (dataclasses.replace(p, group=3), dataclasses.replace(p, group=8),
+                dataclasses.replace(p, centroids=p.centroids[:-1])):
+        with pytest.raises(ValueError, match="Misgrouped.*g at a time"):
+            launch.value_rows(Misgrouped(bad), fields, table[1], 16, 3, 3, 70)

@@ -7,12 +7,14 @@ CPU kernel's tests (:mod:`paged_pool`).
 """
 
 import copy
+import dataclasses
 import os
 
 import pytest
 import torch
 
-from kernel_cases import CYCLED_PAIRS, PAIRS, TRITON_DEVICE as DEV, Case, OneAccumulator, close, codec_pair, segment_views
+from kernel_cases import (CYCLED_PAIRS, GROUPED_PAIRS, PAIRS, TRITON_DEVICE as DEV, Case, OneAccumulator, close, codec_pair,
+                          misreads_are_far, segment_views)
 from paged_pool import paged_pool
 
 triton = pytest.importorskip("triton")
@@ -210,6 +212,53 @@ def test_paged_decode_cycled_values_from_a_shuffled_pool(name):
     close(got.cpu(), want, TOL)
 
 
+def _grouped(name, **kw):
+    """A Case of vector-codebook codes whose second sequence starts at code position 5 (a cycled value codec's
+    residues are not counted from a sequence's start), and its reference, asserted far from the references of kernels
+    that read the grouped side(s) as scalar codes or combine the fields in reverse order (so the tests can tell)."""
+    c = Case(name, **kw)
+    c.start[1] = 5
+    return c, misreads_are_far(c)
+
+
+@pytest.mark.parametrize("precision,rows", [("auto", 3), ("ieee", 9)])  # auto: "fma" for 3 rows
+@pytest.mark.parametrize("name", GROUPED_PAIRS)
+def test_paged_decode_reads_grouped_codes_from_a_shuffled_pool(name, precision, rows):
+    """Vector-codebook codes (``PackedCodes.group`` g > 1: 2 bits in fours, 3 and 4 bits in pairs; a 3-bit pair's
+    6-bit joint code straddles bytes) as keys, values (over 8 rotations in turn for vq3-vq2c8) or both: coordinate
+    c read as ``centroids[e g + c % g]`` from its group's joint code e, the reference's result from pages of 7 slots
+    in a shuffled pool, GQA rows, ragged starts and ends, masked codes and exact tokens, over three splits, both
+    product forms; reading the groups as scalar codes or their fields in reverse order is far off (:func:`_grouped`)."""
+    c, want = _grouped(name, b=2, h=2, rows=rows, d=64, n=40, n_exact=3, ragged=True, seed=rows)
+    assert kernels.supports(c.kc, c.vc, "triton")
+    kf, vf, table = _shuffled(c, 7, 4)
+    g = c.on(DEV)
+    got = tk.paged_decode(g.q, c.kc, kf, c.vc, vf, table, 7, g.start, g.end, exact=g.exact, code_bias=g.bias,
+                          splits=3, precision=precision)
+    close(got.cpu(), want, TOL)
+
+
+def test_paged_decode_refuses_groups_it_cannot_read():
+    """Grouped codes whose joint code is wider than a byte, or whose codebook is not [2^(g b) g]: a ValueError
+    before any launch."""
+    c = Case("vq4-vq3", b=1, h=1, rows=1, n=8)
+
+    class Wide:
+        def __init__(self, codec, packed):
+            self.codec, self.packed = codec, packed
+
+        def mix_view(self):
+            return dataclasses.replace(self.codec.mix_view(), codes=self.packed)
+
+        def __getattr__(self, name):
+            return getattr(self.codec, name)
+
+    p = c.vc.mix_view().codes
+    for bad in (dataclasses.replace(p, group=4), dataclasses.replace(p, centroids=p.centroids[:-2])):
+        with pytest.raises(ValueError, match="at a time"):
+            tk.paged_decode(c.q, c.kc, c.kf, Wide(c.vc, bad), c.vf, c.block_table, c.block_size, c.start, c.end)
+
+
 def test_combine_merges_cycled_partials_with_exact_segments():
     """Five splits of 3 accumulators each (15 partials: the combine reads 4 splits of an accumulator at once),
     exact tokens as two bf16 segments read in place and a vouched max_codes: the reference's result."""
@@ -286,7 +335,8 @@ def test_combine_reads_exact_rows_from_pages_and_keeps_empty_rows_nan():
     assert err <= TOL * want[keep].abs().max().item(), err
 
 
-def test_cache_with_triton_kernel_matches_torch_path():
+@pytest.mark.parametrize("codec", ["turboquant_mse", "turboquant_vq"])  # vq: vector codebooks, encoded in torch
+def test_cache_with_triton_kernel_matches_torch_path(codec):
     import qjl
     from qjl import CodecSpec, QJLCache, QJLConfig
     from tiny_models import tiny_model
@@ -297,7 +347,7 @@ def test_cache_with_triton_kernel_matches_torch_path():
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(0)).to(DEV)
     outs = {}
     for kernel in ("torch", "triton", "cpu") if DEV.type == "cpu" else ("torch", "triton"):
-        cfg = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 3}), value=CodecSpec("turboquant_mse", {"bits": 2}),
+        cfg = QJLConfig(key=CodecSpec(codec, {"bits": 3}), value=CodecSpec(codec, {"bits": 2}),
                         residual_length=8, flush_block=8, sink_tokens=2, heavy_tokens=4, kernel=kernel,
                         # an fp32 window: fp16 storage rounds the two paths' 1e-7 prefill differences to
                         # different fp16 values now and then, which flips codes in later layers (measured

@@ -50,6 +50,24 @@ def _tq(bits, norm="fp16"):
     return CodecSpec("turboquant_mse", params if norm == "fp16" else {**params, "norm_dtype": norm})
 
 
+def _vector(spec):
+    """A TurboQuant MSE spec of 2-4 bits as its vector-codebook twin (``turboquant_vq``, the same parameters)."""
+    from qjl.core.vq_codebook import GROUPS
+
+    if spec.name != "turboquant_mse" or spec.params.get("bits", 3) not in GROUPS:
+        return spec
+    return CodecSpec("turboquant_vq", dict(spec.params), per_dim=dict(spec.per_dim))
+
+
+def _build(spec, dim: int, seed: int):
+    """``spec.build(dim, seed)``; a vector-codebook spec whose group does not divide ``dim`` builds its scalar twin."""
+    from qjl.core.vq_codebook import GROUPS
+
+    if spec.name == "turboquant_vq" and dim % GROUPS[spec.params.get("bits", 2)]:
+        spec = CodecSpec("turboquant_mse", dict(spec.params), per_dim=dict(spec.per_dim))
+    return spec.build(dim, seed)
+
+
 def _split(share, split_bits, bits):
     """Keys split by importance (:class:`qjl.codecs.split.SplitTurboQuant`): ``share`` of the channels at
     ``split_bits``, the rest at ``bits``, fp8 norms (two per vector)."""
@@ -83,6 +101,14 @@ class AutoBits:
             on GPL-3 (the tuning text) KL lower at each of three seeds and the perplexity change +1.08% -> +0.40%
             on average; on the held-out texts KL lower on all five (docs/cache.md, "Values over rotations in
             turn").  The vLLM backend does not serve them (it refuses by name).
+        vector_keys, vector_values: TurboQuant key / value candidates of 2-4 bits quantize groups of rotated
+            coordinates jointly (:class:`qjl.codecs.vq.TurboQuantVQ`, ``turboquant_vq``: a vector codebook, the same
+            bits, 13-17% less distortion); False: per-coordinate Lloyd-Max cells.  A head dimension the group (4 at 2
+            bits, 2 at 3 and 4) does not divide keeps the scalar codec.  Defaults: vector keys, scalar values: on GPL-3
+            (the tuning text; three seeds, four windows) vector keys lowered KL by 12% (0.0056 -> 0.0049) with the
+            perplexity change level (+0.35% -> +0.34%), and vector values on top held KL (0.0048) but raised the
+            perplexity change at each seed (+0.62% on average) (docs/cache.md, "Vector codebooks").  Not served by
+            vLLM (refused by name).
     """
 
     bits_per_value: float
@@ -93,6 +119,8 @@ class AutoBits:
     boundary_layers: int = 2
     sample_tokens: int = 512
     value_cycles: int = 8
+    vector_keys: bool = True
+    vector_values: bool = False
 
     def __post_init__(self):
         b = self.bits_per_value
@@ -115,13 +143,22 @@ class AutoBits:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        for role in ("keys", "values"):
+            if not isinstance(getattr(self, f"vector_{role}"), bool):
+                raise ValueError(f"vector_{role} must be a bool, got {getattr(self, f'vector_{role}')!r}")
+            if getattr(self, f"vector_{role}"):
+                name = f"{role[:-1]}_candidates"
+                object.__setattr__(self, name, tuple(_vector(s) for s in getattr(self, name)))
         if self.value_cycles > 1:
             object.__setattr__(self, "value_candidates", tuple(
                 CodecSpec(s.name, {**s.params, "cycles": self.value_cycles})
-                if s.name == "turboquant_mse" and "cycles" not in s.params else s for s in self.value_candidates))
+                if s.name in ("turboquant_mse", "turboquant_vq") and "cycles" not in s.params else s
+                for s in self.value_candidates))
 
     def describe(self) -> str:
         cyc = f" over {self.value_cycles} rotations in turn" if self.value_cycles > 1 else ""
+        vec = [r for r in ("keys", "values") if getattr(self, f"vector_{r}")]
+        cyc += f", vector codebooks for {' and '.join(vec)}" if vec else ""
         return (f"auto widths within {self.bits_per_value:g} bits/value ({len(self.key_candidates)} key, "
                 f"{len(self.value_candidates)} value candidates{cyc}, last {self.queries} queries)")
 
@@ -196,10 +233,12 @@ def _rotation_key(codec):
     """Candidates whose distortion :func:`distortions` reads from one shared rotation (TurboQuant MSE with an
     unpadded rotation: then ||x - x_hat|| = ||n y - s c[idx]|| in the rotated basis), else None.  A codec over
     rotations in turn (``cycles``) is read through its first rotation: each of its Haar rotations gives the same
-    distortion in distribution."""
+    distortion in distribution.  Vector codebooks (:class:`qjl.codecs.vq.TurboQuantVQ`) too: their cells are read by
+    their own ``cell_moments``."""
     from qjl.codecs.turboquant import TurboQuantMSE
+    from qjl.codecs.vq import TurboQuantVQ
 
-    if type(codec) is not TurboQuantMSE or codec.rotation.out_dim != codec.dim:
+    if type(codec) not in (TurboQuantMSE, TurboQuantVQ) or codec.rotation.out_dim != codec.dim:
         return None
     return codec.dim, codec.rotation.kind, codec.rotation.seed
 
@@ -214,7 +253,8 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False,
     (:func:`query_weights`), which for an even spread has the plain error's expectation (two halves: the channels
     chosen for some queries are not judged by those same queries).  TurboQuant MSE candidates that share a rotation
     (a layer's candidates differ only in widths and norm dtypes) rotate ``x`` once; each width's cells are then
-    read once as two moments per vector (:func:`qjl.core.lloyd_max.cell_moments`, in C on the CPU), from which every norm dtype's
+    read once as two moments per vector (:func:`qjl.core.lloyd_max.cell_moments`, in C on the CPU; a vector
+    codebook's by :meth:`qjl.codecs.vq.TurboQuantVQ.cell_moments`), from which every norm dtype's
     error follows without packing or the inverse rotation: ``||r y - s c||^2 = r^2 - 2 r s cos + s^2 cc`` with
     ``s`` the norm the codec stores (corrected by ``cos`` and rounded to its dtype as the codec does).  Equal to
     the one-by-one path up to float32 rounding (tested)."""
@@ -240,9 +280,11 @@ def distortions(codecs, x: torch.Tensor, fit: bool = False, parts: bool = False,
             continue
         if key not in rotated:
             rotated[key] = codec.rotation.apply(unit)
-        if key + (codec.bits,) not in moments:
-            moments[key + (codec.bits,)] = _moments(rotated[key], codec.centroids, codec.boundaries)
-        cos, cc = moments[key + (codec.bits,)]
+        cells = key + (codec.bits, getattr(codec, "group", 1))
+        if cells not in moments:
+            moments[cells] = (codec.cell_moments(rotated[key]) if hasattr(codec, "cell_moments")
+                              else _moments(rotated[key], codec.centroids, codec.boundaries))
+        cos, cc = moments[cells]
         s = codec.stored_norm(norm, cos.float()).double()  # the codec's float32 correction and rounding
         err = (r.square() - 2 * r * s * cos + s.square() * cc).clamp(min=0).sum()
         out.append((float(err), total))
@@ -335,8 +377,8 @@ def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bo
 def candidate_codecs(config, layer_idx: int, key_dim: int, value_dim: int) -> tuple:
     """The candidate codecs of one layer, seeded as the layer's own codecs will be."""
     seed, auto = config.seed + 1000 * layer_idx, config.allocation
-    return ([s.build(key_dim, seed) for s in auto.key_candidates],
-            [s.build(value_dim, seed + 1) for s in auto.value_candidates])
+    return ([_build(s, key_dim, seed) for s in auto.key_candidates],
+            [_build(s, value_dim, seed + 1) for s in auto.value_candidates])
 
 
 def predicted_error(stats: list, picks: list) -> float:

@@ -311,19 +311,24 @@ class QJLConfig:
     def named(name: str, **overrides) -> "QJLConfig":
         """A preset by name (:meth:`preset`) or ``"auto-<bits>"`` (e.g. ``"auto-3.0"``: :meth:`auto` with that
         budget, bits in [1, 16]; ``"auto-3.0c1"``: values over one rotation instead of AutoBits' default 8 rotations in
-        turn, ``value_cycles``), with
+        turn, ``value_cycles``; a final ``s``: scalar codebooks for keys and values (the default before vector
+        codebooks, e.g. ``"auto-3.0c8s"``), ``v``: vector codebooks for both (AutoBits ``vector_keys`` /
+        ``vector_values``; the default: vector keys, scalar values)), with
         fields replaced; the names ``qjl eval --methods`` and lm-eval's model take."""
         if isinstance(name, str) and name.startswith("auto-"):
             import re
 
-            m = re.fullmatch(r"auto-([0-9]*\.?[0-9]+)(?:c([0-9]+))?", name)
+            m = re.fullmatch(r"auto-([0-9]*\.?[0-9]+)(?:c([0-9]+))?([sv])?", name)
             if m is None:
-                raise ValueError(f"{name!r}: write auto-<bits per value>[c<rotations>], e.g. auto-3.0 or auto-3.0c8")
+                raise ValueError(f"{name!r}: write auto-<bits per value>[c<rotations>][s|v], e.g. auto-3.0, auto-3.0c8 "
+                                 "or auto-3.0c8s")
             bits = float(m[1])
             if not 1.0 <= bits <= 16.0:
                 raise ValueError(f"{name!r}: bits per value must be in [1, 16]")
             if m[2] is not None:
                 overrides = {"value_cycles": int(m[2]), **overrides}
+            if m[3] is not None:
+                overrides = {"vector_keys": m[3] == "v", "vector_values": m[3] == "v", **overrides}
             return QJLConfig.auto(bits_per_value=bits, **overrides)
         return QJLConfig.preset(name, **overrides)
 

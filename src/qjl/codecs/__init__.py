@@ -9,6 +9,7 @@ from qjl.codecs.sketch import QJLSketch
 from qjl.codecs.split import SplitTurboQuant
 from qjl.codecs.tokenwise import TokenwiseQuantizer
 from qjl.codecs.turboquant import TurboQuantMSE, TurboQuantProd
+from qjl.codecs.vq import TurboQuantVQ
 
 __all__ = ["BitBudget", "CODECS", "Codec", "Codes", "KIVIKeys", "OutlierQJL", "PolarQuant", "QJLSketch",
-           "SplitTurboQuant", "TokenwiseQuantizer", "TurboQuantMSE", "TurboQuantProd", "codec_parameters", "make_codec"]
+           "SplitTurboQuant", "TokenwiseQuantizer", "TurboQuantMSE", "TurboQuantProd", "TurboQuantVQ", "codec_parameters", "make_codec"]

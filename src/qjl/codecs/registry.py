@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | ``qjl`` | :class:`OutlierQJL` | keys: 1-bit JL sketch (+ optional outlier sketch) |
 | ``turboquant_mse`` | :class:`TurboQuantMSE` | keys or values: rotation + Lloyd-Max |
+| ``turboquant_vq`` | :class:`TurboQuantVQ` | keys or values: rotation + a vector codebook per 2-4 coordinates |
 | ``turboquant_split`` | :class:`SplitTurboQuant` | keys: chosen channels at more bits, two TurboQuant MSE parts |
 | ``turboquant_prod`` | :class:`TurboQuantProd` | keys: MSE stage + QJL residual, unbiased scores |
 | ``polarquant`` | :class:`PolarQuant` | keys or values: recursive polar angles |
@@ -22,6 +23,7 @@ from qjl.codecs.polarquant import PolarQuant
 from qjl.codecs.split import SplitTurboQuant
 from qjl.codecs.turboquant import TurboQuantMSE, TurboQuantProd
 from qjl.codecs.tokenwise import TokenwiseQuantizer
+from qjl.codecs.vq import TurboQuantVQ
 
 __all__ = ["CODECS", "make_codec", "codec_parameters"]
 
@@ -30,6 +32,7 @@ CODECS = {
     "turboquant_mse": TurboQuantMSE,
     "turboquant_prod": TurboQuantProd,
     "turboquant_split": SplitTurboQuant,
+    "turboquant_vq": TurboQuantVQ,
     "polarquant": PolarQuant,
     "kivi": KIVIKeys,
     "uniform": TokenwiseQuantizer,

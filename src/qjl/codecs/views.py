@@ -29,23 +29,39 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PackedCodes", "KeyTerm", "ScoreView", "MixView", "ProjectQuantize", "QuantizeView", "kernel_readable", "readable"]
+__all__ = ["PackedCodes", "KeyTerm", "ScoreView", "MixView", "ProjectQuantize", "QuantizeView", "kernel_readable", "readable", "grouped"]
 
 
 @dataclass(frozen=True)
 class PackedCodes:
     """``length`` codes of ``bits`` bits per vector, packed LSB-first (:mod:`qjl.core.packing`) in the
     uint8 field ``field`` (``ceil(length * bits / 8)`` bytes per vector); code ``v`` stands for
-    ``centroids[v]`` (float32 ``[2**bits]``)."""
+    ``centroids[v]`` (float32 ``[2**bits]``).
+
+    ``group`` g > 1 (a vector codebook, :class:`qjl.codecs.vq.TurboQuantVQ`): the g codes of positions
+    ``[g j, g (j + 1))`` are the fields of one joint code ``e = sum_s code[g j + s] << (s bits)``, and position
+    ``c`` stands for ``centroids[e g + c % g]`` (``centroids`` float32 ``[2**(g bits) g]``)."""
 
     field: str
     bits: int
     length: int
     centroids: torch.Tensor
+    group: int = 1
 
     @property
     def nbytes(self) -> int:
         return (self.length * self.bits + 7) // 8
+
+    def values(self, codes: torch.Tensor) -> torch.Tensor:
+        """What unpacked codes [..., length] (integers) stand for: [..., length] float32 (the plain-torch
+        reading every kernel is tested against)."""
+        cent = self.centroids.to(codes.device)
+        if self.group == 1:
+            return cent[codes.long()]
+        g = self.group
+        shifts = torch.arange(g, device=codes.device) * self.bits
+        e = (codes.long().reshape(*codes.shape[:-1], codes.shape[-1] // g, g) << shifts).sum(-1, keepdim=True)  # [..., length / g, 1]
+        return cent[e * g + torch.arange(g, device=codes.device)].reshape(codes.shape)
 
 
 @dataclass(frozen=True)
@@ -137,3 +153,9 @@ def readable(sv, mv) -> bool:
         return False
     codes = [t.codes for t in sv.terms] + [mv.codes]
     return all(c.length % 8 == 0 and 1 <= c.bits <= 8 for c in codes) and mv.group_size % 8 == 0
+
+
+def grouped(sv, mv) -> bool:
+    """Whether any codes of these views (a ScoreView and a MixView, or None) are read g at a time (``group > 1``)."""
+    codes = ([t.codes for t in sv.terms] if sv is not None else []) + ([mv.codes] if mv is not None else [])
+    return any(c.group > 1 for c in codes)

@@ -20,7 +20,7 @@ import functools
 import importlib
 import os
 
-__all__ = ["BACKENDS", "CYCLED_BACKENDS", "pick_backend", "cpu_available", "triton_usable", "supports", "paged_decode", "PagedField",
+__all__ = ["BACKENDS", "CYCLED_BACKENDS", "GROUPED_BACKENDS", "pick_backend", "cpu_available", "triton_usable", "supports", "paged_decode", "PagedField",
            "FieldMap", "PagedRows", "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu", "encode_rows_cpu",
            "store_cpu", "cpu_pass", "quantize_with"]
 
@@ -87,16 +87,22 @@ def pick_backend(device, requested: str = "auto") -> str:
 
 # the backends whose decode kernels mix value codes over rotations in turn (MixView.cycles > 1)
 CYCLED_BACKENDS = ("cpu", "triton")
+# the backends whose decode kernels read codes g at a time (vector codebooks: PackedCodes.group > 1)
+GROUPED_BACKENDS = ("cpu", "triton")
 
 
 def supports(key_codec, value_codec, backend: str | None = None) -> bool:
     """Whether the decode kernels read this pair of codecs (others use the reference path): both declare
     views (:func:`qjl.codecs.views.kernel_readable`), and, for values over rotations in turn (``cycles > 1``),
-    ``backend``'s kernel mixes them (:data:`CYCLED_BACKENDS`; ``backend`` None: every kernel backend must)."""
-    from qjl.codecs.views import kernel_readable
+    ``backend``'s kernel mixes them (:data:`CYCLED_BACKENDS`; ``backend`` None: every kernel backend must), and
+    for codes read g at a time (vector codebooks, ``PackedCodes.group > 1``) it reads them (:data:`GROUPED_BACKENDS`)."""
+    from qjl.codecs.views import grouped, kernel_readable
 
     if not kernel_readable(key_codec, value_codec):
         return False
-    if value_codec.mix_view().cycles > 1:
-        return all(b in CYCLED_BACKENDS for b in (("cpu", "triton") if backend is None else (backend,)))
+    wanted = ("cpu", "triton") if backend is None else (backend,)
+    if value_codec.mix_view().cycles > 1 and not all(b in CYCLED_BACKENDS for b in wanted):
+        return False
+    if grouped(key_codec.score_view(), value_codec.mix_view()) and not all(b in GROUPED_BACKENDS for b in wanted):
+        return False
     return True

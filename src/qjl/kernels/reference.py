@@ -35,9 +35,8 @@ def gather_codes(fields: dict, names, block_row: torch.Tensor, block_size: int, 
 
 
 def _values(packed, rows: dict) -> torch.Tensor:
-    """centroids[code] [n, length] float32 of packed codes ``rows[packed.field]``."""
-    idx = unpack_bits(rows[packed.field], packed.bits, packed.length)
-    return packed.centroids.to(idx.device)[idx]
+    """What packed codes ``rows[packed.field]`` stand for (:meth:`PackedCodes.values`): [n, length] float32."""
+    return packed.values(unpack_bits(rows[packed.field], packed.bits, packed.length))
 
 
 def _shared_rows(fields: dict, names, block_row, h: int, start: int, end: int, block_size: int) -> dict | None:

@@ -106,6 +106,9 @@ class PageLayout:
             if getattr(codec, "positional", False):
                 raise ValueError(f"{role} codec {codec!r}: the vLLM backend does not serve codes over rotations in "
                                  "turn (cycles > 1) yet; use cycles=1 (the transformers cache serves them)")
+            if getattr(codec, "name", None) == "turboquant_vq":
+                raise ValueError(f"{role} codec {codec!r}: the vLLM backend does not serve vector codebooks "
+                                 "(turboquant_vq) yet; use turboquant_mse (the transformers cache serves them)")
         self.smooth_keys, self.smooth_values = bool(smooth_keys), bool(smooth_values)
         self.key_codec, self.value_codec = key_codec, value_codec
         self.head_dim, self.block_size = head_dim, block_size

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["module", "require", "Args", "fill_view", "f32", "i64", "i32", "DTYPES", "X_DTYPES"]
+__all__ = ["module", "require", "Args", "fill_view", "check_groups", "f32", "i64", "i32", "DTYPES", "X_DTYPES"]
 
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3}  # scalar fields
 X_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # rows (exact tokens, inputs, outputs)
@@ -51,15 +51,30 @@ class Args:
 
 
 def fill_view(a: Args, vv, vview, fields: dict) -> None:
-    """A ``qjl_value_view`` struct's fields, bits, groups, centroids and cycles (K accumulators) from a codec's
-    :class:`qjl.codecs.views.MixView` and its stored fields (``unmix``, [K n, out_dim], left to the caller)."""
+    """A ``qjl_value_view`` struct's fields, bits, groups, centroids, cycles (K accumulators) and code group (g fields
+    per joint code, :attr:`qjl.codecs.views.PackedCodes.group`) from a codec's :class:`qjl.codecs.views.MixView` and
+    its stored fields (``unmix``, [K n, out_dim], left to the caller)."""
     a.field(vv.codes, fields[vview.codes.field], False)
     a.field(vv.scale, fields[vview.scale], True)
     if vview.zero:
         a.field(vv.zero, fields[vview.zero], True)
     vv.bits, vv.n, vv.group_size, vv.groups = vview.codes.bits, vview.codes.length, vview.group_size, vview.groups
     vv.has_zero, vv.cent = int(vview.zero is not None), a.ptr(vview.codes.centroids)
-    vv.cycles = vview.cycles
+    vv.cycles, vv.group = vview.cycles, vview.codes.group
+
+
+def check_groups(what: str, codes) -> None:
+    """ValueError naming ``what`` unless the C kernels read these :class:`qjl.codecs.views.PackedCodes` (an iterable
+    of them): scalar codes (``group`` 1), or a vector codebook's read g at a time with g 2, 4 or 8 fields of ``bits``
+    bits making a joint code of at most 8 bits and centroids [2^(g bits) g] (``decode.h``'s group_ok)."""
+    for p in codes:
+        g = p.group
+        if g == 1:
+            continue
+        if g not in (2, 4, 8) or g * p.bits > 8 or p.length % g or p.centroids.numel() != g << (g * p.bits):
+            raise ValueError(f"{what}: the C kernels read codes g at a time with g 2, 4 or 8, joint codes of at most 8 "
+                             f"bits and [2^(g bits) g] centroids; got g {g} x {p.bits} bits, {p.length} codes, "
+                             f"{p.centroids.numel()} centroids")
 
 
 def f32(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,13 @@
  * per item.
  * The AVX2 path (decode_avx2.c) and the portable path (decode_portable.c) compute the same sums in
  * another order: results agree to float32 rounding; the integer path (decode_vnni.c) rounds queries, centroids
- * and weights at the bound stated there. */
+ * and weights at the bound stated there.
+ * Grouped codes (a vector codebook's, group g > 1: decode.h) take the same passes, softmax and merges: the portable
+ * path expands each row through the joint codes' table (unpack_row), the AVX2 path loads each joint code's g floats
+ * from it inside its score and mix loops (score_avx2, mix_avx2: unpack8_grouped); run_item never hands a grouped term
+ * or view to the lane-sliced loops, the integer path (VNNI: int8 tables of scalar codes, the fused exp_weights) or
+ * the AMX tiles -- with "c-int" / "c-amx" a grouped term or view takes the AVX2 fp32 loops beside the other role's
+ * integer products. */
 
 typedef struct {
     int64_t b, h, rc, t0, t1;
@@ -145,8 +151,9 @@ static void residue_spans(const qjl_spans *s, int64_t t0, int64_t K, int64_t k, 
 }
 
 /* one work item: the partial softmax (m, l, o [RW][K n_v]) of its coded tokens (K = the value view's cycles).  mode:
- * 0 portable, 1 AVX2 (fp32), 2 integer (decode_vnni.c) for the codes of <= VNNI_MAX_BITS bits, AVX2 for the rest,
- * 3 the integer path on AMX tiles (decode_amx.c; the same sums; with K > 1 the values on vpdpwssd) */
+ * 0 portable, 1 AVX2 (fp32), 2 integer (decode_vnni.c) for the scalar codes of <= VNNI_MAX_BITS bits, AVX2 for the
+ * rest (grouped codes included), 3 the integer path on AMX tiles (decode_amx.c; the same sums; with K > 1 the values
+ * on vpdpwssd) */
 static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, float *m, float *l, float *o) {
     const qjl_value_view *v = &a->value;
     const int64_t nv = v->n, G = v->groups, K = v->cycles;
@@ -181,13 +188,13 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     int32_t qsum[2][RW], koff[2][RW];
     uint8_t ktab[2][32], vtab[32];
     for (int k = 0; k < a->n_terms; k++) {
-        ik[k] = mode >= 2 && a->key[k].bits <= VNNI_MAX_BITS;
+        ik[k] = mode >= 2 && a->key[k].bits <= VNNI_MAX_BITS && a->key[k].group == 1; /* (grouped: the AVX2 loops) */
         if (ik[k]) {
             q8[k] = malloc((size_t)RW * (size_t)((a->key[k].n + 31) / 32 * 32));
             ksc[k] = int8_table(a->key[k].cent, a->key[k].bits, 128, ktab[k]);
         }
     }
-    const int iv = mode >= 2 && v->bits <= VNNI_MAX_BITS && (G == 1 || v->group_size % 32 == 0);
+    const int iv = mode >= 2 && v->bits <= VNNI_MAX_BITS && (G == 1 || v->group_size % 32 == 0) && v->group == 1;
     int16_t *w16 = iv ? malloc(sizeof(int16_t) * (size_t)(G * RW * (SUB + 2))) : NULL;
     float *vmul = iv ? malloc(sizeof(float) * (size_t)(G * RW)) : NULL;
     const float vsc = iv ? int8_table(v->cent, v->bits, 0, vtab) : 1.0f;
@@ -221,10 +228,10 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     int ks[2] = {0, 0};
     float *qsl[2] = {NULL, NULL};
     for (int k = 0; k < a->n_terms; k++) {
-        ks[k] = mode && sliced_ok(a->key[k].bits, a->key[k].n);
+        ks[k] = mode && a->key[k].group == 1 && sliced_ok(a->key[k].bits, a->key[k].n);
         if (ks[k]) qsl[k] = malloc(sizeof(float) * RW * (size_t)a->key[k].n);
     }
-    int vs = mode && sliced_ok(v->bits, nv) && !v->has_zero && G == 1;
+    int vs = mode && v->group == 1 && sliced_ok(v->bits, nv) && !v->has_zero && G == 1;
 #if QJL_HAVE_VNNI
     vs = vs && !iv;
 #endif
@@ -464,10 +471,14 @@ static int check_args(const qjl_decode_args *a) {
     if (a->n_terms < 1 || a->n_terms > 2 || a->rows < 1 || a->block_size < 1 || a->heads < 1) return -1;
     for (int k = 0; k < a->n_terms; k++) {
         const qjl_key_term *t = &a->key[k];
-        if (t->bits < 1 || t->bits > 8 || t->n < 8 || t->n % 8 || t->norm.dtype < 0 || t->norm.dtype > 3) return -1;
+        if (t->bits < 1 || t->bits > 8 || t->n < 8 || t->n % 8 || t->norm.dtype < 0 || t->norm.dtype > 3 ||
+            !group_ok(t->bits, t->group))
+            return -1;
     }
     const qjl_value_view *v = &a->value;
-    if (v->bits < 1 || v->bits > 8 || v->n < 8 || v->n % 8 || v->group_size < 8 || v->group_size % 8) return -1;
+    if (v->bits < 1 || v->bits > 8 || v->n < 8 || v->n % 8 || v->group_size < 8 || v->group_size % 8 ||
+        !group_ok(v->bits, v->group))
+        return -1;
     if (v->groups != (v->n + v->group_size - 1) / v->group_size) return -1;
     if (v->out_dim < 1 || (!v->unmix && v->out_dim != v->n) || (a->ne > 0 && a->dx != v->out_dim)) return -1;
     if (v->cycles < 1 || v->cycles > 64 || (v->cycles > 1 && !v->unmix)) return -1; /* (K accumulators: an unmix) */

@@ -6,7 +6,14 @@
  * Paged addressing: field f of coded token t of sequence b, KV head h, lives at
  *   f.base + block_table[b * max_blocks + t / block_size] * f.stride_block + h * f.stride_head
  *          + (t % block_size) * f.stride_token                                              (bytes)
- * transformers' contiguous store is the case of one block per sequence (block_size >= its length). */
+ * transformers' contiguous store is the case of one block per sequence (block_size >= its length).
+ *
+ * Grouped codes (a vector codebook, qjl.codecs.vq.TurboQuantVQ: qjl_key_term.group / qjl_value_view.group g > 1) are
+ * stored as scalar ones (b-bit fields, LSB first), but the g fields of coordinates [g j, g j + g) form one joint code
+ * e = sum_s field[g j + s] << (s b) -- the row's (g b)-bit code j -- and coordinate c stands for cent[e g + c % g]
+ * (cent [2^(g b) g]).  The portable path and rows.c expand a row through that table; the AVX2 path loads each
+ * joint code's g floats from it inside its loops (decode_avx2.c); the lane-sliced, integer and AMX paths read
+ * scalar codes only (run_item routes grouped terms and views past them). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,10 +33,14 @@ typedef struct {
     int32_t dtype;        /* scalar fields: 0 fp32, 1 fp16, 2 bf16, 3 float8 e4m3; codes: unused */
 } qjl_field;
 
-typedef struct {          /* s[t] += norm[t] * sum_c q[c] * cent[code[t, c]] */
+typedef struct {          /* s[t] += norm[t] * sum_c q[c] * value(t, c), value(t, c) = cent[code[t, c]] (group 1) */
     qjl_field codes, norm;
     int32_t bits, n;      /* bits per code (1..8), codes per vector (a multiple of 8) */
-    const float *cent;    /* [2^bits] */
+    const float *cent;    /* [2^bits], or with group g > 1 [2^(g bits) g] */
+    int32_t group;        /* g: 1 scalar codes; 2, 4 or 8 (g bits <= 8) a vector codebook: the g codes of coordinates
+                             [g j, g j + g) are the fields of one joint code e (field s at bits [s bits, (s + 1) bits)
+                             of e: bits [g j bits, g (j + 1) bits) of the row, read as one code) and coordinate c is
+                             cent[e g + c % g] (PackedCodes.group) */
     const float *q;       /* [B, QB, H, R, n]: the query rows mapped into this term's basis, or, with qmap,
                              [B, H, R, qdim]: the query itself */
     int32_t q_per_block;  /* QB: 0 -> one map per sequence, 1 -> one per block-table column (max_blocks) */
@@ -37,10 +48,12 @@ typedef struct {          /* s[t] += norm[t] * sum_c q[c] * cent[code[t, c]] */
     int32_t qdim;
 } qjl_key_term;
 
-typedef struct {          /* v[t, c] = zero[t, c / group_size] + scale[t, c / group_size] * cent[code[t, c]] */
+typedef struct {          /* v[t, c] = zero[t, c / group_size] + scale[t, c / group_size] * value(t, c) (value: as
+                             qjl_key_term's, cent[code[t, c]] for scalar codes) */
     qjl_field codes, scale, zero;
     int32_t bits, n, group_size, groups, has_zero;
-    const float *cent;    /* [2^bits] */
+    const float *cent;    /* [2^bits], or with group g > 1 [2^(g bits) g] */
+    int32_t group;        /* g: 1 scalar codes, 2 / 4 / 8 joint codes of g fields (as qjl_key_term's group) */
     const float *unmix;   /* [K n, out_dim]: mixed rows back to the model's basis (o @ unmix), or NULL (identity) */
     int32_t out_dim;
     int32_t cycles;       /* K >= 1: the token at code position t is mixed into accumulator t % K; a mixed row is
@@ -237,6 +250,13 @@ static inline int code_at(const uint8_t *row, int bits, int64_t i) {
     uint32_t w = row[pos >> 3];
     if ((pos & 7) + bits > 8) w |= (uint32_t)row[(pos >> 3) + 1] << 8;
     return (int)((w >> (pos & 7)) & ((1u << bits) - 1));
+}
+
+/* whether codes of `bits` bits read `group` at a time are ones the kernels read: group 1 (scalar codes), or a vector
+ * codebook's joint codes of g = 2, 4 or 8 fields of g bits <= 8 bits (whole joint codes in each byte-aligned run of
+ * 8 codes, so every path reads 8 coordinates from `bits` bytes) */
+static inline int group_ok(int bits, int group) {
+    return group == 1 || ((group == 2 || group == 4 || group == 8) && group * bits <= 8);
 }
 
 typedef float v8f __attribute__((vector_size(32)));

@@ -8,7 +8,10 @@
  * the 4 rows' accumulators stay in registers over a whole pass of tokens, one FMA per token, row and 8
  * coordinates with the weight p * scale (weights [groups][4 rows][tokens]).  Words are read with exact-size copies at a row's last group, so
  * nothing past a token's codes is read.  Codes of 1-5 bits at sizes that are multiples of 64 (32 for 5 bits) take
- * the lane-sliced loops at the end of this file instead (score_sliced, mix_sliced). */
+ * the lane-sliced loops at the end of this file instead (score_sliced, mix_sliced).  Grouped codes (a vector
+ * codebook's, group g > 1: decode.h) take the unpack8 loops with unpack8_grouped in unpack8's place: the 8 / g joint
+ * codes of each 8 coordinates' `bits` bytes each index g floats of the table, one load each (g = 2: 8 bytes, 4: 16,
+ * 8: 32) blended into the 8 lanes; never the lane-sliced loops. */
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define QJL_HAVE_AVX2 1
@@ -82,6 +85,52 @@ QJL_AVX2 static inline __attribute__((always_inline)) __m256 unpack8(const uint8
     return _mm256_i32gather_ps(u->cent, idx, 4);
 }
 
+/* grouped codes (decode.h; group g = 2, 4 or 8, g bits <= 8): the floats of the 8 coordinates whose 8 / g joint codes
+ * of g bits bits lie in the `bits` bytes at p, each joint code's g floats one load from the table (g = 2: 8 bytes,
+ * 4: 16, 8: 32; broadcast, then blended into its lanes); `last`: the row's last 8 coordinates (no read past them).  On the
+ * AVX2-only AMD EPYC (one thread, keys 3 bits in pairs, d = 128, 4 rows, 16k tokens) the four pairs' vpgatherdpd took
+ * 1.7x the scalar codes' time where these loads take ~1.2x; a 12-bit table of pairs of joint codes (64 KB, two loads
+ * per 8 coordinates) measured no faster, and vmovsd / vmovhpd / vinsertf128 the same as the broadcasts (scratch
+ * timings). */
+QJL_AVX2 static inline __attribute__((always_inline)) __m256 unpack8_grouped(const uint8_t *p, const int bits,
+                                                                          const int group, const int last,
+                                                                          const float *cent) {
+    if (group == 8) return _mm256_loadu_ps(cent + 8 * (size_t)p[0]); /* (1 bit: one byte, one joint code) */
+    const int jb = group * bits;
+    const uint32_t mask = (1u << jb) - 1u;
+    uint32_t w;
+    if (bits == 1) w = p[0];
+    else if (bits == 2) { uint16_t h; memcpy(&h, p, 2); w = h; }
+    else if (bits == 3 && last) { uint16_t h; memcpy(&h, p, 2); w = h | (uint32_t)p[2] << 16; }
+    else memcpy(&w, p, 4); /* 3 bits: the 4th byte belongs to the next 8 coordinates (masked off) */
+    if (group == 4) {
+        const __m128 lo = _mm_loadu_ps(cent + 4 * (size_t)(w & mask));
+        const __m256 hi = _mm256_broadcast_ps((const __m128 *)(const void *)(cent + 4 * (size_t)((w >> jb) & mask)));
+        return _mm256_blend_ps(_mm256_castps128_ps256(lo), hi, 0xF0);
+    }
+    const double *pairs = (const double *)(const void *)cent; /* (g = 2: joint code e's floats as one 8-byte load) */
+    const __m256d b0 = _mm256_broadcast_sd(pairs + (w & mask)), b1 = _mm256_broadcast_sd(pairs + ((w >> jb) & mask));
+    const __m256d b2 = _mm256_broadcast_sd(pairs + ((w >> 2 * jb) & mask));
+    const __m256d b3 = _mm256_broadcast_sd(pairs + ((w >> 3 * jb) & mask));
+    return _mm256_castpd_ps(_mm256_blend_pd(_mm256_blend_pd(b0, b1, 0x2), _mm256_blend_pd(b2, b3, 0x8), 0xC));
+}
+
+/* unpack8 (group 1) or unpack8_grouped (group > 1) */
+QJL_AVX2 static inline __attribute__((always_inline)) __m256 unpack8_any(const uint8_t *p, const int bits, const int group,
+                                                                      const int last, const unpack8_t *u) {
+    return group == 1 ? unpack8(p, bits, last, u) : unpack8_grouped(p, bits, group, last, u->cent);
+}
+
+/* unpack_setup for scalar codes; grouped codes read the table only */
+QJL_AVX2 static inline __attribute__((always_inline)) unpack8_t unpack_setup_any(const int bits, const int group,
+                                                                              const float *cent) {
+    if (group == 1) return unpack_setup(bits, cent);
+    unpack8_t u;
+    memset(&u, 0, sizeof u);
+    u.cent = cent;
+    return u;
+}
+
 /* lane i of the result = the sum of the 8 lanes of a[i] */
 QJL_AVX2 static inline __attribute__((always_inline)) __m256 hsum8x8(const __m256 *a) {
     const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -103,10 +152,11 @@ QJL_AVX2 static inline __attribute__((always_inline)) void add_pair(const __m256
     }
 }
 
-QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int bits, const int nr, const qjl_key_term *k,
-                                                                    const uint8_t *codes, const float *norm,
-                                                                    int64_t count, const float *q, float *logits) {
-    const unpack8_t u = unpack_setup(bits, k->cent);
+QJL_AVX2 static inline __attribute__((always_inline)) void score_rows_(const int bits, const int group, const int nr,
+                                                                    const qjl_key_term *k, const uint8_t *codes,
+                                                                    const float *norm, int64_t count, const float *q,
+                                                                    float *logits) {
+    const unpack8_t u = unpack_setup_any(bits, group, k->cent);
     const int64_t n = k->n, groups = n / 8, cs = k->codes.stride_token;
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
@@ -115,7 +165,8 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
         __m256 a[8];
         for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups - 1; g++) {
-            const __m256 v0 = unpack8(r0 + g * bits, bits, 0, &u), v1 = unpack8(r1 + g * bits, bits, 0, &u);
+            const __m256 v0 = unpack8_any(r0 + g * bits, bits, group, 0, &u);
+            const __m256 v1 = unpack8_any(r1 + g * bits, bits, group, 0, &u);
             for (int r = 0; r < nr; r++) {
                 const __m256 qr = _mm256_loadu_ps(q + r * n + 8 * g);
                 a[r] = _mm256_fmadd_ps(v0, qr, a[r]);
@@ -124,7 +175,8 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
         }
         { /* the row's last group: exact-size reads */
             const int64_t g = groups - 1;
-            const __m256 v0 = unpack8(r0 + g * bits, bits, 1, &u), v1 = unpack8(r1 + g * bits, bits, 1, &u);
+            const __m256 v0 = unpack8_any(r0 + g * bits, bits, group, 1, &u);
+            const __m256 v1 = unpack8_any(r1 + g * bits, bits, group, 1, &u);
             for (int r = 0; r < nr; r++) {
                 const __m256 qr = _mm256_loadu_ps(q + r * n + 8 * g);
                 a[r] = _mm256_fmadd_ps(v0, qr, a[r]);
@@ -133,6 +185,12 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
         }
         add_pair(a, nr, norm, i, count, logits);
     }
+}
+
+QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int bits, const int nr, const qjl_key_term *k,
+                                                                    const uint8_t *codes, const float *norm,
+                                                                    int64_t count, const float *q, float *logits) {
+    score_rows_(bits, 1, nr, k, codes, norm, count, q, logits);
 }
 
 /* one specialized loop per code width (1-8) and number of live query rows (1-4: a smaller GQA group, or the last
@@ -166,15 +224,31 @@ QJL_AVX2 static inline __attribute__((always_inline)) void score_avx2_(const int
     default: F(5, NR, __VA_ARGS__); break;                                                                             \
     }
 #define QJL_BY_ROWS5(F, ...) QJL_ROWS_OF(QJL_BY_BITS5, F, __VA_ARGS__)
+/* grouped codes: the vector codebooks' widths (TurboQuantVQ: 2 bits in fours, 3 and 4 in pairs) as constants, the
+ * other groups decode.h's group_ok admits with `bits` and `group` read at run time.  F(bits, group, nr, ...) */
+#define QJL_BY_GROUPS(F, NR, ...)                                                                                       \
+    switch (group * 16 + bits) {                                                                                       \
+    case 0x42: F(2, 4, NR, __VA_ARGS__); break;                                                                        \
+    case 0x23: F(3, 2, NR, __VA_ARGS__); break;                                                                        \
+    case 0x24: F(4, 2, NR, __VA_ARGS__); break;                                                                        \
+    default: F(bits, group, NR, __VA_ARGS__); break;                                                                   \
+    }
+#define QJL_BY_ROWS_G(F, ...) QJL_ROWS_OF(QJL_BY_GROUPS, F, __VA_ARGS__)
 
 QJL_AVX2 static void score_avx2(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
                                 const float *q, float *logits) {
-    const int bits = k->bits;
-    QJL_BY_ROWS(score_avx2_, k, codes, norm, count, q, logits)
+    const int bits = k->bits, group = k->group;
+    if (group > 1) {
+        QJL_BY_ROWS_G(score_rows_, k, codes, norm, count, q, logits)
+    } else {
+        QJL_BY_ROWS(score_avx2_, k, codes, norm, count, q, logits)
+    }
 }
 
 /* `chunks` (1 or 2) groups of 8 coordinates from coordinate c0, over the run's tokens */
-QJL_AVX2 static inline __attribute__((always_inline)) void mix_chunk(const int bits, const int nr, const int chunks,
+/* (`shared`: k0 == k1 known here, a weight broadcast once for both chunks; the same products) */
+QJL_AVX2 static inline __attribute__((always_inline)) void mix_chunk(const int bits, const int group, const int nr,
+                                                                  const int chunks, const int shared,
                                                                   const unpack8_t *u, const uint8_t *codes,
                                                                   int64_t cs, int64_t count, int64_t c0,
                                                                   int64_t n, int64_t k0, int64_t k1,
@@ -189,10 +263,19 @@ QJL_AVX2 static inline __attribute__((always_inline)) void mix_chunk(const int b
     for (int64_t i = 0; i < count; i++, src += cs) {
         const float *w0 = pw + k0 * RW * SUB + i, *w1 = pw + k1 * RW * SUB + i;
         if (c0 == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
-        const __m256 v0 = unpack8(src, bits, last0, u);
+        const __m256 v0 = unpack8_any(src, bits, group, last0, u);
+        if (shared && chunks == 2) {
+            const __m256 v1 = unpack8_any(src + bits, bits, group, last1, u);
+            for (int r = 0; r < nr; r++) {
+                const __m256 w = _mm256_broadcast_ss(w0 + r * SUB);
+                a[r] = _mm256_fmadd_ps(w, v0, a[r]);
+                a[RW + r] = _mm256_fmadd_ps(w, v1, a[RW + r]);
+            }
+            continue;
+        }
         for (int r = 0; r < nr; r++) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + r * SUB), v0, a[r]);
         if (chunks == 2) {
-            const __m256 v1 = unpack8(src + bits, bits, last1, u);
+            const __m256 v1 = unpack8_any(src + bits, bits, group, last1, u);
             for (int r = 0; r < nr; r++) a[RW + r] = _mm256_fmadd_ps(_mm256_broadcast_ss(w1 + r * SUB), v1, a[RW + r]);
         }
     }
@@ -202,22 +285,36 @@ QJL_AVX2 static inline __attribute__((always_inline)) void mix_chunk(const int b
     }
 }
 
+QJL_AVX2 static inline __attribute__((always_inline)) void mix_rows_(const int bits, const int group, const int nr,
+                                                                  const qjl_value_view *v, const uint8_t *codes,
+                                                                  int64_t count, const float *pw, float *acc) {
+    const unpack8_t u = unpack_setup_any(bits, group, v->cent);
+    const int64_t n = v->n, gs = v->group_size, groups8 = n / 8, cs = v->codes.stride_token;
+    int64_t g = 0;
+    if (group > 1 && v->groups == 1) /* grouped codes of one scale group (TurboQuantVQ): one broadcast per weight */
+        for (; g + 2 <= groups8; g += 2)
+            mix_chunk(bits, group, nr, 2, 1, &u, codes, cs, count, 8 * g, n, 0, 0, g + 2 == groups8, pw, acc);
+    for (; g + 2 <= groups8; g += 2)
+        mix_chunk(bits, group, nr, 2, 0, &u, codes, cs, count, 8 * g, n, (8 * g) / gs, (8 * g + 8) / gs,
+                  g + 2 == groups8, pw, acc);
+    if (g < groups8)
+        mix_chunk(bits, group, nr, 1, 0, &u, codes, cs, count, 8 * g, n, (8 * g) / gs, (8 * g) / gs, 1, pw, acc);
+}
+
 QJL_AVX2 static inline __attribute__((always_inline)) void mix_avx2_(const int bits, const int nr, const qjl_value_view *v,
                                                                   const uint8_t *codes, int64_t count,
                                                                   const float *pw, float *acc) {
-    const unpack8_t u = unpack_setup(bits, v->cent);
-    const int64_t n = v->n, gs = v->group_size, groups8 = n / 8, cs = v->codes.stride_token;
-    int64_t g = 0;
-    for (; g + 2 <= groups8; g += 2)
-        mix_chunk(bits, nr, 2, &u, codes, cs, count, 8 * g, n, (8 * g) / gs, (8 * g + 8) / gs, g + 2 == groups8, pw,
-                  acc);
-    if (g < groups8) mix_chunk(bits, nr, 1, &u, codes, cs, count, 8 * g, n, (8 * g) / gs, (8 * g) / gs, 1, pw, acc);
+    mix_rows_(bits, 1, nr, v, codes, count, pw, acc);
 }
 
 QJL_AVX2 static void mix_avx2(const qjl_value_view *v, int nr, const uint8_t *codes, int64_t count, const float *pw,
                               float *acc) {
-    const int bits = v->bits;
-    QJL_BY_ROWS(mix_avx2_, v, codes, count, pw, acc)
+    const int bits = v->bits, group = v->group;
+    if (group > 1) {
+        QJL_BY_ROWS_G(mix_rows_, v, codes, count, pw, acc)
+    } else {
+        QJL_BY_ROWS(mix_avx2_, v, codes, count, pw, acc)
+    }
 }
 
 /* Lane-sliced traversal for codes of b <= 5 bits when a vector's n codes are a multiple of the slab (64 codes for

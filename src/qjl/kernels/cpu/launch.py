@@ -8,6 +8,12 @@ the key terms' query maps and the value codec's ``unmix`` (TurboQuant's rotation
 applied inside the call as matrices built once per codec (:func:`qjl.kernels.paged.query_maps`).  Values over K
 rotations in turn (``MixView.cycles``, TurboQuant's ``cycles=K``) are mixed into K accumulators by code position
 and mapped back by the [K n, D] unmix (``decode.c``'s by_residue; "c-amx" mixes them on vpdpwssd as "c-int").
+Codes of a vector codebook (``PackedCodes.group`` g > 1, :class:`qjl.codecs.vq.TurboQuantVQ`; keys, values or both,
+values over rotations in turn too) are read as :meth:`qjl.codecs.views.PackedCodes.values` reads them: each group's
+g fields one joint code e, coordinate c ``centroids[e g + c % g]`` (g 2, 4 or 8, joint codes of at most 8 bits:
+else ValueError); the portable path expands each row through that table, the AVX2 path loads each joint code's g
+floats from it inside its score and mix loops, and the integer paths ("c-int", "c-amx") leave grouped terms and
+values to those AVX2 loops (their scalar codes keep the integer products).
 ``impl``: "auto" (default; ``$QJL_CPU_IMPL`` when set): "c-amx" where the CPU has AMX tiles, else "c-int" where
 it has AVX-512 VBMI + VNNI, else "c"; "c" (fp32 sums: the AVX2 path where the CPU has it); "c-int" (integer
 products: int8 queries and centroids for keys, int16 softmax weights for values, at the error bound stated in
@@ -24,7 +30,7 @@ import weakref
 
 import torch
 
-from .binding import X_DTYPES, Args, fill_view, f32, i32, i64, module, require
+from .binding import X_DTYPES, Args, check_groups, fill_view, f32, i32, i64, module, require
 from .rows import value_rows, value_rows_reference  # (their home: rows.py; named here as before)
 from .store import EncodeStore, bucket_norms, cell_moments, store_bounds  # (store.py)
 
@@ -109,7 +115,7 @@ class _Template:
             kt = c.key[i]
             a.field(kt.codes, key_fields[term.codes.field], False)
             a.field(kt.norm, key_fields[term.norm], True)
-            kt.bits, kt.n = term.codes.bits, term.codes.length
+            kt.bits, kt.n, kt.group = term.codes.bits, term.codes.length, term.codes.group
             kt.cent = a.ptr(term.codes.centroids)
             if self.qmaps:
                 kt.qmap, kt.qdim = a.ptr(query_maps(key_codec)[i]), d
@@ -190,7 +196,8 @@ def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_ta
     """The call's :class:`_Prepared`: from the memo when both field maps are FieldMaps it was built for (then only
     the arguments' types and shapes are checked here), else from the full static checks
     (:func:`qjl.kernels.paged.check_static`, memoized on the fields' signature)."""
-    from qjl.kernels.paged import FieldMap, check_args, check_static, kernel_readable
+    from qjl.kernels import supports
+    from qjl.kernels.paged import FieldMap, check_args, check_static, kernel_readable, views
 
     h, d = q.shape[1], q.shape[3]
     memo = key = None
@@ -205,6 +212,12 @@ def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_ta
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
+    if not supports(key_codec, value_codec, "cpu"):
+        raise ValueError(f"the CPU kernel does not read codes of {key_codec!r} keys with {value_codec!r} values "
+                         "(vector codebooks, PackedCodes.group > 1: see qjl.kernels.GROUPED_BACKENDS)")
+    kview, vview = views(key_codec, value_codec)
+    check_groups(f"key_codec {key_codec!r}", (t.codes for t in kview.terms))
+    check_groups(f"value_codec {value_codec!r}", (vview.codes,))
     sig, room = check_static(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                              code_end)
     tpl = _template(mod, key_codec, key_fields, value_codec, value_fields, d, sig)
@@ -243,7 +256,10 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     ``torch.get_num_threads()``);
     split_tokens: coded tokens per work item (0: enough items for every thread).
     Fields passed as :class:`qjl.kernels.paged.FieldMap` objects are checked and turned into C arguments once
-    (the vLLM backend's); other mappings on every call.
+    (the vLLM backend's); other mappings on every call.  Codes read g at a time (a vector codebook,
+    ``PackedCodes.group`` g > 1, either role) are read as :meth:`qjl.codecs.views.PackedCodes.values` reads them
+    (module docstring); g must be 2, 4 or 8 with joint codes of at most 8 bits and [2^(g bits) g] centroids, else
+    ValueError naming the codec.
     """
     from qjl.kernels.paged import check_exact, check_paged, term_queries
 
@@ -720,16 +736,24 @@ class DecodeStore:
     :meth:`holds` tells whether a call's objects are these, their buffers unmoved (a call refuses moved buffers:
     build another); the key codec's query maps must be the kernel's own (:attr:`served`; else the general launcher
     serves the layer); value codes over rotations in turn (``MixView.cycles > 1``: the store's jobs take one
-    rotation) are refused (ValueError naming the codec).  One caller at a time."""
+    rotation) and a vector codebook's codes of either role (``PackedCodes.group > 1``: the store's jobs place scalar
+    cells) are refused (ValueError naming the codec).  One caller at a time."""
 
     def __init__(self, q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, store: "EncodeStore",
                  *, mu_field=None, mu_v_field=None, exact_fields=None):
+        from qjl.codecs.views import grouped
         from qjl.kernels.paged import FieldMap, extent_bytes, mix_view
 
         view = mix_view(value_codec)
         if view is not None and view.cycles > 1:  # (step.c's encode jobs take one rotation matrix)
             raise ValueError(f"value_codec {value_codec!r} codes values over rotations in turn (cycles > 1): the fused "
                              "step does not store them (their codes come from codec.quantize; use paged_decode_step)")
+        for role, codec, sv, mv in (("key_codec", key_codec, getattr(key_codec, "score_view", lambda: None)(), None),
+                                    ("value_codec", value_codec, None, view)):
+            if grouped(sv, mv):  # (step.c's encode jobs place scalar cells)
+                raise ValueError(f"{role} {codec!r} codes vectors g coordinates at a time (a vector codebook, "
+                                 "PackedCodes.group > 1): the fused step does not store them (their codes come from "
+                                 "codec.quantize; use paged_decode_step)")
         if not isinstance(step, DecodeStep) or step.segments != 1:
             raise ValueError("step must be a DecodeStep with one segment (the new tokens)")
         if not isinstance(store, EncodeStore) or len(store.static) != 2:

@@ -100,6 +100,80 @@ QJL_EXPORT int qjl_cell_moments(const float *y, int64_t rows, int64_t n, const f
     return 0;
 }
 
+/* -- nearest codeword of a vector codebook (TurboQuantVQ) ---------------------------------------------------------- */
+typedef struct {
+    const float *y, *table, *sq;
+    int64_t groups;
+    int32_t g, k;
+    int64_t *out;
+} qjl_nearest_job;
+
+#define QJL_NEAREST_GROUPS 256
+
+static void nearest_groups(void *ctx, int64_t item) {
+    const qjl_nearest_job *j = ctx;
+    const int64_t i0 = item * QJL_NEAREST_GROUPS;
+    const int64_t i1 = i0 + QJL_NEAREST_GROUPS < j->groups ? i0 + QJL_NEAREST_GROUPS : j->groups;
+    const int g = j->g, k = j->k;
+    float *tt = malloc(sizeof(float) * (size_t)(g + 1) * (size_t)k), *d = tt + (size_t)g * k;
+    if (!tt) { /* (no memory: the plain loop) */
+        for (int64_t i = i0; i < i1; i++) {
+            const float *yi = j->y + i * g;
+            float best = INFINITY;
+            int32_t arg = 0;
+            for (int32_t e = 0; e < k; e++) {
+                float s = yi[0] * j->table[(int64_t)e * g];
+                for (int t = 1; t < g; t++) s = s + yi[t] * j->table[(int64_t)e * g + t];
+                const float de = j->sq[e] - 2.0f * s;
+                if (de < best) best = de, arg = e;
+            }
+            j->out[i] = arg;
+        }
+        return;
+    }
+    for (int t = 0; t < g; t++) /* the table transposed: [g][k], so that the distances vectorize over codewords */
+        for (int32_t e = 0; e < k; e++) tt[(size_t)t * k + e] = j->table[(int64_t)e * g + t];
+    for (int64_t i = i0; i < i1; i++) {
+        const float *yi = j->y + i * g;
+        const float y0 = yi[0];
+        for (int32_t e = 0; e < k; e++) d[e] = y0 * tt[e]; /* products summed in coordinate order, no fused */
+        for (int t = 1; t < g; t++) {                        /* multiply-add (-std=c99: fp-contract off): as */
+            const float yt = yi[t], *ct = tt + (size_t)t * k; /* the torch reference */
+            for (int32_t e = 0; e < k; e++) d[e] = d[e] + yt * ct[e];
+        }
+        for (int32_t e = 0; e < k; e++) d[e] = j->sq[e] - 2.0f * d[e];
+        float best = INFINITY;
+        int32_t e0 = 0;
+#if QJL_HAVE_AVX2
+        __m256 m8 = _mm256_set1_ps(INFINITY); /* the minimum, 8 lanes at a time (exact: a min of the same floats) */
+        for (; e0 + 8 <= k; e0 += 8) m8 = _mm256_min_ps(m8, _mm256_loadu_ps(d + e0));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m8);
+        for (int l = 0; l < 8; l++) best = lanes[l] < best ? lanes[l] : best;
+#endif
+        for (int32_t e = e0; e < k; e++) best = d[e] < best ? d[e] : best;
+        int32_t arg = 0;
+        while (d[arg] != best) arg++; /* ties: the lowest index, as torch.argmin */
+        j->out[i] = arg;
+    }
+    free(tt);
+}
+
+/* The nearest codeword of each group: y [groups, g], table [k, g], sq [k] (the codewords' squared norms) -> out
+ * [groups], the index minimizing sq[e] - 2 <y, c_e> (float32: the products summed in coordinate order, then the
+ * subtraction; exactly qjl.core.vq_codebook.nearest_reference).  Returns 0; -1 for bad arguments (g outside 1..8,
+ * k outside 1..65536) or a non-finite y. */
+QJL_EXPORT int qjl_vq_nearest(const float *y, int64_t groups, int32_t g, const float *table, int32_t k, const float *sq,
+                              int64_t *out, int32_t threads) {
+    if (g < 1 || g > 8 || k < 1 || k > 65536 || groups < 0) return -1;
+    for (int64_t i = 0; i < groups * g; i++)
+        if (!isfinite(y[i])) return -1;
+    const qjl_nearest_job job = {y, table, sq, groups, g, k, out};
+    const int64_t items = (groups + QJL_NEAREST_GROUPS - 1) / QJL_NEAREST_GROUPS;
+    parallel_for(items, items > 1 && threads > 1 ? threads : 1, nearest_groups, (void *)&job);
+    return 0;
+}
+
 /* float32 -> a stored dtype's bits, rounded to nearest even exactly as torch's .to(dtype) (the callers
  * have checked the value is finite and within the dtype's range). */
 static inline uint16_t float_to_half_bits(float f) {

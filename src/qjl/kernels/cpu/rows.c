@@ -2,8 +2,9 @@
  * sequence's block-table row, for a run of tokens and every KV head -- what the vLLM backend's prefill attends
  * to as its history.  In the codec's basis (TurboQuant: rotated):
  *     r[t, h, c] = zero[t, h, g] + scale[t, h, g] * cent[code[t, h, c]],  g = c / group_size
- * (without a zero point: scale * cent), one float multiply and one add per element, in that order and never
- * fused, so that the result equals the codecs' torch dequantization in their basis bit for bit (the torch
+ * (without a zero point: scale * cent; for grouped codes, a vector codebook's with view group G > 1, cent[e G + c % G]
+ * with e the joint code of c's G fields: grouped_row), one float multiply and one add per element, in that order and
+ * never fused, so that the result equals the codecs' torch dequantization in their basis bit for bit (the torch
  * reference: qjl.kernels.cpu.rows.value_rows_reference).  With the view's unmix [K n, out_dim] the row is mapped
  * back, o[j] = sum_c r[c] * unmix[k n + c, j] in float32 (c in order, fused multiply-adds; K the view's cycles, k = t
  * % K for the token at code position t: its own rotation's inverse; rows of K > 1 cycles are read mapped back
@@ -23,6 +24,25 @@ static inline __attribute__((always_inline)) void centroid_row(const uint8_t *ro
         if ((groups - g) * bits >= 8) memcpy(&w, row + g * bits, 8);
         else memcpy(&w, row + g * bits, (size_t)bits);
         for (int j = 0; j < 8; j++) out[8 * g + j] = cent[(w >> (j * bits)) & mask];
+    }
+}
+
+/* grouped codes (a vector codebook, group g = 2, 4 or 8 with g bits <= 8; decode.h): centroid_row's words, each 8
+ * codes' 8 / g joint codes e of g bits bits (the g fields, the first in the low bits) copied as cent[e g .. e g + g)
+ * -- PackedCodes.values, bit for bit; `bits` and `group` constants at the vector codebooks' call sites */
+static inline __attribute__((always_inline)) void grouped_row(const uint8_t *row, const int bits, const int group,
+                                                              int64_t n, const float *cent, float *out) {
+    const int jb = group * bits;
+    const uint64_t mask = (1u << jb) - 1u;
+    const int64_t groups = n / 8;
+    for (int64_t g = 0; g < groups; g++) {
+        uint64_t w = 0; /* (as centroid_row) */
+        if ((groups - g) * bits >= 8) memcpy(&w, row + g * bits, 8);
+        else memcpy(&w, row + g * bits, (size_t)bits);
+        for (int j = 0; j < 8 / group; j++) {
+            const float *src = cent + ((w >> (j * jb)) & mask) * (uint64_t)group;
+            for (int s = 0; s < group; s++) out[8 * g + j * group + s] = src[s];
+        }
     }
 }
 
@@ -124,10 +144,17 @@ static void rows_item(void *ctx, int64_t item) {
     float tab[32]; /* the centroids repeated over 32 entries (centroid_row16's registers) */
     /* rows in the codec's basis only: before the unmix the wide lookups measured no faster, at times slower (a
      * scratch timing on an Intel Xeon with AVX-512; rows alone 0.47 -> 0.32 ms for 10.7k rows of 3-bit codes) */
-    const int wide = QJL_ROWS16 && v->bits <= 5 && n % 16 == 0 && !v->unmix;
+    const int wide = QJL_ROWS16 && v->bits <= 5 && n % 16 == 0 && !v->unmix && v->group == 1;
     for (int j = 0; j < 32 && wide; j++) tab[j] = v->cent[j & ((1 << v->bits) - 1)];
     for (int64_t i = 0; i < count; i++) {
         const uint8_t *row = codes + i * v->codes.stride_token;
+        if (v->group > 1) switch (v->group * 16 + v->bits) { /* a vector codebook's joint codes */
+            case 0x42: grouped_row(row, 2, 4, n, v->cent, o); break;
+            case 0x23: grouped_row(row, 3, 2, n, v->cent, o); break;
+            case 0x24: grouped_row(row, 4, 2, n, v->cent, o); break;
+            default: grouped_row(row, v->bits, v->group, n, v->cent, o); break;
+            }
+        else
 #if QJL_ROWS16
         if (wide) switch (v->bits) {
             case 1: centroid_row16(row, 1, n, tab, o); break;
@@ -191,7 +218,7 @@ QJL_EXPORT int qjl_value_rows(const qjl_value_view *v, const int32_t *blocks, in
         heads < 1 || start < 0 || end < start || end > n_blocks * block_size || v->scale.dtype < 0 ||
         v->scale.dtype > 3 || (v->has_zero && (v->zero.dtype < 0 || v->zero.dtype > 3)) || out_dtype < 0 ||
         out_dtype > 2 || (v->unmix && v->out_dim < 1) || out_st < 0 || out_sh < 0 || v->cycles < 1 ||
-        v->cycles > 64 || (v->cycles > 1 && !v->unmix))
+        v->cycles > 64 || (v->cycles > 1 && !v->unmix) || !group_ok(v->bits, v->group))
         return -1;
     if (end == start) return 0;
     const int64_t b0 = start / block_size, b1 = (end - 1) / block_size;

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .binding import X_DTYPES, Args, fill_view, i32, require
+from .binding import X_DTYPES, Args, check_groups, fill_view, i32, require
 
 __all__ = ["value_rows", "value_rows_reference"]
 
@@ -46,8 +46,8 @@ def value_rows_reference(codec, fields: dict, block_row, block_size: int, heads:
     t = torch.arange(start, end)
     blocks, slots, hs = row[t // block_size][:, None], (t % block_size)[:, None], torch.arange(heads)[None, :]
     n, gs = view.codes.length, view.group_size
-    cent = view.codes.centroids.float()[unpack_bits(fields[view.codes.field].gather(blocks, hs, slots),
-                                                    view.codes.bits, n)]  # [L, H, n]
+    cent = view.codes.values(unpack_bits(fields[view.codes.field].gather(blocks, hs, slots),
+                                         view.codes.bits, n))  # [L, H, n]
     group = torch.arange(n) // gs
 
     def per_coordinate(name):  # [L, H] or [L, H, groups] -> [L, H, n]
@@ -66,7 +66,10 @@ def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, star
     bit for bit to :func:`value_rows_reference` (one C call, ``rows.c``); with ``unmix``, mapped back by the codec's
     unmix matrix (:func:`qjl.kernels.paged.unmix_matrix`: TurboQuant's inverse rotation) row by row inside the call,
     [end - start, heads, dim], the reference's rows times that matrix within float32 rounding (fused
-    multiply-adds, summed in order); for a codec over K rotations in turn (``MixView.cycles``, TurboQuant's
+    multiply-adds, summed in order); a vector codebook's codes (``PackedCodes.group`` g > 1,
+    :class:`qjl.codecs.vq.TurboQuantVQ`) are read as :meth:`qjl.codecs.views.PackedCodes.values` reads them (each
+    group's g fields one joint code e, coordinate c ``centroids[e g + c % g]``), bit for bit too; for a codec over K
+    rotations in turn (``MixView.cycles``, TurboQuant's
     ``cycles=K``) the row of code position t times the matrix's rows ``[k n, (k + 1) n)``, k = t % K (such rows are
     read with ``unmix`` only: ValueError without).  ``out``: None (a new float32 tensor), or an fp32 / fp16 / bf16
     CPU tensor of that shape whose last dimension is contiguous (e.g. a slice of a larger buffer), written in place
@@ -75,6 +78,7 @@ def value_rows(codec, fields: dict, block_row, block_size: int, heads: int, star
     from qjl.kernels.paged import mix_room, unmix_matrix
 
     view = _rows_args(codec, fields, block_row, block_size, heads, start, end, unmix)
+    check_groups(f"codec {codec!r}", (view.codes,))
     mod = require()
     top, name = mix_room(codec, fields, heads, block_size, torch.device("cpu"))
     u = unmix_matrix(codec) if unmix else None

@@ -5,7 +5,8 @@
  * -- what the backend's Python path computes with four calls, the same arithmetic in the same order, so the codes,
  * the pages and the output are equal bit for bit (tests/integrations/test_vllm_fused.py).
  *
- * Value codes over rotations in turn (value.cycles > 1) are refused (-1, stage 0): the encode jobs take one rotation.
+ * Value codes over rotations in turn (value.cycles > 1) are refused (-1, stage 0): the encode jobs take one rotation;
+ * so are grouped codes of either role (a vector codebook, group > 1, decode.h): the encode jobs place scalar cells.
  * Returns 0, or a status with `stage` where it arose: 0 the arguments (-1; -6 a mean's block outside its field;
  * nothing read or stored), 1 qjl_encode_store's (with `failed` its job; nothing stored: -2 a non-finite entry,
  * -3 / -4 a norm beyond its dtype, -1 arguments), 2 qjl_paged_decode's (after the store, as in the Python path). */
@@ -20,7 +21,8 @@ QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
         s->v_dtype < 0 || s->v_dtype > 2 || (s->mu.base && (s->mu.dtype < 0 || s->mu.dtype > 2)) ||
         (s->mu_v.base && (s->mu_v.dtype < 0 || s->mu_v.dtype > 2 || !a->out || !s->out_final ||
                           s->out_final_dtype < 0 || s->out_final_dtype > 2 || a->value.out_dim != D)) ||
-        a->value.cycles != 1)
+        a->value.cycles != 1 || a->value.group > 1 || a->n_terms < 1 || a->n_terms > 2 || a->key[0].group > 1 ||
+        (a->n_terms == 2 && a->key[1].group > 1))
         return -1;
     for (int64_t b = 0; b < B; b++) {
         const int64_t blk = a->block_table[b * a->max_blocks];

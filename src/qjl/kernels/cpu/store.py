@@ -8,7 +8,7 @@ import torch
 
 from .binding import DTYPES, X_DTYPES, Args, f32, require
 
-__all__ = ["bucket_norms", "cell_moments", "store_bounds", "EncodeStore"]
+__all__ = ["vq_nearest", "bucket_norms", "cell_moments", "store_bounds", "EncodeStore"]
 
 
 def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
@@ -52,6 +52,24 @@ def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Ten
     if rc:
         raise ValueError("y must be finite (the C cell moments refused it)")
     return cos.reshape(y.shape[:-1]), cc.reshape(y.shape[:-1])
+
+
+def vq_nearest(y: torch.Tensor, table: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+    """:func:`qjl.core.vq_codebook.nearest_reference` in C: y [groups, g] float32 CPU, table [k, g], sq [k] ->
+    [groups] int64, equal to the reference index for index (the same float32 operations in the same order).
+    Raises ValueError for a non-finite y or bad shapes."""
+    mod = require()
+    if y.ndim != 2 or table.ndim != 2 or y.shape[1] != table.shape[1] or sq.shape != (table.shape[0],):
+        raise ValueError(f"y [groups, g], table [k, g], sq [k] expected, got {tuple(y.shape)}, {tuple(table.shape)}, "
+                         f"{tuple(sq.shape)}")
+    y2, t2, s2 = f32(y), f32(table), f32(sq)
+    out = torch.empty(y2.shape[0], dtype=torch.int64)
+    a = Args(mod.ffi)
+    rc = mod.lib.qjl_vq_nearest(a.ptr(y2), y2.shape[0], y2.shape[1], a.ptr(t2), t2.shape[0], a.ptr(s2),
+                                a.ptr(out, "int64_t *"), torch.get_num_threads())
+    if rc:
+        raise ValueError("y must be finite [groups, g] with 1 <= g <= 8 (the C nearest-codeword search refused it)")
+    return out
 
 
 def store_bounds(blocks: torch.Tensor, slots: torch.Tensor) -> tuple:

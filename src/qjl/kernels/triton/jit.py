@@ -12,7 +12,11 @@ the grid, are in :mod:`qjl.kernels.triton.launch`.  Import only where Triton is 
   is kept, and the value codes are unpacked, scaled and accumulated with ``p @ v``.  Values over K rotations in
   turn (``MixView.cycles``, constexpr ``CYC``; K = 1 compiles the plain loop): each split is K programs, program k
   walking only the positions ``t % K == k`` (tiles of tokens K apart), so one accumulator stays live and a partial
-  is one rotation's accumulator; same score and value FLOPs as K = 1, K times the partials.
+  is one rotation's accumulator; same score and value FLOPs as K = 1, K times the partials.  Codes of a vector
+  codebook (``PackedCodes.group`` g > 1, constexprs ``GRP1``, ``GRP2``, ``VGRP``; g = 1 compiles the scalar
+  reading): the g b-bit fields of a group are the g b contiguous bits of its joint code e, read as one field at bit
+  ``(c // g) g b`` for every coordinate c of the group (one or two byte loads, as a scalar code), and c stands for
+  ``centroids[e g + c % g]``.
 * ``combine_kernel`` -- the rest of a decode step in one launch: one program per (sequence x KV head, tile of
   output coordinates) merges the split-K partials of ``paged_decode_kernel``, maps the merged values out of the
   value codec's mix basis (``unmix``, a matrix; with K rotations in turn one [n, DT] block of the [K n, D] matrix
@@ -103,28 +107,41 @@ def _scalar(base, off, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _unpack(base, row_off, offs_c, NC, ok_t, BITS: tl.constexpr):
-    """b-bit codes [BLOCK_N, CP] (int32) of rows starting at byte offsets ``row_off`` [BLOCK_N]."""
-    bitpos = offs_c * BITS
+def _unpack(base, row_off, offs_c, NC, ok_t, BITS: tl.constexpr, GRP: tl.constexpr):
+    """Codes [BLOCK_N, CP] (int32) of rows starting at byte offsets ``row_off`` [BLOCK_N], as centroid indices.
+
+    GRP 1: coordinate c's BITS-bit field.  GRP g > 1 (a vector codebook): the g fields of c's group, LSB first, are
+    the contiguous g * BITS bits (at most 8) at bit ``(c // g) g BITS``, so the group's joint code
+    ``e = sum_s field[g (c // g) + s] << (s BITS)`` is read as one field of that width (one or two byte loads, as
+    a scalar code), and c's index is ``e g + c % g`` (the centroids are [2^(g BITS) g])."""
+    if GRP == 1:
+        bitpos = offs_c * BITS
+    else:
+        bitpos = (offs_c // GRP) * (GRP * BITS)
     byte = bitpos >> 3
     sh = bitpos & 7
     ok = ok_t[:, None] & (offs_c < NC)[None, :]
     ptr = base + row_off[:, None] + byte[None, :]
     lo = tl.load(ptr, mask=ok, other=0).to(tl.int32)
-    if 8 % BITS == 0:  # 1, 2, 4, 8 bits: no code straddles a byte (one load per code, not two)
-        return (lo >> sh[None, :]) & ((1 << BITS) - 1), ok
-    hi = tl.load(ptr + 1, mask=ok & ((bitpos + BITS - 1) >> 3 > byte)[None, :], other=0).to(tl.int32)
-    return ((lo | (hi << 8)) >> sh[None, :]) & ((1 << BITS) - 1), ok
+    if 8 % (GRP * BITS) == 0:  # fields of 1, 2, 4, 8 bits: none straddles a byte (one load per code, not two)
+        code = (lo >> sh[None, :]) & ((1 << (GRP * BITS)) - 1)
+    else:
+        hi = tl.load(ptr + 1, mask=ok & ((bitpos + GRP * BITS - 1) >> 3 > byte)[None, :], other=0).to(tl.int32)
+        code = ((lo | (hi << 8)) >> sh[None, :]) & ((1 << (GRP * BITS)) - 1)
+    if GRP > 1:
+        code = code * GRP + (offs_c % GRP)[None, :]
+    return code, ok
 
 
 @triton.jit
 def _term_scores(q_ptr, c_base, c_off, n_base, n_off, cent_ptr, q_row0, q_tok, offs_t_ok, R, NC,
-                 RP: tl.constexpr, CP: tl.constexpr, BITS: tl.constexpr, NDT: tl.constexpr,
+                 RP: tl.constexpr, CP: tl.constexpr, BITS: tl.constexpr, GRP: tl.constexpr, NDT: tl.constexpr,
                  PER_BLOCK: tl.constexpr, PREC: tl.constexpr):
-    """One key term's logits [RP, BLOCK_N]: norm[t] * sum_c q[r, c] * cent[code[t, c]]."""
+    """One key term's logits [RP, BLOCK_N]: norm[t] * sum_c q[r, c] * cent[code[t, c]] (GRP > 1: codes read GRP
+    fields at a time, :func:`_unpack`)."""
     offs_r = tl.arange(0, RP)
     offs_c = tl.arange(0, CP)
-    code, ok = _unpack(c_base, c_off, offs_c, NC, offs_t_ok, BITS)
+    code, ok = _unpack(c_base, c_off, offs_c, NC, offs_t_ok, BITS, GRP)
     k = tl.where(ok, tl.load(cent_ptr + code), 0.0)  # [BLOCK_N, CP]
     nrm = tl.where(offs_t_ok, _scalar(n_base, tl.where(offs_t_ok, n_off, 0), NDT), 0.0)
     if PER_BLOCK:  # the query rows of each token's page, one row at a time ([BLOCK_N, CP] each)
@@ -166,6 +183,7 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
                         H, R, MAXB, BS, CHUNK, SPLITS, BIAS_STRIDE, NC1, NC2, NV, GS, G,
                         RP: tl.constexpr, CP1: tl.constexpr, CP2: tl.constexpr, VP: tl.constexpr,
                         BITS1: tl.constexpr, BITS2: tl.constexpr, VBITS: tl.constexpr,
+                        GRP1: tl.constexpr, GRP2: tl.constexpr, VGRP: tl.constexpr,
                         NDT1: tl.constexpr, NDT2: tl.constexpr, SDT: tl.constexpr, ZDT: tl.constexpr, SB: tl.constexpr, ZB: tl.constexpr,
                         HAS2: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                         PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, CYC: tl.constexpr):
@@ -205,15 +223,15 @@ def paged_decode_kernel(q1_ptr, c1_base, c1_sb, c1_sh, c1_st, n1_base, n1_sb, n1
         q_row0 = (b * H + h).to(tl.int64) * R
         s = _term_scores(q1_ptr, c1_base, blk * c1_sb + h * c1_sh + slot * c1_st, n1_base,
                          blk * n1_sb + h * n1_sh + slot * n1_st, cent1_ptr, q_row0 * NC1, q_tok * NC1, ok_t, R, NC1,
-                         RP, CP1, BITS1, NDT1, PER_BLOCK, PREC)
+                         RP, CP1, BITS1, GRP1, NDT1, PER_BLOCK, PREC)
         if HAS2:
             s += _term_scores(q2_ptr, c2_base, blk * c2_sb + h * c2_sh + slot * c2_st, n2_base,
                               blk * n2_sb + h * n2_sh + slot * n2_st, cent2_ptr, q_row0 * NC2, q_tok * NC2, ok_t, R,
-                              NC2, RP, CP2, BITS2, NDT2, PER_BLOCK, PREC)
+                              NC2, RP, CP2, BITS2, GRP2, NDT2, PER_BLOCK, PREC)
         if HAS_BIAS:
             s += tl.load(bias_ptr + b * BIAS_STRIDE + offs_t, mask=ok_t, other=0.0)[None, :]
         s = tl.where(ok_t[None, :], s, float("-inf"))
-        code, ok = _unpack(vc_base, blk * vc_sb + h * vc_sh + slot * vc_st, offs_v, NV, ok_t, VBITS)
+        code, ok = _unpack(vc_base, blk * vc_sb + h * vc_sh + slot * vc_st, offs_v, NV, ok_t, VBITS, VGRP)
         grp = offs_v // GS
         s_off = (blk * vs_sb + h * vs_sh + slot * vs_st)[:, None] + grp[None, :] * SB
         scale = tl.where(ok, _scalar(vs_base, tl.where(ok, s_off, 0), SDT), 0.0)

@@ -105,19 +105,32 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     ``block_n``, ``num_warps``: tuning knobs for the same sweep.  Values over K rotations in turn
     (``MixView.cycles``): K programs per split, one per accumulator, each reading every K-th code position (the
     token at position t mixed into accumulator ``t % K``), and the combine maps accumulator k back by rows
-    ``[k n, (k + 1) n)`` of :func:`qjl.kernels.paged.unmix_matrix`."""
+    ``[k n, (k + 1) n)`` of :func:`qjl.kernels.paged.unmix_matrix`.  Codes of a vector codebook (key terms' or
+    values' ``PackedCodes.group`` g > 1, :class:`qjl.codecs.vq.TurboQuantVQ`): passed to the kernel as constexprs
+    (``GRP1``, ``GRP2``, ``VGRP``), which read each group's g fields as one joint code e and coordinate c as
+    ``centroids[e g + c % g]`` (g = 1: the scalar reading, compiled as before)."""
     from qjl.codecs.views import kernel_readable
+    from qjl.kernels import supports
     from qjl.kernels.paged import check_exact, check_paged, term_queries, views
 
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the Triton kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
+    if not supports(key_codec, value_codec, "triton"):
+        raise ValueError(f"the Triton kernel does not read codes of {key_codec!r} keys with {value_codec!r} values "
+                         "(see qjl.kernels.supports)")
     if max_codes is None:  # else the caller vouches for the arguments (qjl.kernels.paged.paged_decode)
         check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                     code_end)
     precision = product_form(precision, q.shape[2], key_codec, value_codec)
     segments = check_exact(exact, q)
     kview, vview = views(key_codec, value_codec)
+    for packed in (*(t.codes for t in kview.terms), vview.codes):
+        g = packed.group
+        if g > 1 and (g * packed.bits > 8 or packed.length % g or packed.centroids.numel() != (g << (g * packed.bits))):
+            raise ValueError(f"the Triton kernel reads codes {g} at a time only as joint codes of at most 8 bits over "
+                             f"whole groups with [2^(g bits) g] centroids: {packed.bits} bits x {g}, {packed.length} "
+                             f"codes, {packed.centroids.numel()} centroids")
     b, hkv, r, d = q.shape
     dev = q.device
     bt = block_table.to(torch.int32).contiguous()
@@ -153,7 +166,8 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
         terms[0].codes.length, terms[1].codes.length, vview.codes.length, vview.group_size, vview.groups,
         RP=_p2(r, 2 if precision == "fma" else 16), CP1=_p2(terms[0].codes.length),
         CP2=_p2(terms[1].codes.length), VP=_p2(vview.codes.length),
-        BITS1=terms[0].codes.bits, BITS2=terms[1].codes.bits, VBITS=vview.codes.bits, SDT=_DTYPES[vs.dtype],
+        BITS1=terms[0].codes.bits, BITS2=terms[1].codes.bits, VBITS=vview.codes.bits,
+        GRP1=terms[0].codes.group, GRP2=terms[1].codes.group, VGRP=vview.codes.group, SDT=_DTYPES[vs.dtype],
         ZDT=_DTYPES[vz.dtype], SB=vs.entry_bytes // max(1, vs.shape[0] if vs.shape else 1),
         ZB=vz.entry_bytes // max(1, vz.shape[0] if vz.shape else 1), HAS2=len(kview.terms) == 2,
         HAS_ZERO=vview.zero is not None, HAS_BIAS=code_bias is not None, PER_BLOCK=bool(kview.shared),
