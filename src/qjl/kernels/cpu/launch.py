@@ -196,7 +196,6 @@ def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_ta
     """The call's :class:`_Prepared`: from the memo when both field maps are FieldMaps it was built for (then only
     the arguments' types and shapes are checked here), else from the full static checks
     (:func:`qjl.kernels.paged.check_static`, memoized on the fields' signature)."""
-    from qjl.kernels import supports
     from qjl.kernels.paged import FieldMap, check_args, check_static, kernel_readable, views
 
     h, d = q.shape[1], q.shape[3]
@@ -212,9 +211,6 @@ def _prepared(mod, q, key_codec, key_fields, value_codec, value_fields, block_ta
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the CPU kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
-    if not supports(key_codec, value_codec, "cpu"):
-        raise ValueError(f"the CPU kernel does not read codes of {key_codec!r} keys with {value_codec!r} values "
-                         "(vector codebooks, PackedCodes.group > 1: see qjl.kernels.GROUPED_BACKENDS)")
     kview, vview = views(key_codec, value_codec)
     check_groups(f"key_codec {key_codec!r}", (t.codes for t in kview.terms))
     check_groups(f"value_codec {value_codec!r}", (vview.codes,))

@@ -110,15 +110,11 @@ def paged_decode(q, key_codec, key_fields, value_codec, value_fields, block_tabl
     (``GRP1``, ``GRP2``, ``VGRP``), which read each group's g fields as one joint code e and coordinate c as
     ``centroids[e g + c % g]`` (g = 1: the scalar reading, compiled as before)."""
     from qjl.codecs.views import kernel_readable
-    from qjl.kernels import supports
     from qjl.kernels.paged import check_exact, check_paged, term_queries, views
 
     if not kernel_readable(key_codec, value_codec):
         raise ValueError(f"the Triton kernel does not read {type(key_codec).__name__} keys with "
                          f"{type(value_codec).__name__} values (see qjl.codecs.views.kernel_readable)")
-    if not supports(key_codec, value_codec, "triton"):
-        raise ValueError(f"the Triton kernel does not read codes of {key_codec!r} keys with {value_codec!r} values "
-                         "(see qjl.kernels.supports)")
     if max_codes is None:  # else the caller vouches for the arguments (qjl.kernels.paged.paged_decode)
         check_paged(q, key_codec, key_fields, value_codec, value_fields, block_table, block_size, code_start,
                     code_end)
