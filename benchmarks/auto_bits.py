@@ -10,7 +10,8 @@ tokens, score 512 in chunks of 32 against the full-precision cache):
 2. cost: the time spent building the candidates, measuring and allocating (``candidate_codecs``,
    ``Allocator.observe``, ``Allocator.allocate``) against the whole prefill of the same prompt, at
    ``--cost-contexts`` (median of ``--repeats`` runs), beside the prefill times of a fixed preset (``tq-k3v3``) and
-   of ``auto`` with scalar key codebooks (vector codebooks are encoded in torch).
+   of ``auto`` with scalar key codebooks (the default's keys use vector codebooks: their nearest-codeword search
+   is in C, ``qjl_vq_nearest`` / ``qjl_vq_nearest_grid``).
 
     python benchmarks/auto_bits.py --rank --cost-contexts 1536,8192
 

@@ -23,6 +23,16 @@ def test_row_starts_from_additive_and_bool_masks():
     assert row_starts(None, 2, "cpu").tolist() == [0, 0]
 
 
+def test_row_starts_read_once_per_mask_but_follow_in_place_changes():
+    m = _left_padded_mask([0, 3, 5], 9)
+    first = row_starts(m, 3, "cpu")
+    first[0] = 7  # the caller's copy: the next layer still reads the mask's own starts
+    assert row_starts(m, 3, "cpu").tolist() == [0, 3, 5]
+    m[1, :, :, 3] = torch.finfo(torch.float32).min  # edited in place: read again
+    assert row_starts(m, 3, "cpu").tolist() == [0, 4, 5]
+    assert row_starts(_left_padded_mask([2, 0, 1], 9), 3, "cpu").tolist() == [2, 0, 1]  # another mask
+
+
 def test_sink_order_puts_each_rows_first_real_tokens_first():
     order = sink_order(torch.tensor([0, 2]), 3)
     assert order.tolist() == [[0, 1, 2, 3, 4], [2, 3, 4, 0, 1]]

@@ -161,3 +161,59 @@ def test_the_c_nearest_codeword_search_equals_the_reference():
         assert torch.equal(vq_nearest(rows, t, sq), nearest_reference(rows, t, sq))
     with pytest.raises(ValueError, match="finite"):
         vq_nearest(torch.full((4, 2), float("nan")), TurboQuantVQ(D, 3).table, torch.ones(64))
+
+
+def _grid_points(grid, n, seed):
+    """Pairs a grid search must get right: rotated-coordinate-like pairs, the squares' edges and the floats just
+    beside them, and pairs beyond the grid."""
+    g = torch.Generator().manual_seed(seed)
+    edges = grid.lo + torch.arange(grid.cells + 1) / grid.inv
+    e = edges[torch.randint(0, grid.cells + 1, (4000, 2), generator=g)].float()
+    return torch.cat([torch.randn(20000, 2, generator=g) / n ** 0.5, e, torch.nextafter(e, torch.full_like(e, 1.0)),
+                      torch.nextafter(e, torch.full_like(e, -1.0)), torch.randn(2000, 2, generator=g) * 3 / n ** 0.5])
+
+
+@pytest.mark.parametrize("bits,n", [(3, 64), (4, 64), (4, 128), (3, 32)])
+def test_the_grid_search_of_pairs_equals_the_reference(bits, n):
+    """The candidate lists (qjl.core.vq_codebook.search_grid) hold every codeword the reference can pick in their
+    square, so the C grid search returns the reference's indices: on the squares' edges and the floats beside
+    them, at midpoints between codewords (ties), at the codewords, beyond the grid; dropping one listed codeword
+    of a central square changes some answers (the points exercise the lists)."""
+    from qjl.core.vq_codebook import SearchGrid, nearest_reference, search_grid
+    from qjl.kernels.cpu import launch
+
+    grid = search_grid(bits, n)
+    codec = TurboQuantVQ(n, bits)
+    t, sq = codec.table, codec.table.double().square().sum(-1).float()
+    counts = grid.off[1:] - grid.off[:-1]
+    assert int(counts.min()) >= 1 and float(counts.float().mean()) < t.shape[0] / 8  # every square lists a few
+    i, j = torch.randint(0, t.shape[0], (2, 5000), generator=torch.Generator().manual_seed(1))
+    y = torch.cat([_grid_points(grid, n, bits), (t[i] + t[j]) / 2, t]).contiguous()
+    want = nearest_reference(y, t, sq)
+    # the lists themselves (no C): each in-grid point's answer is listed in its square
+    sq_idx = ((y - grid.lo) * grid.inv).floor().long()
+    inside = ((sq_idx >= 0) & (sq_idx < grid.cells)).all(-1)
+    cell = sq_idx[inside, 0] * grid.cells + sq_idx[inside, 1]
+    lists = [set(grid.cand[grid.off[c]:grid.off[c + 1]].tolist()) for c in range(grid.cells ** 2)]
+    assert all(int(w) in lists[int(c)] for c, w in zip(cell, want[inside]))
+    if not launch.available():
+        pytest.skip("the C kernels do not build here")
+    from qjl.kernels.cpu.store import vq_nearest
+
+    assert torch.equal(vq_nearest(y, t, sq, grid), want)
+    # a central square missing the codeword its points mostly pick answers differently
+    c = (grid.cells // 2) * grid.cells + grid.cells // 2
+    picked = want[inside][cell == c]
+    drop = int(picked.mode().values)
+    keep = torch.ones(grid.cand.shape[0], dtype=torch.bool)
+    lo_, hi_ = int(grid.off[c]), int(grid.off[c + 1])
+    keep[lo_ + grid.cand[lo_:hi_].tolist().index(drop)] = False
+    off = grid.off.clone()
+    off[c + 1:] -= 1
+    broken = SearchGrid(grid.lo, grid.inv, grid.cells, off, grid.cand[keep].contiguous())
+    assert not torch.equal(vq_nearest(y, t, sq, broken), want)
+    with pytest.raises(ValueError, match="grid"):
+        vq_nearest(torch.zeros(8, 4), group_table(2), torch.ones(256), grid)
+    empty = SearchGrid(grid.lo, grid.inv, grid.cells, torch.zeros_like(grid.off), grid.cand)
+    with pytest.raises(ValueError, match="grid"):
+        vq_nearest(y, t, sq, empty)

@@ -28,13 +28,21 @@ def visible(mask: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(mask) & (mask > torch.finfo(mask.dtype).min / 2)
 
 
+_STARTS = [None]  # (weakref to the last mask, its in-place version, its row starts)
+
+
 def row_starts(mask: torch.Tensor | None, batch: int, device) -> torch.Tensor:
-    """The first key column each row attends to: [B] int64 (0 without a mask; L for a row that sees nothing)."""
+    """The first key column each row attends to: [B] int64 (0 without a mask; L for a row that sees nothing).
+    Every layer of a prefill asks about the same mask: it is read once per (mask object, in-place version)."""
     if mask is None:
         return torch.zeros(batch, dtype=torch.long, device=device)
-    seen = visible(mask).any(dim=2).any(dim=1)  # [B, L]
-    first = seen.int().argmax(dim=-1)
-    return torch.where(seen.any(dim=-1), first, torch.full_like(first, seen.shape[-1]))
+    hit = _STARTS[0]
+    if hit is None or hit[0]() is not mask or hit[1] != mask._version:
+        seen = visible(mask).any(dim=2).any(dim=1)  # [B, L]
+        first = seen.int().argmax(dim=-1)
+        hit = _STARTS[0] = (weakref.ref(mask), mask._version,
+                            torch.where(seen.any(dim=-1), first, torch.full_like(first, seen.shape[-1])))
+    return hit[2].clone()
 
 
 def order_width(starts: torch.Tensor, sinks: int, extra: torch.Tensor | None = None) -> int:

@@ -19,6 +19,8 @@ per-vector tensors; selections along earlier axes apply to both.
 from __future__ import annotations
 
 import abc
+import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -147,6 +149,13 @@ class Codes:
         )
 
 
+@functools.lru_cache(maxsize=None)
+def _required(cls) -> tuple:
+    """The parameters of ``cls.__init__`` without a default, besides ``self`` and ``dim`` (once per class)."""
+    return tuple(n for n, p in inspect.signature(cls.__init__).parameters.items()
+                 if n not in ("self", "dim") and p.default is inspect.Parameter.empty)
+
+
 class Codec(abc.ABC):
     """Base class: see the module docstring for the contract.
 
@@ -175,15 +184,11 @@ class Codec(abc.ABC):
 
         Returns the normalized parameters; raises ``ValueError``/``TypeError`` naming the parameter.
         """
-        import inspect
-
         from qjl.codecs.params import FrozenDict, check_params
 
         out = check_params(cls.name, cls.params, params, FrozenDict() if per_dim is None else per_dim)
         given = set(out) | set(per_dim or ())
-        sig = inspect.signature(cls.__init__)
-        missing = [n for n, p in sig.parameters.items()
-                   if n not in ("self", "dim") and p.default is inspect.Parameter.empty and n not in given]
+        missing = [n for n in _required(cls) if n not in given]
         if missing:
             raise ValueError(f"codec {cls.name!r} needs parameter(s) {missing} (in params, or per_dim for sizes "
                              "that scale with head_dim)")

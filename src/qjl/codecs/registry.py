@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from qjl.codecs.base import Codec
@@ -39,11 +40,17 @@ CODECS = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(cls) -> inspect.Signature:
+    """``inspect.signature(cls)``, once per class (a layer's width allocation builds ten codecs per layer)."""
+    return inspect.signature(cls)
+
+
 def codec_parameters(name: str) -> list:
     """The keyword parameters codec ``name`` accepts besides ``dim``."""
     if name not in CODECS:
         raise ValueError(f"codec must be one of {sorted(CODECS)}, got {name!r}")
-    return [p for p in inspect.signature(CODECS[name]).parameters if p != "dim"]
+    return [p for p in _signature(CODECS[name]).parameters if p != "dim"]
 
 
 def make_codec(name: str, dim: int, **params) -> Codec:
@@ -53,7 +60,7 @@ def make_codec(name: str, dim: int, **params) -> Codec:
     if unknown:
         raise TypeError(f"codec {name!r} got unknown parameter(s) {unknown}; allowed: {allowed}")
     try:
-        inspect.signature(CODECS[name]).bind(dim, **params)
+        _signature(CODECS[name]).bind(dim, **params)
     except TypeError as e:
         raise TypeError(f"codec {name!r}: {e}; allowed parameters: {allowed}") from None
     return CODECS[name](dim, **params)

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import base64
 import functools
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["GROUPS", "group_size", "group_table", "nearest_reference", "train"]
+__all__ = ["GROUPS", "group_size", "group_table", "nearest_reference", "search_grid", "SearchGrid", "train"]
 
 # bits per coordinate -> coordinates per joint code (2^(g b) codewords: 256, 64, 256)
 GROUPS = {2: 4, 3: 2, 4: 2}
@@ -65,6 +66,55 @@ def nearest_reference(y: torch.Tensor, table: torch.Tensor, sq: torch.Tensor, ch
             s = s + yc[:, t:t + 1] * table[:, t]
         out[i:i + chunk] = (sq - 2.0 * s).argmin(-1)
     return out
+
+
+class SearchGrid(NamedTuple):
+    """Candidate lists for pairs (``g = 2``): ``cells`` x ``cells`` squares of side ``1 / inv`` from ``lo`` on both
+    axes; square ``(a, b)`` (``a`` along the first coordinate) lists ``cand[off[a cells + b]:off[a cells + b + 1]]``,
+    ascending."""
+
+    lo: float
+    inv: float
+    cells: int
+    off: torch.Tensor   # [cells^2 + 1] int32
+    cand: torch.Tensor  # [off[-1]] int32
+
+
+@functools.lru_cache(maxsize=None)
+def search_grid(bits: int, n: int, cells: int = 32, reach: float = 4.5) -> SearchGrid:
+    """The candidate lists of the pair codebook ``group_table(bits, 1 / sqrt(n))`` (the table of a rotated unit
+    vector's coordinates in R^n) over ``[-reach, reach] / sqrt(n)`` on both axes, for the C search
+    (``qjl.kernels.cpu.store.vq_nearest``; pairs outside are compared with every codeword).
+
+    A codeword is listed for a square when its distance to the square (enlarged by 1/1000 of a side on each
+    side, above float32's error in placing a point) is at most the smallest farthest-corner distance of any
+    codeword, plus a margin ~40x the float32 rounding of a score: every codeword the reference's float32
+    scores can pick for a point of the square (its exact score within rounding of the minimum) is listed, so
+    the search returns :func:`nearest_reference`'s index.  Tested against it, boundaries and ties included."""
+    import math
+
+    if group_size(bits) != 2:
+        raise ValueError(f"bits: the grid serves codebooks of pairs (3 or 4 bits), got {bits!r}")
+    table = group_table(bits, 1.0 / math.sqrt(n)).double()  # [k, 2], the codec's table
+    lo32 = torch.tensor(-reach / math.sqrt(n), dtype=torch.float32)
+    inv32 = torch.tensor(cells / (2 * reach / math.sqrt(n)), dtype=torch.float32)
+    lo, w = float(lo32), 1.0 / float(inv32)
+    edge = lo + w * torch.arange(cells + 1, dtype=torch.float64)
+    a0, a1 = edge[:-1] - 1e-3 * w, edge[1:] + 1e-3 * w  # [cells] each axis's enlarged squares
+    gap = lambda c: (torch.clamp(a0[:, None] - c, min=0) + torch.clamp(c - a1[:, None], min=0)).square()  # noqa: E731
+    far = lambda c: torch.maximum((c - a0[:, None]).square(), (c - a1[:, None]).square())  # noqa: E731
+    near_d = gap(table[:, 0])[:, None, :] + gap(table[:, 1])[None, :, :]  # [cells, cells, k]
+    far_d = far(table[:, 0])[:, None, :] + far(table[:, 1])[None, :, :]
+    # a score sq - 2 <y, c> inside the grid is at most sq + 2 |y| |c|, rounded in float32 to ~4 ulps of that
+    sq = table.square().sum(-1)
+    bound = float(sq.max()) + 2 * math.sqrt(2) * (abs(lo) + w) * float(sq.max().sqrt())
+    margin = 1e-5 * bound
+    listed = near_d <= far_d.amin(-1, keepdim=True) + margin  # [cells, cells, k]
+    counts = listed.reshape(cells * cells, -1).sum(-1)
+    off = torch.zeros(cells * cells + 1, dtype=torch.int32)
+    off[1:] = counts.cumsum(0).to(torch.int32)
+    cand = listed.reshape(cells * cells, -1).nonzero()[:, 1].to(torch.int32).contiguous()  # row-major: ascending
+    return SearchGrid(lo, float(inv32), cells, off, cand)
 
 
 def train(bits: int, dim: int = 64, samples: int = 400_000, iters: int = 50, seed: int = 0) -> torch.Tensor:

@@ -110,6 +110,52 @@ typedef struct {
 
 #define QJL_NEAREST_GROUPS 256
 
+#if QJL_HAVE_AVX2
+/* The nearest codeword of u (1 or 4) groups y [u][g] (g <= 4) against the transposed table tt [g][k] (k % 8 == 0),
+ * 8 codewords at a time: the same products and sums as the reference (mul, then add: no fused multiply-add), each
+ * lane keeping its first strict minimum and that codeword's index; the groups are independent chains. */
+static inline __attribute__((always_inline)) void nearest_avx2(const float *y, const int u, const int g,
+                                                               const float *tt, const float *sq, int32_t k,
+                                                               int64_t *out) {
+    __m256 yv[4][4], best[4];
+    __m256i arg8[4];
+    for (int q = 0; q < u; q++) {
+        for (int t = 0; t < g; t++) yv[q][t] = _mm256_set1_ps(y[q * g + t]);
+        best[q] = _mm256_set1_ps(INFINITY);
+        arg8[q] = _mm256_setzero_si256();
+    }
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i step = _mm256_set1_epi32(8);
+    for (int32_t e = 0; e < k; e += 8) {
+        __m256 c[4];
+        c[0] = _mm256_loadu_ps(tt + e); /* (g >= 1) */
+        for (int t = 1; t < g; t++) c[t] = _mm256_loadu_ps(tt + (size_t)t * k + e);
+        const __m256 sqe = _mm256_loadu_ps(sq + e);
+        for (int q = 0; q < u; q++) {
+            __m256 s = _mm256_mul_ps(yv[q][0], c[0]);
+            for (int t = 1; t < g; t++) s = _mm256_add_ps(s, _mm256_mul_ps(yv[q][t], c[t]));
+            const __m256 de = _mm256_sub_ps(sqe, _mm256_add_ps(s, s)); /* sq - 2 s, exactly */
+            const __m256 lt = _mm256_cmp_ps(de, best[q], _CMP_LT_OQ);
+            best[q] = _mm256_blendv_ps(best[q], de, lt);
+            arg8[q] = _mm256_castps_si256(
+                _mm256_blendv_ps(_mm256_castsi256_ps(arg8[q]), _mm256_castsi256_ps(idx), lt));
+        }
+        idx = _mm256_add_epi32(idx, step);
+    }
+    for (int q = 0; q < u; q++) {
+        float bv[8];
+        int32_t bi[8];
+        _mm256_storeu_ps(bv, best[q]);
+        _mm256_storeu_si256((__m256i *)bi, arg8[q]);
+        float m = bv[0];
+        int32_t arg = bi[0];
+        for (int l = 1; l < 8; l++) /* the smallest value; among equal ones the lowest index, as torch.argmin */
+            if (bv[l] < m || (bv[l] == m && bi[l] < arg)) m = bv[l], arg = bi[l];
+        out[q] = arg;
+    }
+}
+#endif
+
 static void nearest_groups(void *ctx, int64_t item) {
     const qjl_nearest_job *j = ctx;
     const int64_t i0 = item * QJL_NEAREST_GROUPS;
@@ -133,6 +179,18 @@ static void nearest_groups(void *ctx, int64_t item) {
     }
     for (int t = 0; t < g; t++) /* the table transposed: [g][k], so that the distances vectorize over codewords */
         for (int32_t e = 0; e < k; e++) tt[(size_t)t * k + e] = j->table[(int64_t)e * g + t];
+#if QJL_HAVE_AVX2
+    if (k % 8 == 0 && g <= 4) { /* (the group size a constant in each call, so that the loops unroll) */
+        int64_t i = i0;
+        if (g == 2)
+            for (; i + 4 <= i1; i += 4) nearest_avx2(j->y + i * 2, 4, 2, tt, j->sq, k, j->out + i);
+        else if (g == 4)
+            for (; i + 2 <= i1; i += 2) nearest_avx2(j->y + i * 4, 2, 4, tt, j->sq, k, j->out + i);
+        for (; i < i1; i++) nearest_avx2(j->y + i * g, 1, g, tt, j->sq, k, j->out + i);
+        free(tt);
+        return;
+    }
+#endif
     for (int64_t i = i0; i < i1; i++) {
         const float *yi = j->y + i * g;
         const float y0 = yi[0];
@@ -171,6 +229,70 @@ QJL_EXPORT int qjl_vq_nearest(const float *y, int64_t groups, int32_t g, const f
     const qjl_nearest_job job = {y, table, sq, groups, g, k, out};
     const int64_t items = (groups + QJL_NEAREST_GROUPS - 1) / QJL_NEAREST_GROUPS;
     parallel_for(items, items > 1 && threads > 1 ? threads : 1, nearest_groups, (void *)&job);
+    return 0;
+}
+
+/* -- the same search for pairs (g = 2) through a grid of candidate lists ----------------------------------------------
+ * qjl.core.vq_codebook.search_grid lists, for each of cells x cells squares of [lo, lo + cells / inv)^2, every
+ * codeword that can be nearest to a point of the square (slightly enlarged), with a margin above float32 rounding;
+ * a pair inside the grid is compared with its square's list only (ascending indices: ties to the lowest), a pair
+ * outside with every codeword.  The scores are the reference's float32 operations, so the result is its index. */
+typedef struct {
+    const float *y, *table, *sq;
+    int64_t groups;
+    int32_t k, cells;
+    float lo, inv;
+    const int32_t *off, *cand;
+    int64_t *out;
+} qjl_grid_job;
+
+static inline void pair_best(float y0, float y1, const float *table, const float *sq, const int32_t *list,
+                             int32_t count, float *best, int32_t *arg) {
+    for (int32_t p = 0; p < count; p++) {
+        const int32_t e = list ? list[p] : p;
+        float s = y0 * table[2 * e];
+        s = s + y1 * table[2 * e + 1];
+        const float de = sq[e] - 2.0f * s;
+        if (de < *best) *best = de, *arg = e;
+    }
+}
+
+static void nearest_grid(void *ctx, int64_t item) {
+    const qjl_grid_job *j = ctx;
+    const int64_t i0 = item * QJL_NEAREST_GROUPS;
+    const int64_t i1 = i0 + QJL_NEAREST_GROUPS < j->groups ? i0 + QJL_NEAREST_GROUPS : j->groups;
+    const float top = (float)j->cells;
+    for (int64_t i = i0; i < i1; i++) {
+        const float y0 = j->y[2 * i], y1 = j->y[2 * i + 1];
+        const float fa = (y0 - j->lo) * j->inv, fb = (y1 - j->lo) * j->inv;
+        float best = INFINITY;
+        int32_t arg = 0;
+        if (fa >= 0.0f && fa < top && fb >= 0.0f && fb < top) {
+            const int32_t c = (int32_t)fa * j->cells + (int32_t)fb;
+            pair_best(y0, y1, j->table, j->sq, j->cand + j->off[c], j->off[c + 1] - j->off[c], &best, &arg);
+        } else {
+            pair_best(y0, y1, j->table, j->sq, NULL, j->k, &best, &arg);
+        }
+        j->out[i] = arg;
+    }
+}
+
+/* The nearest codeword of each pair: y [groups, 2], table [k, 2], sq [k]; the grid (cells x cells squares from lo,
+ * inv = squares per unit; off [cells^2 + 1], cand [off[cells^2]]: each square's codewords, ascending) -> out
+ * [groups], qjl_vq_nearest's index.  Returns 0; -1 for bad arguments or a non-finite y. */
+QJL_EXPORT int qjl_vq_nearest_grid(const float *y, int64_t groups, const float *table, int32_t k, const float *sq,
+                                   float lo, float inv, int32_t cells, const int32_t *off, const int32_t *cand,
+                                   int64_t *out, int32_t threads) {
+    if (k < 1 || k > 65536 || groups < 0 || cells < 1 || cells > 4096 || !(inv > 0.0f) || !isfinite(lo)) return -1;
+    for (int64_t c = 0; c < (int64_t)cells * cells; c++)
+        if (off[c] < 0 || off[c + 1] <= off[c]) return -1;
+    for (int64_t p = 0; p < off[(int64_t)cells * cells]; p++)
+        if (cand[p] < 0 || cand[p] >= k) return -1;
+    for (int64_t i = 0; i < groups * 2; i++)
+        if (!isfinite(y[i])) return -1;
+    const qjl_grid_job job = {y, table, sq, groups, k, cells, lo, inv, off, cand, out};
+    const int64_t items = (groups + QJL_NEAREST_GROUPS - 1) / QJL_NEAREST_GROUPS;
+    parallel_for(items, items > 1 && threads > 1 ? threads : 1, nearest_grid, (void *)&job);
     return 0;
 }
 

@@ -54,19 +54,31 @@ def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Ten
     return cos.reshape(y.shape[:-1]), cc.reshape(y.shape[:-1])
 
 
-def vq_nearest(y: torch.Tensor, table: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+def vq_nearest(y: torch.Tensor, table: torch.Tensor, sq: torch.Tensor, grid=None) -> torch.Tensor:
     """:func:`qjl.core.vq_codebook.nearest_reference` in C: y [groups, g] float32 CPU, table [k, g], sq [k] ->
     [groups] int64, equal to the reference index for index (the same float32 operations in the same order).
-    Raises ValueError for a non-finite y or bad shapes."""
+    ``grid``: the table's :func:`qjl.core.vq_codebook.search_grid` (pairs only): each pair compared with its
+    square's candidates (the same indices, 5-10x faster).  Raises ValueError for a non-finite y or bad shapes."""
     mod = require()
     if y.ndim != 2 or table.ndim != 2 or y.shape[1] != table.shape[1] or sq.shape != (table.shape[0],):
         raise ValueError(f"y [groups, g], table [k, g], sq [k] expected, got {tuple(y.shape)}, {tuple(table.shape)}, "
                          f"{tuple(sq.shape)}")
+    if grid is not None and y.shape[1] != 2:
+        raise ValueError(f"grid: the grid search serves pairs (g = 2), got g = {y.shape[1]}")
     y2, t2, s2 = f32(y), f32(table), f32(sq)
     out = torch.empty(y2.shape[0], dtype=torch.int64)
     a = Args(mod.ffi)
-    rc = mod.lib.qjl_vq_nearest(a.ptr(y2), y2.shape[0], y2.shape[1], a.ptr(t2), t2.shape[0], a.ptr(s2),
-                                a.ptr(out, "int64_t *"), torch.get_num_threads())
+    if grid is None:
+        rc = mod.lib.qjl_vq_nearest(a.ptr(y2), y2.shape[0], y2.shape[1], a.ptr(t2), t2.shape[0], a.ptr(s2),
+                                    a.ptr(out, "int64_t *"), torch.get_num_threads())
+    else:
+        off, cand = grid.off.contiguous(), grid.cand.contiguous()
+        rc = mod.lib.qjl_vq_nearest_grid(a.ptr(y2), y2.shape[0], a.ptr(t2), t2.shape[0], a.ptr(s2), grid.lo, grid.inv,
+                                         grid.cells, a.ptr(off, "int32_t *"), a.ptr(cand, "int32_t *"),
+                                         a.ptr(out, "int64_t *"), torch.get_num_threads())
+    if rc and grid is not None:
+        raise ValueError("y must be finite and grid a search_grid of this table (every square's list non-empty, "
+                         "indices below k): the C grid search refused them")
     if rc:
         raise ValueError("y must be finite [groups, g] with 1 <= g <= 8 (the C nearest-codeword search refused it)")
     return out
