@@ -217,3 +217,35 @@ def test_the_grid_search_of_pairs_equals_the_reference(bits, n):
     empty = SearchGrid(grid.lo, grid.inv, grid.cells, torch.zeros_like(grid.off), grid.cand)
     with pytest.raises(ValueError, match="grid"):
         vq_nearest(y, t, sq, empty)
+
+
+@pytest.mark.parametrize("bits,grid", [(2, False), (3, True), (4, True), (4, False)])
+def test_the_c_moments_equal_the_reference_codewords_sums(bits, grid):
+    """``vq_moments`` (what the width allocation reads a vector candidate's error from) picks the reference's
+    codewords and sums ``<y, c>`` and ``||c||^2`` over them in float64; through the codec's ``cell_moments`` too."""
+    from qjl.core.vq_codebook import nearest_reference, search_grid
+    from qjl.kernels.cpu import launch
+
+    if not launch.available():
+        pytest.skip("the C kernels do not build here")
+    from qjl.kernels.cpu.store import vq_moments
+
+    codec = TurboQuantVQ(D, bits, seed=3)
+    g, t, sq = codec.group, codec.table, codec.table.double().square().sum(-1).float()
+    y = codec.rotation.apply(_unit(600, D, bits)).contiguous()
+    y[0, :g] = t[5]  # a codeword itself, and a pair beyond any grid
+    y[1, :2] = 1.0
+    code = nearest_reference(y.reshape(-1, g), t, sq).reshape(600, D // g)
+    c = t[code].double()
+    want = ((y.reshape(600, D // g, g).double() * c).sum((-1, -2)), c.square().sum((-1, -2)))
+    got = vq_moments(y, t, sq, search_grid(bits, D) if grid else None)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for a, b in zip(codec.cell_moments(y.reshape(3, 200, D)), want):
+        torch.testing.assert_close(a, b.reshape(3, 200), rtol=1e-12, atol=1e-12)
+    bad = y.clone()
+    bad[7, 3] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        vq_moments(bad, t, sq)
+    with pytest.raises(ValueError, match="multiple"):
+        vq_moments(y[:, :D - 1], t, sq)

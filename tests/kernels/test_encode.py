@@ -224,7 +224,7 @@ def test_bad_rows_write_nothing():
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 6, 8])
 def test_cell_moments_equal_the_torch_reference(bits):
-    """The C moments (cells by a branchless search) against ``lloyd_max.cell_moments``: rows of rotated unit
+    """The C moments (cells counted, or by a branchless search above 5 bits) against ``lloyd_max.cell_moments``: rows of rotated unit
     vectors, entries exactly on every boundary (a tie counts the boundary as not below), beyond both ends
     and zero rows; float64 sums in another order, so within 1e-12 relative."""
     from qjl.core.lloyd_max import cell_moments
@@ -243,6 +243,9 @@ def test_cell_moments_equal_the_torch_reference(bits):
         assert a.dtype == torch.float64 and a.shape == (4, 50)
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
     assert torch.equal(want[1].flatten()[2], (cent[torch.bucketize(torch.zeros(64), bnd)].double() ** 2).sum())
+    wide = torch.randn(3, 600, generator=torch.Generator().manual_seed(9)) / 8  # rows longer than the C chunk (256)
+    for a, b in zip(launch.cell_moments(wide, bnd, cent), cell_moments(wide, bnd, cent)):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("impl", ["c", "torch"])

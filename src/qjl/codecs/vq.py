@@ -92,8 +92,17 @@ class TurboQuantVQ(TurboQuantMSE):
         codewords (what :func:`qjl.cache.allocation.distortions` reads each candidate's error from, as
         :func:`qjl.core.lloyd_max.cell_moments` for the scalar cells)."""
         g = self.group
+        n = y.shape[-1]
+        if y.device.type == "cpu" and y.numel() >= 1024 * g:
+            from qjl.kernels.cpu import launch
+
+            if launch.available():  # the same codewords, the sums in C (the reference below, within float64 rounding)
+                from qjl.kernels.cpu.store import vq_moments
+
+                cos, cc = vq_moments(y.reshape(-1, n).float(), self.table, self._sq, self._grid)
+                return cos.reshape(y.shape[:-1]), cc.reshape(y.shape[:-1])
         table = on_device(self.table, y.device)
-        yg = y.reshape(*y.shape[:-1], y.shape[-1] // g, g).float()
+        yg = y.reshape(*y.shape[:-1], n // g, g).float()
         code = _nearest(yg.reshape(-1, g), table, on_device(self._sq, y.device), self._grid).reshape(yg.shape[:-1])
         c = table[code].double()
         return (yg.double() * c).sum((-1, -2)), c.square().sum((-1, -2))

@@ -58,7 +58,7 @@ static void bucket_row(void *ctx, int64_t i) {
 
 /* Moments of rows y [rows, n] against a Lloyd-Max codebook of 2^bits cells: cos[i] = sum_c y[i,c] * cent[cell],
  * cc[i] = sum_c cent[cell]^2 (cell = the number of boundaries below y[i,c], as torch.bucketize), float64 sums
- * in coordinate order (cells by lm_cell). */
+ * in coordinate order (cells counted boundary by boundary up to QJL_COUNT_CELLS boundaries, else lm_cell). */
 typedef struct {
     const float *y, *bnd, *cent;
     int64_t rows, n;
@@ -67,20 +67,33 @@ typedef struct {
 } qjl_moments_job;
 
 #define QJL_MOMENT_ROWS 64
+#define QJL_MOMENT_CHUNK 256 /* coordinates whose cells are found together */
 
 static void moments_rows(void *ctx, int64_t item) {
     const qjl_moments_job *j = ctx;
     const int64_t r0 = item * QJL_MOMENT_ROWS;
     const int64_t r1 = r0 + QJL_MOMENT_ROWS < j->rows ? r0 + QJL_MOMENT_ROWS : j->rows;
-    const int top = 1 << (j->bits - 1);
+    const int top = 1 << (j->bits - 1), nbnd = (1 << j->bits) - 1;
+    int32_t cells[QJL_MOMENT_CHUNK];
     for (int64_t i = r0; i < r1; i++) {
         const float *yi = j->y + i * j->n;
         double cs = 0.0, sq = 0.0;
-        for (int64_t c = 0; c < j->n; c++) {
-            const float v = yi[c];
-            const double ct = j->cent[lm_cell(j->bnd, top, v)];
-            cs += (double)v * ct;
-            sq += ct * ct;
+        for (int64_t c0 = 0; c0 < j->n; c0 += QJL_MOMENT_CHUNK) {
+            const int64_t m = j->n - c0 < QJL_MOMENT_CHUNK ? j->n - c0 : QJL_MOMENT_CHUNK;
+            if (nbnd <= QJL_COUNT_CELLS) { /* the cells counted boundary by boundary (vectorized), as cells_packed */
+                for (int64_t c = 0; c < m; c++) cells[c] = 0;
+                for (int b = 0; b < nbnd; b++) {
+                    const float t = j->bnd[b];
+                    for (int64_t c = 0; c < m; c++) cells[c] += t < yi[c0 + c];
+                }
+            } else {
+                for (int64_t c = 0; c < m; c++) cells[c] = lm_cell(j->bnd, top, yi[c0 + c]);
+            }
+            for (int64_t c = 0; c < m; c++) { /* then the sums, in coordinate order */
+                const double ct = j->cent[cells[c]];
+                cs += (double)yi[c0 + c] * ct;
+                sq += ct * ct;
+            }
         }
         j->cos[i] = cs;
         j->cc[i] = sq;
@@ -100,20 +113,26 @@ QJL_EXPORT int qjl_cell_moments(const float *y, int64_t rows, int64_t n, const f
     return 0;
 }
 
-/* -- nearest codeword of a vector codebook (TurboQuantVQ) ---------------------------------------------------------- */
+/* -- nearest codeword of a vector codebook (TurboQuantVQ) ----------------------------------------------------------
+ * The index minimizing sq[e] - 2 <y, c_e> in float32, the products summed in coordinate order, then the subtraction
+ * (no fused multiply-add: -std=c99 keeps fp-contract off), ties to the lowest index: exactly
+ * qjl.core.vq_codebook.nearest_reference.  Three ways, the same indices: a plain loop; AVX2, 8 codewords at a time
+ * over the table transposed to [g][k]; for pairs (g = 2), a grid of candidate lists
+ * (qjl.core.vq_codebook.search_grid: cells x cells squares of [lo, lo + cells / inv)^2, each listing every codeword
+ * that can be nearest to a point of the square, slightly enlarged, with a margin above float32 rounding): a pair
+ * inside the grid is compared with its square's list (ascending: ties to the lowest), a pair outside with all. */
 typedef struct {
-    const float *y, *table, *sq;
-    int64_t groups;
-    int32_t g, k;
-    int64_t *out;
-} qjl_nearest_job;
+    float lo, inv;
+    int32_t cells;
+    const int32_t *off, *cand;
+} qjl_grid;
 
 #define QJL_NEAREST_GROUPS 256
 
 #if QJL_HAVE_AVX2
-/* The nearest codeword of u (1 or 4) groups y [u][g] (g <= 4) against the transposed table tt [g][k] (k % 8 == 0),
- * 8 codewords at a time: the same products and sums as the reference (mul, then add: no fused multiply-add), each
- * lane keeping its first strict minimum and that codeword's index; the groups are independent chains. */
+/* The nearest codeword of u (1, 2 or 4) groups y [u][g] (g <= 4) against the transposed table tt [g][k]
+ * (k % 8 == 0): each lane keeps its first strict minimum and that codeword's index; the groups are independent
+ * chains. */
 static inline __attribute__((always_inline)) void nearest_avx2(const float *y, const int u, const int g,
                                                                const float *tt, const float *sq, int32_t k,
                                                                int64_t *out) {
@@ -156,143 +175,173 @@ static inline __attribute__((always_inline)) void nearest_avx2(const float *y, c
 }
 #endif
 
+/* The first strict minimum over `count` codewords (list[p], or p without a list) of one group y [g]. */
+static inline int32_t group_best(const float *y, int g, const float *table, const float *sq, const int32_t *list,
+                                 int32_t count) {
+    float best = INFINITY;
+    int32_t arg = list ? list[0] : 0;
+    for (int32_t p = 0; p < count; p++) {
+        const int32_t e = list ? list[p] : p;
+        float s = y[0] * table[(int64_t)e * g];
+        for (int t = 1; t < g; t++) s = s + y[t] * table[(int64_t)e * g + t];
+        const float de = sq[e] - 2.0f * s;
+        if (de < best) best = de, arg = e;
+    }
+    return arg;
+}
+
+/* The nearest codeword of `count` consecutive groups y [count][g] -> out [count]; tt: the table transposed [g][k]
+ * (or NULL: the plain loop), grid: for pairs (or NULL). */
+static void nearest_block(const float *y, int64_t count, int g, const float *table, const float *tt, const float *sq,
+                          int32_t k, const qjl_grid *grid, int64_t *out) {
+    if (grid && g == 2) {
+        const float top = (float)grid->cells;
+        for (int64_t i = 0; i < count; i++) {
+            const float y0 = y[2 * i], y1 = y[2 * i + 1];
+            const float fa = (y0 - grid->lo) * grid->inv, fb = (y1 - grid->lo) * grid->inv;
+            if (fa >= 0.0f && fa < top && fb >= 0.0f && fb < top) {
+                const int32_t c = (int32_t)fa * grid->cells + (int32_t)fb;
+                out[i] = group_best(y + 2 * i, 2, table, sq, grid->cand + grid->off[c], grid->off[c + 1] - grid->off[c]);
+            } else {
+                out[i] = group_best(y + 2 * i, 2, table, sq, NULL, k);
+            }
+        }
+        return;
+    }
+#if QJL_HAVE_AVX2
+    if (tt && k % 8 == 0 && g <= 4) { /* (the group size a constant in each call, so that the loops unroll) */
+        int64_t i = 0;
+        if (g == 2)
+            for (; i + 4 <= count; i += 4) nearest_avx2(y + i * 2, 4, 2, tt, sq, k, out + i);
+        else if (g == 4)
+            for (; i + 2 <= count; i += 2) nearest_avx2(y + i * 4, 2, 4, tt, sq, k, out + i);
+        for (; i < count; i++) nearest_avx2(y + i * g, 1, g, tt, sq, k, out + i);
+        return;
+    }
+#else
+    (void)tt;
+#endif
+    for (int64_t i = 0; i < count; i++) out[i] = group_best(y + i * g, g, table, sq, NULL, k);
+}
+
+/* The table transposed to [g][k] for the AVX2 search (NULL where it is not used or memory is short: the caller
+ * then searches with the plain loop, the same indices). */
+static float *transposed(const float *table, int g, int32_t k, const qjl_grid *grid) {
+    if ((grid && g == 2) || !QJL_HAVE_AVX2 || k % 8 || g > 4) return NULL;
+    float *tt = malloc(sizeof(float) * (size_t)g * (size_t)k);
+    if (tt)
+        for (int t = 0; t < g; t++)
+            for (int32_t e = 0; e < k; e++) tt[(size_t)t * k + e] = table[(int64_t)e * g + t];
+    return tt;
+}
+
+typedef struct {
+    const float *y, *table, *sq;
+    int64_t groups;
+    int32_t g, k;
+    const qjl_grid *grid;
+    int64_t *out;
+} qjl_nearest_job;
+
 static void nearest_groups(void *ctx, int64_t item) {
     const qjl_nearest_job *j = ctx;
     const int64_t i0 = item * QJL_NEAREST_GROUPS;
     const int64_t i1 = i0 + QJL_NEAREST_GROUPS < j->groups ? i0 + QJL_NEAREST_GROUPS : j->groups;
-    const int g = j->g, k = j->k;
-    float *tt = malloc(sizeof(float) * (size_t)(g + 1) * (size_t)k), *d = tt + (size_t)g * k;
-    if (!tt) { /* (no memory: the plain loop) */
-        for (int64_t i = i0; i < i1; i++) {
-            const float *yi = j->y + i * g;
-            float best = INFINITY;
-            int32_t arg = 0;
-            for (int32_t e = 0; e < k; e++) {
-                float s = yi[0] * j->table[(int64_t)e * g];
-                for (int t = 1; t < g; t++) s = s + yi[t] * j->table[(int64_t)e * g + t];
-                const float de = j->sq[e] - 2.0f * s;
-                if (de < best) best = de, arg = e;
-            }
-            j->out[i] = arg;
-        }
-        return;
-    }
-    for (int t = 0; t < g; t++) /* the table transposed: [g][k], so that the distances vectorize over codewords */
-        for (int32_t e = 0; e < k; e++) tt[(size_t)t * k + e] = j->table[(int64_t)e * g + t];
-#if QJL_HAVE_AVX2
-    if (k % 8 == 0 && g <= 4) { /* (the group size a constant in each call, so that the loops unroll) */
-        int64_t i = i0;
-        if (g == 2)
-            for (; i + 4 <= i1; i += 4) nearest_avx2(j->y + i * 2, 4, 2, tt, j->sq, k, j->out + i);
-        else if (g == 4)
-            for (; i + 2 <= i1; i += 2) nearest_avx2(j->y + i * 4, 2, 4, tt, j->sq, k, j->out + i);
-        for (; i < i1; i++) nearest_avx2(j->y + i * g, 1, g, tt, j->sq, k, j->out + i);
-        free(tt);
-        return;
-    }
-#endif
-    for (int64_t i = i0; i < i1; i++) {
-        const float *yi = j->y + i * g;
-        const float y0 = yi[0];
-        for (int32_t e = 0; e < k; e++) d[e] = y0 * tt[e]; /* products summed in coordinate order, no fused */
-        for (int t = 1; t < g; t++) {                        /* multiply-add (-std=c99: fp-contract off): as */
-            const float yt = yi[t], *ct = tt + (size_t)t * k; /* the torch reference */
-            for (int32_t e = 0; e < k; e++) d[e] = d[e] + yt * ct[e];
-        }
-        for (int32_t e = 0; e < k; e++) d[e] = j->sq[e] - 2.0f * d[e];
-        float best = INFINITY;
-        int32_t e0 = 0;
-#if QJL_HAVE_AVX2
-        __m256 m8 = _mm256_set1_ps(INFINITY); /* the minimum, 8 lanes at a time (exact: a min of the same floats) */
-        for (; e0 + 8 <= k; e0 += 8) m8 = _mm256_min_ps(m8, _mm256_loadu_ps(d + e0));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, m8);
-        for (int l = 0; l < 8; l++) best = lanes[l] < best ? lanes[l] : best;
-#endif
-        for (int32_t e = e0; e < k; e++) best = d[e] < best ? d[e] : best;
-        int32_t arg = 0;
-        while (d[arg] != best) arg++; /* ties: the lowest index, as torch.argmin */
-        j->out[i] = arg;
-    }
+    float *tt = transposed(j->table, j->g, j->k, j->grid);
+    nearest_block(j->y + i0 * j->g, i1 - i0, j->g, j->table, tt, j->sq, j->k, j->grid, j->out + i0);
     free(tt);
 }
 
+/* Checks the arguments the searches share: 0, or -1 (g outside 1..8, k outside 1..65536, a grid that is not one:
+ * a square with an empty list or an index out of range, or a non-finite y). */
+static int check_search(const float *y, int64_t values, int32_t g, int32_t k, const qjl_grid *grid) {
+    if (g < 1 || g > 8 || k < 1 || k > 65536 || values < 0) return -1;
+    if (grid) {
+        if (g != 2 || grid->cells < 1 || grid->cells > 4096 || !(grid->inv > 0.0f) || !isfinite(grid->lo)) return -1;
+        const int64_t squares = (int64_t)grid->cells * grid->cells;
+        if (grid->off[0] != 0) return -1;
+        for (int64_t c = 0; c < squares; c++)
+            if (grid->off[c + 1] <= grid->off[c]) return -1;
+        for (int64_t p = 0; p < grid->off[squares]; p++)
+            if (grid->cand[p] < 0 || grid->cand[p] >= k) return -1;
+    }
+    for (int64_t i = 0; i < values; i++)
+        if (!isfinite(y[i])) return -1;
+    return 0;
+}
+
 /* The nearest codeword of each group: y [groups, g], table [k, g], sq [k] (the codewords' squared norms) -> out
- * [groups], the index minimizing sq[e] - 2 <y, c_e> (float32: the products summed in coordinate order, then the
- * subtraction; exactly qjl.core.vq_codebook.nearest_reference).  Returns 0; -1 for bad arguments (g outside 1..8,
- * k outside 1..65536) or a non-finite y. */
+ * [groups].  Returns 0; -1 for bad arguments (g outside 1..8, k outside 1..65536) or a non-finite y. */
 QJL_EXPORT int qjl_vq_nearest(const float *y, int64_t groups, int32_t g, const float *table, int32_t k, const float *sq,
                               int64_t *out, int32_t threads) {
-    if (g < 1 || g > 8 || k < 1 || k > 65536 || groups < 0) return -1;
-    for (int64_t i = 0; i < groups * g; i++)
-        if (!isfinite(y[i])) return -1;
-    const qjl_nearest_job job = {y, table, sq, groups, g, k, out};
+    if (check_search(y, groups * g, g, k, NULL)) return -1;
+    const qjl_nearest_job job = {y, table, sq, groups, g, k, NULL, out};
     const int64_t items = (groups + QJL_NEAREST_GROUPS - 1) / QJL_NEAREST_GROUPS;
     parallel_for(items, items > 1 && threads > 1 ? threads : 1, nearest_groups, (void *)&job);
     return 0;
 }
 
-/* -- the same search for pairs (g = 2) through a grid of candidate lists ----------------------------------------------
- * qjl.core.vq_codebook.search_grid lists, for each of cells x cells squares of [lo, lo + cells / inv)^2, every
- * codeword that can be nearest to a point of the square (slightly enlarged), with a margin above float32 rounding;
- * a pair inside the grid is compared with its square's list only (ascending indices: ties to the lowest), a pair
- * outside with every codeword.  The scores are the reference's float32 operations, so the result is its index. */
-typedef struct {
-    const float *y, *table, *sq;
-    int64_t groups;
-    int32_t k, cells;
-    float lo, inv;
-    const int32_t *off, *cand;
-    int64_t *out;
-} qjl_grid_job;
-
-static inline void pair_best(float y0, float y1, const float *table, const float *sq, const int32_t *list,
-                             int32_t count, float *best, int32_t *arg) {
-    for (int32_t p = 0; p < count; p++) {
-        const int32_t e = list ? list[p] : p;
-        float s = y0 * table[2 * e];
-        s = s + y1 * table[2 * e + 1];
-        const float de = sq[e] - 2.0f * s;
-        if (de < *best) *best = de, *arg = e;
-    }
-}
-
-static void nearest_grid(void *ctx, int64_t item) {
-    const qjl_grid_job *j = ctx;
-    const int64_t i0 = item * QJL_NEAREST_GROUPS;
-    const int64_t i1 = i0 + QJL_NEAREST_GROUPS < j->groups ? i0 + QJL_NEAREST_GROUPS : j->groups;
-    const float top = (float)j->cells;
-    for (int64_t i = i0; i < i1; i++) {
-        const float y0 = j->y[2 * i], y1 = j->y[2 * i + 1];
-        const float fa = (y0 - j->lo) * j->inv, fb = (y1 - j->lo) * j->inv;
-        float best = INFINITY;
-        int32_t arg = 0;
-        if (fa >= 0.0f && fa < top && fb >= 0.0f && fb < top) {
-            const int32_t c = (int32_t)fa * j->cells + (int32_t)fb;
-            pair_best(y0, y1, j->table, j->sq, j->cand + j->off[c], j->off[c + 1] - j->off[c], &best, &arg);
-        } else {
-            pair_best(y0, y1, j->table, j->sq, NULL, j->k, &best, &arg);
-        }
-        j->out[i] = arg;
-    }
-}
-
-/* The nearest codeword of each pair: y [groups, 2], table [k, 2], sq [k]; the grid (cells x cells squares from lo,
- * inv = squares per unit; off [cells^2 + 1], cand [off[cells^2]]: each square's codewords, ascending) -> out
- * [groups], qjl_vq_nearest's index.  Returns 0; -1 for bad arguments or a non-finite y. */
+/* The same for pairs through a grid (lo, inv: squares per unit, cells; off [cells^2 + 1], cand [off[cells^2]]: each
+ * square's codewords, ascending) -> qjl_vq_nearest's indices.  Returns 0; -1 for bad arguments or a non-finite y. */
 QJL_EXPORT int qjl_vq_nearest_grid(const float *y, int64_t groups, const float *table, int32_t k, const float *sq,
                                    float lo, float inv, int32_t cells, const int32_t *off, const int32_t *cand,
                                    int64_t *out, int32_t threads) {
-    if (k < 1 || k > 65536 || groups < 0 || cells < 1 || cells > 4096 || !(inv > 0.0f) || !isfinite(lo)) return -1;
-    for (int64_t c = 0; c < (int64_t)cells * cells; c++)
-        if (off[c] < 0 || off[c + 1] <= off[c]) return -1;
-    for (int64_t p = 0; p < off[(int64_t)cells * cells]; p++)
-        if (cand[p] < 0 || cand[p] >= k) return -1;
-    for (int64_t i = 0; i < groups * 2; i++)
-        if (!isfinite(y[i])) return -1;
-    const qjl_grid_job job = {y, table, sq, groups, k, cells, lo, inv, off, cand, out};
+    const qjl_grid grid = {lo, inv, cells, off, cand};
+    if (check_search(y, groups * 2, 2, k, &grid)) return -1;
+    const qjl_nearest_job job = {y, table, sq, groups, 2, k, &grid, out};
     const int64_t items = (groups + QJL_NEAREST_GROUPS - 1) / QJL_NEAREST_GROUPS;
-    parallel_for(items, items > 1 && threads > 1 ? threads : 1, nearest_grid, (void *)&job);
+    parallel_for(items, items > 1 && threads > 1 ? threads : 1, nearest_groups, (void *)&job);
+    return 0;
+}
+
+/* Moments of rows y [rows, n] against their nearest codewords, group by group (g | n): cos[i] = sum_c y[i,c] *
+ * chat[c], cc[i] = sum_c chat[c]^2 with chat the codewords chosen (qjl_vq_nearest's), float64 sums in coordinate
+ * order: what the width allocation reads a vector candidate's error from (TurboQuantVQ.cell_moments). */
+typedef struct {
+    const float *y, *table, *sq;
+    int64_t rows, n;
+    int32_t g, k;
+    const qjl_grid *grid;
+    double *cos, *cc;
+} qjl_vq_moments_job;
+
+static void vq_moments_rows(void *ctx, int64_t item) {
+    const qjl_vq_moments_job *j = ctx;
+    const int64_t r0 = item * QJL_MOMENT_ROWS;
+    const int64_t r1 = r0 + QJL_MOMENT_ROWS < j->rows ? r0 + QJL_MOMENT_ROWS : j->rows;
+    const int64_t per = j->n / j->g;
+    int64_t *code = malloc(sizeof(int64_t) * (size_t)per);
+    float *tt = transposed(j->table, j->g, j->k, j->grid);
+    for (int64_t i = r0; i < r1; i++) {
+        const float *yi = j->y + i * j->n;
+        double cs = 0.0, sq = 0.0;
+        if (code) nearest_block(yi, per, j->g, j->table, tt, j->sq, j->k, j->grid, code);
+        for (int64_t q = 0; q < per; q++) { /* (no memory for the codes: one group at a time, the same indices) */
+            const int64_t e = code ? code[q] : group_best(yi + q * j->g, j->g, j->table, j->sq, NULL, j->k);
+            for (int t = 0; t < j->g; t++) {
+                const double ct = j->table[e * j->g + t];
+                cs += (double)yi[q * j->g + t] * ct;
+                sq += ct * ct;
+            }
+        }
+        j->cos[i] = cs;
+        j->cc[i] = sq;
+    }
+    free(tt);
+    free(code);
+}
+
+/* y [rows, n] (n a multiple of g), table [k, g], sq [k], the grid for pairs (cells 0: none) -> cos, cc [rows].
+ * Returns 0; -1 for bad arguments or a non-finite y. */
+QJL_EXPORT int qjl_vq_moments(const float *y, int64_t rows, int64_t n, int32_t g, const float *table, int32_t k,
+                              const float *sq, float lo, float inv, int32_t cells, const int32_t *off,
+                              const int32_t *cand, double *cos, double *cc, int32_t threads) {
+    const qjl_grid grid = {lo, inv, cells, off, cand};
+    const qjl_grid *gp = cells > 0 ? &grid : NULL;
+    if (rows < 0 || n < 1 || g < 1 || n % g || check_search(y, rows * n, g, k, gp)) return -1;
+    const qjl_vq_moments_job job = {y, table, sq, rows, n, g, k, gp, cos, cc};
+    const int64_t items = (rows + QJL_MOMENT_ROWS - 1) / QJL_MOMENT_ROWS;
+    parallel_for(items, items > 1 && threads > 1 ? threads : 1, vq_moments_rows, (void *)&job);
     return 0;
 }
 

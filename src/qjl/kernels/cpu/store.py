@@ -8,7 +8,7 @@ import torch
 
 from .binding import DTYPES, X_DTYPES, Args, f32, require
 
-__all__ = ["vq_nearest", "bucket_norms", "cell_moments", "store_bounds", "EncodeStore"]
+__all__ = ["vq_nearest", "vq_moments", "bucket_norms", "cell_moments", "store_bounds", "EncodeStore"]
 
 
 def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
@@ -52,6 +52,30 @@ def cell_moments(y: torch.Tensor, boundaries: torch.Tensor, centroids: torch.Ten
     if rc:
         raise ValueError("y must be finite (the C cell moments refused it)")
     return cos.reshape(y.shape[:-1]), cc.reshape(y.shape[:-1])
+
+
+def vq_moments(y: torch.Tensor, table: torch.Tensor, sq: torch.Tensor, grid=None) -> tuple:
+    """Each row's moments against its nearest codewords, group by group: y [rows, n] float32 CPU (n a multiple of
+    g), table [k, g], sq [k], ``grid`` as :func:`vq_nearest` -> (cos, cc) [rows] float64, ``sum y c`` and ``sum
+    c^2`` over the row's chosen codewords (:func:`vq_nearest`'s), summed in float64 in coordinate order.
+    Raises ValueError for a non-finite y or bad shapes."""
+    mod = require()
+    if y.ndim != 2 or table.ndim != 2 or y.shape[1] % table.shape[1] or sq.shape != (table.shape[0],):
+        raise ValueError(f"y [rows, n] (n a multiple of g), table [k, g], sq [k] expected, got {tuple(y.shape)}, "
+                         f"{tuple(table.shape)}, {tuple(sq.shape)}")
+    if grid is not None and table.shape[1] != 2:
+        raise ValueError(f"grid: the grid search serves pairs (g = 2), got g = {table.shape[1]}")
+    y2, t2, s2 = f32(y), f32(table), f32(sq)
+    cos, cc = torch.empty(y2.shape[0], dtype=torch.float64), torch.empty(y2.shape[0], dtype=torch.float64)
+    a = Args(mod.ffi)
+    lo, inv, cells, off, cand = (0.0, 1.0, 0, None, None) if grid is None else (
+        grid.lo, grid.inv, grid.cells, grid.off.contiguous(), grid.cand.contiguous())
+    rc = mod.lib.qjl_vq_moments(a.ptr(y2), y2.shape[0], y2.shape[1], t2.shape[1], a.ptr(t2), t2.shape[0], a.ptr(s2),
+                                lo, inv, cells, a.ptr(off, "int32_t *"), a.ptr(cand, "int32_t *"),
+                                a.ptr(cos, "double *"), a.ptr(cc, "double *"), torch.get_num_threads())
+    if rc:
+        raise ValueError("y must be finite (and grid a search_grid of this table): the C moments refused them")
+    return cos, cc
 
 
 def vq_nearest(y: torch.Tensor, table: torch.Tensor, sq: torch.Tensor, grid=None) -> torch.Tensor:
