@@ -217,6 +217,8 @@ def test_the_grid_search_of_pairs_equals_the_reference(bits, n):
     empty = SearchGrid(grid.lo, grid.inv, grid.cells, torch.zeros_like(grid.off), grid.cand)
     with pytest.raises(ValueError, match="grid"):
         vq_nearest(y, t, sq, empty)
+    with pytest.raises(ValueError, match="int32"):
+        vq_nearest(y, t, sq, SearchGrid(grid.lo, grid.inv, grid.cells, grid.off.long(), grid.cand))
 
 
 @pytest.mark.parametrize("bits,grid", [(2, False), (3, True), (4, True), (4, False)])
