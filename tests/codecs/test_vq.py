@@ -217,6 +217,9 @@ def test_the_grid_search_of_pairs_equals_the_reference(bits, n):
     empty = SearchGrid(grid.lo, grid.inv, grid.cells, torch.zeros_like(grid.off), grid.cand)
     with pytest.raises(ValueError, match="grid"):
         vq_nearest(y, t, sq, empty)
+    for bad in ({"n": 0}, {"n": 64.0}, {"cells": -1}, {"reach": float("nan")}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            search_grid(bits, **{"n": n, **bad})
     with pytest.raises(ValueError, match="int32"):
         vq_nearest(y, t, sq, SearchGrid(grid.lo, grid.inv, grid.cells, grid.off.long(), grid.cand))
 

@@ -95,6 +95,9 @@ def search_grid(bits: int, n: int, cells: int = 32, reach: float = 4.5) -> Searc
 
     if group_size(bits) != 2:
         raise ValueError(f"bits: the grid serves codebooks of pairs (3 or 4 bits), got {bits!r}")
+    for name, v, kind in (("n", n, int), ("cells", cells, int), ("reach", reach, (int, float))):
+        if isinstance(v, bool) or not isinstance(v, kind) or not v > 0 or not math.isfinite(v):
+            raise ValueError(f"{name} must be a positive {'int' if kind is int else 'number'}, got {v!r}")
     table = group_table(bits, 1.0 / math.sqrt(n)).double()  # [k, 2], the codec's table
     lo32 = torch.tensor(-reach / math.sqrt(n), dtype=torch.float32)
     inv32 = torch.tensor(cells / (2 * reach / math.sqrt(n)), dtype=torch.float32)
