@@ -58,9 +58,10 @@ class PackedCodes:
         cent = self.centroids.to(codes.device)
         if self.group == 1:
             return cent[codes.long()]
+        from qjl.core.vq_codebook import joint_codes
+
         g = self.group
-        shifts = torch.arange(g, device=codes.device) * self.bits
-        e = (codes.long().reshape(*codes.shape[:-1], codes.shape[-1] // g, g) << shifts).sum(-1, keepdim=True)  # [..., length / g, 1]
+        e = joint_codes(codes, g, self.bits).unsqueeze(-1)  # [..., length / g, 1]
         return cent[e * g + torch.arange(g, device=codes.device)].reshape(codes.shape)
 
 

@@ -27,7 +27,7 @@ from qjl.codecs.params import Param, integer
 from qjl.codecs.turboquant import TurboQuantMSE
 from qjl.core.devices import on_device
 from qjl.core.packing import packed_size, unpack_bits
-from qjl.core.vq_codebook import GROUPS, group_table, nearest_reference, search_grid
+from qjl.core.vq_codebook import GROUPS, group_table, joint_codes, nearest_reference, search_grid
 
 __all__ = ["TurboQuantVQ", "COS_FLOOR"]
 
@@ -119,9 +119,7 @@ class TurboQuantVQ(TurboQuantMSE):
 
     def joint_codes(self, idx: torch.Tensor) -> torch.Tensor:
         """Per-coordinate fields idx [..., n] -> each group's codeword [..., n / g] int64."""
-        g = self.group
-        shifts = torch.arange(g, device=idx.device) * self.bits
-        return (idx.long().reshape(*idx.shape[:-1], idx.shape[-1] // g, g) << shifts).sum(-1)
+        return joint_codes(idx, self.group, self.bits)
 
     def rotated(self, codes) -> torch.Tensor:
         """The reconstruction in the rotated basis: [..., n] float32."""

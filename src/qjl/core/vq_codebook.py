@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["GROUPS", "group_size", "group_table", "nearest_reference", "search_grid", "SearchGrid", "train"]
+__all__ = ["GROUPS", "group_size", "group_table", "joint_codes", "nearest_reference", "search_grid", "SearchGrid", "train"]
 
 # bits per coordinate -> coordinates per joint code (2^(g b) codewords: 256, 64, 256)
 GROUPS = {2: 4, 3: 2, 4: 2}
@@ -51,6 +51,13 @@ def group_table(bits: int, scale: float = 1.0) -> torch.Tensor:
     """The codebook for ``bits`` per coordinate: [2^(g bits), g] float32 codewords for unit-variance coordinates,
     times ``scale`` (``1 / sqrt(n)`` for the coordinates of a rotated unit vector in R^n).  A new tensor."""
     return (_table(bits).double() * scale).float()
+
+
+def joint_codes(idx: torch.Tensor, g: int, bits: int) -> torch.Tensor:
+    """Per-coordinate fields idx [..., n] (integers, n a multiple of g) -> each group's codeword [..., n / g] int64:
+    coordinate ``s`` of a group holds bits ``[s bits, (s + 1) bits)`` of its codeword (the module doc's layout)."""
+    shifts = torch.arange(g, device=idx.device) * bits
+    return (idx.long().reshape(*idx.shape[:-1], idx.shape[-1] // g, g) << shifts).sum(-1)
 
 
 def nearest_reference(y: torch.Tensor, table: torch.Tensor, sq: torch.Tensor, chunk: int = 1 << 14) -> torch.Tensor:
