@@ -107,6 +107,8 @@ CASES = [  # (preset, settings overrides, KV heads, query heads, block size[, sl
     ("tq-k3v2", {}, 2, 4, 16),  # window 0 (the preset's default): sinks only
     ("tq-k3v2", {"sinks": 0}, 2, 2, 16),  # no exact slot at all: the current token only
     ("qjl-paper", {"window": 3}, 2, 6, 16),  # per-block outlier channels (shared fields)
+    ("tqv-k3v2", {}, 2, 4, 16),  # vector codebooks (pairs of 3-bit keys, quads of 2-bit values), one rotation
+    ("tqv-k3v2", {"window": 3}, 1, 3, 8),
 ]
 
 

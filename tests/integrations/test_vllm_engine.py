@@ -57,3 +57,15 @@ def test_engine_concurrency_chunks_preemption_prefix_cache(tmp_path):
     assert "paris" in r["chat"].lower(), r["chat"]
     if r["prefix_hits"] is not None:
         assert r["prefix_hits"] > 0
+
+
+def test_engine_serves_vector_codebooks_over_rotations_in_turn(tmp_path):
+    """The 5x preset tqv-k3v2 in the same engine run: vector-codebook keys and values, the values coded over 8
+    rotations in turn by each token's position (chunked prefill, mixed batches, prefix-cache hits)."""
+    r = run_script(SCRIPT, tmp_path, {"QJL_VLLM_PRESET": "tqv-k3v2"}, timeout=1800)
+    assert "qjl backend: preset tqv-k3v2" in r["_log"]
+    assert all(len(t) == 16 for t in r["together"])
+    assert r["together"][8][:4] == r["together"][5][:4]  # the repeated prompt, its prefix from the cache
+    for x, y in zip(r["together"][:2], r["alone"]):
+        assert x[:3] == y[:3], (x, y)
+    assert "paris" in r["chat"].lower(), r["chat"]

@@ -111,10 +111,20 @@ class Sim:
 TQ = qjl.CodecSpec("turboquant_mse", {"bits": 4, "correct_norm": True})
 TQV = qjl.CodecSpec("turboquant_mse", {"bits": 3, "correct_norm": True, "norm_dtype": "fp8"})
 UNI = qjl.CodecSpec("uniform", {"bits": 2, "group_size": 32})
+# vector codebooks (qjl.codecs.vq): pairs at 3 bits, quads at 2 (the joint codes of preset tqv-k3v2)
+VQK = qjl.CodecSpec("turboquant_vq", {"bits": 3, "correct_norm": True})
+VQV = qjl.CodecSpec("turboquant_vq", {"bits": 2, "correct_norm": True, "norm_dtype": "fp8"})
+# values over rotations in turn (token at position p by rotation p mod 8; preset tqv-k3v2's values)
+TQC = qjl.CodecSpec("turboquant_mse", {"bits": 3, "correct_norm": True, "cycles": 8})
+VQC = qjl.CodecSpec("turboquant_vq", {"bits": 2, "correct_norm": True, "norm_dtype": "fp8", "cycles": 8})
 
 
 @pytest.mark.parametrize("kv,sinks,window", [((TQ, TQV), 0, 0), ((TQ, TQV), 2, 5), ((TQ, TQV), 4, 16),
-                                             ((TQ, UNI), 2, 5)], ids=["tq-none", "tq-2+5", "tq-4+16", "uniform-2+5"])
+                                             ((TQ, UNI), 2, 5), ((VQK, VQV), 0, 0), ((VQK, TQV), 2, 5),
+                                             ((TQ, VQV), 2, 5), ((TQ, TQC), 2, 5), ((VQK, VQC), 0, 0),
+                                             ((VQK, VQC), 4, 16)],
+                         ids=["tq-none", "tq-2+5", "tq-4+16", "uniform-2+5", "vq-none", "vq-keys-2+5", "vq-values-2+5",
+                              "tq-cycled-2+5", "vq-cycled-none", "vq-cycled-4+16"])
 def test_mixed_batches_match_dense_attention(kv, sinks, window):
     sim = Sim(*kv, sinks=sinks, window=window)
     steps = [{"a": 20, "b": 1}, {"a": 17, "b": 1, "c": 16}, {"a": 1, "b": 1, "c": 1}, {"c": 3, "a": 1},
@@ -157,25 +167,24 @@ def test_prefix_cache_hit_reads_the_window_of_shared_blocks():
             assert torch.allclose(o, sim.dense(i, qs[i]), atol=2e-5, rtol=1e-4), i
 
 
-def test_codes_in_pages_are_the_codecs_codes():
+@pytest.mark.parametrize("kv", [(TQ, UNI), (VQK, VQV), (VQK, VQC)], ids=["tq-uniform", "vq", "vq-cycled"])
+def test_codes_in_pages_are_the_codecs_codes(kv):
     """Bit-exact: what the pages hold is each token's codes from the C encoder (its torch mirror
     ``encode_reference``) where it serves the codec on the CPU, else codec.quantize's, whatever the block table."""
-    from qjl import kernels
-    from qjl.kernels.reference import encode_reference
-
-    sim = Sim(TQ, UNI, block_size=16)
+    sim = Sim(*kv, block_size=16)
     sim.step({"a": 23, "b": 40})
     sim.step({"a": 1, "b": 1})
     for i in ("a", "b"):
         s = sim.seqs[i]
         n = s["k"].shape[0]
-        got = history_codes({kk[4:]: f for kk, f in sim.fields.items() if kk.startswith("key.")},
-                             torch.tensor(s["blocks"]), 0, n, 16, 2)
-        codec = sim.layout.key_codec
-        assert kernels.can_quantize_cpu(codec)
-        want = encode_reference(codec, s["k"].transpose(0, 1))
-        for name, t in want.fields.items():
-            assert torch.equal(got.fields[name].view(torch.uint8), t.view(torch.uint8)), name
+        for role, x in (("key", s["k"]), ("value", s["v"])):
+            got = history_codes({kk[len(role) + 1:]: f for kk, f in sim.fields.items() if kk.startswith(role + ".")},
+                                torch.tensor(s["blocks"]), 0, n, 16, 2)
+            codec = getattr(sim.layout, f"{role}_codec")
+            want = _quantize(codec, x.transpose(0, 1))
+            assert set(got.fields) == set(want.fields)
+            for name, t in want.fields.items():
+                assert torch.equal(got.fields[name].view(torch.uint8), t.view(torch.uint8)), (role, name)
 
 
 PER_BLOCK_FIT = {  # key codecs with a per-block fit (a shared field): its name
@@ -351,19 +360,34 @@ def test_prefill_without_vllms_ops_is_the_reference(monkeypatch):
     assert pre.usable is False and not pre.ran
 
 
-def test_codes_over_rotations_in_turn_are_refused_by_name():
-    """The pages do not serve value codes over rotations in turn yet: the layout refuses them, naming the codec."""
+def test_keys_over_rotations_in_turn_are_refused_by_name():
+    """Keys over rotations in turn have no score view: the layout refuses them, naming the codec (values so coded
+    are served: the simulations above)."""
     from qjl import TurboQuantMSE
 
-    with pytest.raises(ValueError, match=r"value codec TurboQuantMSE\(.*cycles=8\).*rotations in turn"):
-        PageLayout(TurboQuantMSE(D, 3), TurboQuantMSE(D, 2, cycles=8), D, 16, torch.bfloat16, 2, 8)
+    with pytest.raises(ValueError, match=r"key codec TurboQuantMSE\(.*cycles=8\).*rotations in turn"):
+        PageLayout(TurboQuantMSE(D, 3, cycles=8), TurboQuantMSE(D, 2), D, 16, torch.bfloat16, 2, 8)
+    PageLayout(TurboQuantMSE(D, 3), TurboQuantMSE(D, 2, cycles=8), D, 16, torch.bfloat16, 2, 8)
 
 
-def test_vector_codebooks_are_refused_by_name():
-    """The backend's encoders place scalar cells: the layout refuses vector-codebook codecs, naming the codec."""
+def test_values_over_rotations_in_turn_need_the_plan():
+    """Such codes depend on each token's position, which a bare slot mapping does not give: refused before any
+    page changes."""
+    sim = Sim(TQ, VQC, planned=False)
+    before = sim.pages.clone()
+    with pytest.raises(ValueError, match=r"positions.*plan"):
+        sim.step({"a": 5})
+    assert torch.equal(sim.pages, before)
+
+
+def test_vector_codebooks_take_the_scalar_codecs_bytes():
+    """A vector codebook's joint codes are stored as its g b-bit fields: the same page bytes as the scalar codec (the
+    layout, hence vLLM's block count, does not change), over one rotation or several in turn."""
     from qjl import TurboQuantMSE, TurboQuantVQ
 
-    with pytest.raises(ValueError, match=r"key codec TurboQuantVQ\(.*vector codebooks"):
-        PageLayout(TurboQuantVQ(D, 3), TurboQuantMSE(D, 2), D, 16, torch.bfloat16, 2, 8)
-    with pytest.raises(ValueError, match=r"value codec TurboQuantVQ\(.*vector codebooks"):
-        PageLayout(TurboQuantMSE(D, 3), TurboQuantVQ(D, 2), D, 16, torch.bfloat16, 2, 8)
+    scalar = PageLayout(TurboQuantMSE(D, 3), TurboQuantMSE(D, 2), D, 16, torch.bfloat16, 2, 8)
+    for values in (TurboQuantVQ(D, 2), TurboQuantVQ(D, 2, cycles=8)):
+        vector = PageLayout(TurboQuantVQ(D, 3), values, D, 16, torch.bfloat16, 2, 8)
+        assert vector.content_bytes == scalar.content_bytes
+        assert {n: (f.dtype, f.shape) for n, f in vector.fields.items()} == \
+               {n: (f.dtype, f.shape) for n, f in scalar.fields.items()}

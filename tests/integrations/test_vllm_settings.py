@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+import qjl
 from qjl.cache.presets import PRESETS
 from qjl.integrations.vllm.settings import PRESET_VALUE_SMOOTHING, check_servable, load_settings
 
@@ -62,6 +63,22 @@ def test_attention_path_settings(name):
     else:
         with pytest.raises(ValueError, match="'prefill' must be one of"):
             load_settings(additional_config={"qjl": {name: "kernel"}})
+
+
+def test_values_over_rotations_in_turn_are_served_and_keys_refused():
+    """tqv-k3v2 is served as it is (vector codebooks, values over 8 rotations in turn: the pages code each token by
+    its position), with the 5x point's paged defaults (no window, no value mean); keys over rotations in turn have no
+    score view and are refused by name."""
+    s = load_settings(environ={"QJL_VLLM_PRESET": "tqv-k3v2"})
+    base = PRESETS["tqv-k3v2"]
+    assert s.config.value == base.value and base.value.params["cycles"] == 8 and base.value.name == "turboquant_vq"
+    assert s.config.key == base.key and s.config.late_key == base.late_key
+    assert s.window_tokens == 0 and not s.config.smooth_values and not s.config.heavy_tokens
+    check_servable(s.config)
+    cycled = dataclasses.replace(PRESETS["tq-k45v3"], smooth_values=True,
+                                 late_key=qjl.CodecSpec("turboquant_mse", {"bits": 5, "cycles": 2}))
+    with pytest.raises(ValueError, match=r"late_key codec 'turboquant_mse' over rotations in turn \(cycles=2\)"):
+        check_servable(cycled)
 
 
 def test_split_keys_are_refused_with_the_reason():

@@ -102,13 +102,9 @@ class PageLayout:
                  smooth_keys: bool = False, smooth_values: bool = False):
         if check_sliding_window(sliding_window) is not None:
             sinks, window, smooth_keys, smooth_values = 0, min(window, sliding_window - 1), False, False
-        for role, codec in (("key", key_codec), ("value", value_codec)):
-            if getattr(codec, "positional", False):
-                raise ValueError(f"{role} codec {codec!r}: the vLLM backend does not serve codes over rotations in "
-                                 "turn (cycles > 1) yet; use cycles=1 (the transformers cache serves them)")
-            if getattr(codec, "name", None) == "turboquant_vq":
-                raise ValueError(f"{role} codec {codec!r}: the vLLM backend does not serve vector codebooks "
-                                 "(turboquant_vq) yet; use turboquant_mse (the transformers cache serves them)")
+        if getattr(key_codec, "positional", False):  # (values over rotations in turn are served: writes.py)
+            raise ValueError(f"key codec {key_codec!r}: keys over rotations in turn (cycles > 1) have no score view; "
+                             "use cycles=1")
         self.smooth_keys, self.smooth_values = bool(smooth_keys), bool(smooth_values)
         self.key_codec, self.value_codec = key_codec, value_codec
         self.head_dim, self.block_size = head_dim, block_size

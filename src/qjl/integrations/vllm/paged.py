@@ -133,6 +133,12 @@ def history_codes(fields: dict, row: torch.Tensor, c0: int, c1: int, block_size:
     return Codes((num_heads, c1 - c0), per, shared)
 
 
+def _dequantize(codec, codes: Codes, start: int) -> torch.Tensor:
+    """``codec.dequantize(codes)`` of the codes of positions ``start``.. of a sequence (the position passed to a codec
+    over rotations in turn, ``positional``; the pages code every token by its position in its sequence)."""
+    return codec.dequantize(codes, start=start) if getattr(codec, "positional", False) else codec.dequantize(codes)
+
+
 def _scores(codec, q: torch.Tensor, codes: Codes) -> torch.Tensor:
     """q [..., H, R, D] against codes lead [..., H, n] -> [..., H, R, n] (the codec's estimator)."""
     if not codes.shared:
@@ -178,7 +184,7 @@ def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_siz
                         codes.shared)
             rows = codec.dequantize(per).squeeze(-2).transpose(0, 1)
         else:
-            rows = codec.dequantize(codes).transpose(0, 1)
+            rows = _dequantize(codec, codes, start).transpose(0, 1)
         if out is not None:
             rows = out.copy_(rows)
     return rows if token_major or out is not None else rows.transpose(0, 1)
@@ -242,7 +248,7 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
         if c1 > c0:
             kc = history_codes(key_fields, row, c0, c1, block_size, num_kv_heads)
             logits.append(_scores(key_codec, qi, kc))
-            vs.append(value_codec.dequantize(history_codes(value_fields, row, c0, c1, block_size, num_kv_heads)))
+            vs.append(_dequantize(value_codec, history_codes(value_fields, row, c0, c1, block_size, num_kv_heads), c0))
         if current is not None:
             logits.append(qi @ current[0][i].float().unsqueeze(-1))
             vs.append(current[1][i].float().unsqueeze(-2))

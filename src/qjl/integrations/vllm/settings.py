@@ -14,10 +14,10 @@ When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides 
   (its heavy tokens, on in some presets for transformers, are turned off: the paged backend does not implement
   them);
 * ``smooth_keys``, ``smooth_values``: true / false (or 1 / 0): key / value smoothing (:mod:`.smoothing`);
-  default: the preset's (value smoothing: off for ``tq-k3v2``, :data:`PRESET_VALUE_SMOOTHING`);
+  default: the preset's (value smoothing: off for ``tq-k3v2`` and ``tqv-k3v2``, :data:`PRESET_VALUE_SMOOTHING`);
 * ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
 * ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
-  ``tq-k3v2``; docs/vllm.md measures what it costs and buys);
+  ``tq-k3v2`` and ``tqv-k3v2``; docs/vllm.md measures what it costs and buys);
 * ``seed``: base seed (layer ``l`` uses ``seed + 1000 l`` for keys, ``+ 1`` for values, as
   :class:`qjl.QJLCache` does);
 * ``decode``: "auto" (a paged kernel where :mod:`qjl.kernels` provides one, else the reference; on the CPU a
@@ -45,16 +45,16 @@ ENV_PRESET = "QJL_VLLM_PRESET"
 ENV_CONFIG = "QJL_VLLM_CONFIG"
 DEFAULT_WINDOW = 4  # exact recent tokens per sequence; docs/vllm.md measures what they cost and buy
 # presets whose point is memory: the 5x preset keeps >= 4x native's tokens only without a window (block 128)
-PRESET_WINDOWS = {"tq-k3v2": 0}
+PRESET_WINDOWS = {"tq-k3v2": 0, "tqv-k3v2": 0}
 # ... and without value smoothing: its mean does not fit the 5x preset's page padding beside the key mean (3% fewer
 # tokens), for no lower KL against native (README, "Value smoothing in pages"); the other presets keep theirs
-PRESET_VALUE_SMOOTHING = {"tq-k3v2": False}
-SERVABLE_KEYS = ("turboquant_mse", "qjl")
+PRESET_VALUE_SMOOTHING = {"tq-k3v2": False, "tqv-k3v2": False}
+SERVABLE_KEYS = ("turboquant_mse", "turboquant_vq", "qjl")
 # key codecs the paged layout could hold but the backend does not serve, and why
 UNSERVED_KEYS = {"turboquant_split": "split keys choose their channels from the prompt's queries per sequence; vLLM's "
                                      "pages would fit them per block from its keys alone, which measured no better "
                                      "than one rotation (docs/cache.md): use preset 'tq-k3v3' (the same bits) for vLLM"}
-SERVABLE_VALUES = ("turboquant_mse", "uniform")
+SERVABLE_VALUES = ("turboquant_mse", "turboquant_vq", "uniform")
 # QJLConfig options fitted per sequence to its prompt, which the paged backend does not implement (turned off)
 UNSERVED_OPTIONS = {"heavy_tokens": 0}  # name: its off value
 _KEYS = ("preset", "sinks", "window", "seed", "smooth_keys", "smooth_values", "decode", "prefill")
@@ -137,6 +137,9 @@ def check_servable(config: QJLConfig) -> None:
         if spec.name not in allowed:
             raise ValueError(f"the qjl vLLM backend cannot serve {where} codec {spec.name!r}: it serves "
                              f"{list(allowed)} (per-token codes that fit paged blocks)")
+        if allowed is SERVABLE_KEYS and spec.params.get("cycles", 1) != 1:  # (values over them are served)
+            raise ValueError(f"the qjl vLLM backend cannot serve {where} codec {spec.name!r} over rotations in turn "
+                             f"(cycles={spec.params['cycles']!r}): keys so coded have no score view; use cycles=1")
     for name, off in UNSERVED_OPTIONS.items():
         if getattr(config, name) != off:
             raise ValueError(f"the qjl vLLM backend does not implement {name} (fitted per sequence to its prompt; "

@@ -44,7 +44,8 @@ class StepPlan:
     ``decode_seqs`` / ``decode_token_rows`` / ``decode_history`` (their tokens before this one) and ``decode``:
     the one-token rows and their :class:`DecodeRows`;
     ``prefill``: (sequence, first row, end row) of the other sequences; ``exact_*``: the tokens whose exact
-    copies are stored (rows, block, exact slot); ``token_seqs``: each token's sequence.
+    copies are stored (rows, block, exact slot); ``token_seqs``: each token's sequence; ``write_positions``: the
+    position in its sequence of each token whose codes are stored (CPU; what codes over rotations in turn depend on).
     """
 
     block_size: int
@@ -67,6 +68,7 @@ class StepPlan:
     exact_slots: torch.Tensor
     memo: dict = field(default_factory=dict)
     token_seqs: torch.Tensor | None = None  # [T] (CPU): the sequence of each of the step's tokens
+    write_positions: torch.Tensor | None = None  # [written tokens] (CPU): their positions in their sequences
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, block_table, block_size: int, sinks: int, window: int,
@@ -96,7 +98,7 @@ class StepPlan:
         return cls(block_size, sinks, window, sliding_window, qsl, lens, block_table, rows,
                    (kept // block_size).to(dev),
                    (kept % block_size).to(dev), dec, qsl[dec], history, drows, prefill, erows, eblocks.to(dev),
-                   eslots.to(dev), token_seqs=seq_of)
+                   eslots.to(dev), token_seqs=seq_of, write_positions=positions if rows is None else positions[rows])
 
     def store_bounds(self) -> tuple:
         """:func:`qjl.kernels.cpu.store.store_bounds` of the step's code writes (``write_blocks``,
