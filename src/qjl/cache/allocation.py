@@ -100,15 +100,14 @@ class AutoBits:
             (:class:`qjl.codecs.turboquant.TurboQuantMSE` ``cycles``; same bits); 1: one rotation.  Default 8:
             on GPL-3 (the tuning text) KL lower at each of three seeds and the perplexity change +1.08% -> +0.40%
             on average; on the held-out texts KL lower on all five (docs/cache.md, "Values over rotations in
-            turn").  The vLLM backend does not serve them (it refuses by name).
+            turn").  (The vLLM backend serves such codecs in fixed presets, not ``auto``.)
         vector_keys, vector_values: TurboQuant key / value candidates of 2-4 bits quantize groups of rotated
             coordinates jointly (:class:`qjl.codecs.vq.TurboQuantVQ`, ``turboquant_vq``: a vector codebook, the same
             bits, 13-17% less distortion); False: per-coordinate Lloyd-Max cells.  A head dimension the group (4 at 2
             bits, 2 at 3 and 4) does not divide keeps the scalar codec.  Defaults: vector keys, scalar values: on GPL-3
             (the tuning text; three seeds, four windows) vector keys lowered KL by 12% (0.0056 -> 0.0049) with the
             perplexity change level (+0.35% -> +0.34%), and vector values on top held KL (0.0048) but raised the
-            perplexity change at each seed (+0.62% on average) (docs/cache.md, "Vector codebooks").  Not served by
-            vLLM (refused by name).
+            perplexity change at each seed (+0.62% on average) (docs/cache.md, "Vector codebooks").
     """
 
     bits_per_value: float
