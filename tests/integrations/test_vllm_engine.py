@@ -61,11 +61,16 @@ def test_engine_concurrency_chunks_preemption_prefix_cache(tmp_path):
 
 def test_engine_serves_vector_codebooks_over_rotations_in_turn(tmp_path):
     """The 5x preset tqv-k3v2 in the same engine run: vector-codebook keys and values, the values coded over 8
-    rotations in turn by each token's position (chunked prefill, mixed batches, prefix-cache hits)."""
+    rotations in turn by each token's position (chunked prefill, mixed batches, prefix-cache hits).  At 5x the
+    repeated prompt, whose first chunk attends the cached blocks' codes where its first run attended its own chunk
+    exactly, may drift from the first run early (2026-11-29: after 2 tokens; tq-k3v2 at its first token), so it is
+    not compared here: that reused blocks hold the codes their positions imply is checked exactly against a dense
+    computation in test_vllm_paged.py (prefix-cache forks with values over rotations in turn)."""
     r = run_script(SCRIPT, tmp_path, {"QJL_VLLM_PRESET": "tqv-k3v2"}, timeout=1800)
     assert "qjl backend: preset tqv-k3v2" in r["_log"]
     assert all(len(t) == 16 for t in r["together"])
-    assert r["together"][8][:4] == r["together"][5][:4]  # the repeated prompt, its prefix from the cache
     for x, y in zip(r["together"][:2], r["alone"]):
         assert x[:3] == y[:3], (x, y)
     assert "paris" in r["chat"].lower(), r["chat"]
+    if r["prefix_hits"] is not None:
+        assert r["prefix_hits"] > 0

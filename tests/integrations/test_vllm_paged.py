@@ -154,10 +154,12 @@ def test_sliding_window_layers_match_dense_attention(sliding, window):
                 assert torch.allclose(o, ref, atol=2e-5, rtol=1e-4), (chunks, i, (o - ref).abs().max())
 
 
-def test_prefix_cache_hit_reads_the_window_of_shared_blocks():
+@pytest.mark.parametrize("kv", [(TQ, TQV), (VQK, VQC)], ids=["tq", "vq-cycled"])
+def test_prefix_cache_hit_reads_the_window_of_shared_blocks(kv):
     """A request continuing from another's full blocks (prefix caching) finds its exact window there, even
-    when the first request prefilled those positions in the middle of a chunk."""
-    sim = Sim(TQ, TQV, block_size=16, sinks=2, window=5)
+    when the first request prefilled those positions in the middle of a chunk (and, values over rotations in turn,
+    the codes its positions imply)."""
+    sim = Sim(*kv, block_size=16, sinks=2, window=5)
     sim.step({"a": 20})
     sim.step({"a": 20})  # positions 27..31 (block 1's last 5) sit mid-chunk
     sim.fork("a", "b", 32)
