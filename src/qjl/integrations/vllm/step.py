@@ -100,6 +100,15 @@ class StepPlan:
                    (kept % block_size).to(dev), dec, qsl[dec], history, drows, prefill, erows, eblocks.to(dev),
                    eslots.to(dev), token_seqs=seq_of, write_positions=positions if rows is None else positions[rows])
 
+    def position_groups(self, cycles: int, device) -> list:
+        """[(k, rows on ``device``)]: the written tokens (rows into them) whose positions are k mod ``cycles``, for
+        codes over rotations in turn; worked out once per step for every layer."""
+        key = ("position_groups", cycles, str(device))
+        if key not in self.memo:
+            turn = self.write_positions % cycles
+            self.memo[key] = [(k, (turn == k).nonzero().flatten().to(device)) for k in torch.unique(turn).tolist()]
+        return self.memo[key]
+
     def store_bounds(self) -> tuple:
         """:func:`qjl.kernels.cpu.store.store_bounds` of the step's code writes (``write_blocks``,
         ``write_offsets``), computed once for every layer's store."""

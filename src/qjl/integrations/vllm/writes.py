@@ -15,24 +15,23 @@ from .layout import PageLayout, exact_slot
 __all__ = ["write_codes", "c_store_jobs", "exact_writes", "write_exact"]
 
 
-def _codes(codec, x: torch.Tensor, positions: torch.Tensor | None = None) -> Codes:
+def _codes(codec, x: torch.Tensor, plan=None) -> Codes:
     """x [N, H, D] -> codec.quantize(x)'s codes, through the fastest quantizer for x's device (C on CPU
     tensors, Triton on CUDA; bit-exact with the codec's own).  A codec over rotations in turn (``positional``:
-    TurboQuant's ``cycles``) codes each token by its position in its sequence, ``positions`` [N] (token at position p
-    as ``codec.quantize(x, start=p)`` codes it: by rotation p mod cycles)."""
+    TurboQuant's ``cycles``) codes each token by its position in its sequence, which the step's ``plan`` gives
+    (:meth:`.step.StepPlan.position_groups`; token at position p as ``codec.quantize(x, start=p)`` codes it)."""
     from ... import kernels
 
+    backend = kernels.pick_backend(x.device)
     if not getattr(codec, "positional", False):
-        return kernels.quantize_with(kernels.pick_backend(x.device), codec, x.float())
-    if positions is None or positions.shape != x.shape[:1]:
+        return kernels.quantize_with(backend, codec, x.float())
+    if plan is None or plan.write_positions is None or len(plan.write_positions) != x.shape[0]:
         raise ValueError(f"codec {codec!r} codes tokens by their positions (rotations in turn): the write needs the "
                          f"step's plan (its positions of the {x.shape[0]} tokens)")
     n, h = x.shape[:2]
-    turn = positions.to(x.device).long() % codec.cycles
     fields = None
-    for k in torch.unique(turn).tolist():
-        sel = (turn == k).nonzero().flatten()
-        c = codec.quantize(x[sel].float().reshape(-1, 1, x.shape[-1]), start=k)  # lead [m H, 1]: position k
+    for k, sel in plan.position_groups(codec.cycles, x.device):
+        c = kernels.quantize_with(backend, codec, x[sel].float().reshape(-1, 1, x.shape[-1]), start=k)  # position k
         if fields is None:
             fields = {name: torch.empty(n, h, *t.shape[2:], dtype=t.dtype, device=x.device)
                       for name, t in c.fields.items()}
@@ -115,9 +114,8 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
         if plan.write_rows is not None:
             rows = plan.write_rows.to(key.device)
             key, value = key[rows], value[rows]
-        blocks, offs, positions = plan.write_blocks, plan.write_offsets, plan.write_positions
+        blocks, offs = plan.write_blocks, plan.write_offsets
     else:
-        positions = None
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -137,7 +135,7 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
     # every role encoded before any is stored (nothing half-written on bad input): the torch roles' Codes first,
     # then the C roles in one call that checks all of them before it stores anything
     encoded = [(role, fmap, _quantize_keys(codec, x, blocks, offs, fmap) if role == "key" else
-                _codes(codec, x, positions))
+                _codes(codec, x, plan))
                for role, codec, fmap, x in torch_roles]
     if c_jobs:  # the positions' checks: once per step when a plan is shared by the layers
         kernels.store_cpu(c_jobs, blocks, offs, plan.store_bounds() if plan is not None else None,
