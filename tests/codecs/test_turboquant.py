@@ -252,7 +252,9 @@ def test_cycles_unmix_is_the_mix_of_the_reconstructions():
     assert torch.allclose(cyc.unmix(acc.reshape(5, 8 * 64)), p @ cyc.dequantize(codes, start=3), atol=1e-5)
     view = cyc.mix_view()
     assert view.cycles == 8 and view.mixed_length == 8 * 64 and view.rotated
-    assert cyc.score_view() is None and cyc.quantize_view() is None  # kernels neither score nor encode them
+    assert cyc.score_view() is None  # kernels do not score them; only the C encoder (given positions) codes them
+    qv = cyc.quantize_view()
+    assert qv.passes[0].rotations == cyc.rotations and qv.passes[0].cycles == cyc.cycles and not qv.plain
     assert cyc.bit_budget() == TurboQuantMSE(64, 2).bit_budget()  # same bits: no index is stored
 
 

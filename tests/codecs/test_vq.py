@@ -71,7 +71,8 @@ def test_the_view_reads_codes_g_at_a_time():
         assert view.codes.group == GROUPS[bits] and view.rotated and codec.score_view().terms[0].codes.group == GROUPS[bits]
         unit = view.codes.values(unpack_bits(codes.fields["codes"], bits, D))
         assert torch.allclose(unit * codes.fields["norm"].unsqueeze(-1), codec.rotated(codes), atol=1e-6)
-    assert codec.quantize_view() is None  # encoded in torch (the quantize kernels place scalar cells)
+    qv = codec.quantize_view()  # a pass with the table: the C encoder's, not the Triton kernel's (scalar cells)
+    assert qv.passes[0].table is codec.table and qv.passes[0].group == GROUPS[bits] and not qv.plain
 
 
 def test_norm_correction_and_its_clamp_bound_the_stored_norm():

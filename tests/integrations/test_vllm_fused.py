@@ -94,6 +94,8 @@ CASES = [  # (preset, settings overrides, KV heads, query heads, block size, sli
     ("tq-k45v3", {"smooth_values": False, "window": 4}, 2, 6, 16, None),  # exact window copies every step
     ("tq-k3v2", {"smooth_keys": False, "sinks": 0}, 2, 4, 8, None),  # no smoothing, no exact slot
     ("tq-k45v3", {"sinks": 2, "window": 5}, 2, 6, 16, 20),  # a sliding-window layer (no means kept)
+    ("tqv-k3v2", {}, 3, 9, 16, None),  # vector codebooks, values over 8 rotations in turn (their positions)
+    ("tqv-k3v2", {"smooth_keys": False, "sinks": 0}, 2, 4, 8, None),
 ]
 
 
@@ -110,7 +112,7 @@ def test_one_call_equals_the_general_path(case, out_dtype):
     twin.step({"a": 1, "c": 4}, out_dtype, fused_expected=False)  # a chunk row beside a decode row
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5]], ids=["5x", "default", "sliding"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[6]], ids=["5x", "default", "sliding", "5x-vq"])
 def test_a_kept_store_serves_steps_that_differ(case):
     """A layer's DecodeStore fills one kept struct in place: steps of other batch sizes, with and without exact
     rows, and outputs of other dtypes, one after another, each equal bit for bit to the general path (nothing of
@@ -197,3 +199,33 @@ def test_decode_store_checks_what_changes_per_step():
     assert not one.unmoved()
     with pytest.raises(ValueError, match="moved"):
         one(qr, k, v, step, bounds)
+
+
+def test_values_over_rotations_in_turn_need_the_tokens_positions():
+    """A store whose value job codes by position (tqv-k3v2's values over 8 rotations in turn): a call without the
+    tokens' positions, or with negative ones, is refused by name before anything is stored; with them it stores what
+    the general path stores (test_one_call_equals_the_general_path)."""
+    from qjl.kernels.cpu.launch import DecodeStore
+    from qjl.kernels.encode import encode_store
+    from qjl.kernels.paged import role_fields
+    from qjl.integrations.vllm.writes import c_store_jobs
+
+    twin = Twin(VLLMSettings(preset="tqv-k3v2"), hkv=2, hq=4)
+    twin.step({"a": 30, "b": 20}, fused_expected=False)
+    lay, fields = twin.lay, twin.fields[0]
+    plan = twin.plan({"a": 1, "b": 1})
+    q, k, v = twin.tokens(2)
+    ex = (fields["exact.key"], fields["exact.value"]) if lay.sinks + lay.window else None
+    step = plan.decode.cpu_step(ex, 2, True)
+    store = encode_store(c_store_jobs(lay, fields, k, v), fields.memo)[0]
+    assert store.positional
+    qr = q.reshape(2, 2, 2, D)
+    one = DecodeStore(qr, lay.key_codec, role_fields(fields, "key"), lay.value_codec, role_fields(fields, "value"),
+                      step, store, mu_field=fields["smooth.key"], exact_fields=ex if step.rows is not None else None)
+    before = twin.pages[0].clone()
+    for bad in (None, torch.tensor([29, -1]), torch.tensor([29])):
+        with pytest.raises(ValueError, match="positions"):
+            one(qr, k, v, step, plan.store_bounds(), positions=bad)
+    assert torch.equal(twin.pages[0].view(torch.uint8), before.view(torch.uint8))
+    rc, *_ = one(qr, k, v, step, plan.store_bounds(), positions=plan.write_positions)
+    assert rc == 0 and not torch.equal(twin.pages[0].view(torch.uint8), before.view(torch.uint8))

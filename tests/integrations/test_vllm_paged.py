@@ -20,11 +20,14 @@ D = 64
 
 
 def _quantize(codec, x):
-    """The codes the pages hold: the C encoder's (its torch mirror) where it serves the codec, else the codec's."""
+    """The codes the pages hold: the C encoder's (its torch mirror) where it stores the codec, else the codec's.
+    x [..., L, D]: a sequence's tokens from position 0."""
     from qjl import kernels
     from qjl.kernels.reference import encode_reference
 
-    return encode_reference(codec, x) if kernels.can_quantize_cpu(codec) else codec.quantize(x)
+    if not kernels.can_store_cpu(codec):
+        return codec.quantize(x)
+    return encode_reference(codec, x, torch.arange(x.shape[-2]))
 
 
 def _bf16(*shape, gen):

@@ -707,30 +707,40 @@ def test_cycled_values_through_the_decode_call(name):
     close(got, ref + mean[:, :, None], TOL)
 
 
-def test_cycled_values_refused_by_the_fused_store_step():
-    """DecodeStore (vLLM's store-and-decode step in one call, step.c) quantizes values with one rotation: a value codec
-    over rotations in turn is refused by name before anything else is read."""
-    from qjl.kernels.paged import FieldMap
+@pytest.mark.parametrize("name", ["tq3-tq2c8", "vq4-vq3", "vq2-tq3", "tq5-vq4"])
+def test_fused_store_step_serves_vector_codebooks_and_rotations_in_turn(name):
+    """DecodeStore (vLLM's store-and-decode step in one call, step.c) with a vector codebook's codec of either role or
+    values over rotations in turn: pages and output equal bit for bit to the separate calls it replaces (the C store
+    given the tokens' positions, then paged_decode_step with the new tokens as the exact segment)."""
+    import dataclasses as dc
 
-    c = Case("tq3-tq2c8", b=2, h=2, rows=4, n=40, masked=False)
-    q, kc, kf, vc, vf, bt, bs, start, end = c.args()
-    step = launch.DecodeStep(bt, bs, start, end, segments=1)
-    with pytest.raises(ValueError, match=r"value_codec TurboQuantMSE\(.*cycles=8\).*rotations in turn"):
-        launch.DecodeStore(q, kc, FieldMap(kf), vc, FieldMap(vf), step, None)
-
-
-@pytest.mark.parametrize("name,role", [("vq4-vq3", "key_codec"), ("vq2-tq3", "key_codec"), ("tq5-vq4", "value_codec")])
-def test_grouped_codes_refused_by_the_fused_store_step(name, role):
-    """DecodeStore's store jobs (step.c) place scalar cells: a vector codebook's codec (``PackedCodes.group > 1``) of
-    either role is refused by name before anything else is read (its codes come from codec.quantize; the decode
-    itself reads them: paged_decode_step, the tests above)."""
+    from qjl.kernels.cpu.store import store_bounds
+    from qjl.kernels.encode import encode_store, store_cpu
     from qjl.kernels.paged import FieldMap
 
     c = Case(name, b=2, h=2, rows=4, n=40, masked=False)
     q, kc, kf, vc, vf, bt, bs, start, end = c.args()
-    step = launch.DecodeStep(bt, bs, start, end, segments=1)
-    with pytest.raises(ValueError, match=rf"{role} TurboQuantVQ\(.*vector codebook"):
-        launch.DecodeStore(q, kc, FieldMap(kf), vc, FieldMap(vf), step, None)
+    twin = [FieldMap({k: dc.replace(f, buffer=f.buffer.clone()) for k, f in fm.items()}) for fm in (kf, vf)]
+    kf, vf = FieldMap(kf), FieldMap(vf)
+    g = torch.Generator().manual_seed(3)
+    key, value = torch.randn(2, 2, 64, generator=g), torch.randn(2, 2, 64, generator=g)
+    positions = (end - 1).long()  # each sequence's last code: its new token
+    blocks = bt.long()[torch.arange(2), positions // bs]
+    bounds = store_bounds(blocks, positions % bs)
+    step = launch.DecodeStep(bt, bs, start, end - 1, segments=1)
+    store, _ = encode_store([(kc, key, kf["codes"], kf["norm"]), (vc, value, vf["codes"], vf["norm"])])
+    fused = launch.DecodeStore(q, kc, kf, vc, vf, step, store)
+    assert fused.served and store.positional == (vc.cycles > 1)
+    rc, _, got, _, _ = fused(q, key, value, step, bounds, q_scale=0.5, positions=positions)
+    assert rc == 0
+    tk, tv = twin
+    store_cpu([(kc, key, tk["codes"], tk["norm"]), (vc, value, tv["codes"], tv["norm"])], *bounds[:2],
+              positions=positions)
+    want = launch.paged_decode_step(q, kc, tk, vc, tv, launch.DecodeStep(bt, bs, start, end - 1, segments=1),
+                                    segments=((key, value),), q_scale=0.5)
+    assert torch.equal(got, want)
+    for a, b in ((kf, tk), (vf, tv)):
+        assert all(torch.equal(a[n].buffer, b[n].buffer) for n in a)
 
 
 def test_groups_the_kernel_cannot_read_are_refused():
@@ -769,8 +779,8 @@ def _replace_args(c, **codecs):
 
 @pytest.mark.parametrize("part", ["key", "value"])
 def test_fused_store_step_refuses_grouped_views_in_c(part):
-    """step.c's own check: a fused store step whose decode struct carries a grouped key term or value view (which
-    its scalar store jobs would have coded) is refused before anything is read or stored (stage 0)."""
+    """step.c's own check: a fused store step whose decode struct carries a grouped key term or value view that its
+    store jobs do not code (scalar cells here) is refused before anything is read or stored (stage 0)."""
     from qjl.kernels.cpu.store import store_bounds
     from qjl.kernels.encode import encode_store
     from qjl.kernels.paged import FieldMap

@@ -267,3 +267,91 @@ def test_cell_moments_refuse_bad_input(impl):
         fn(torch.ones(5, 64, dtype=torch.long), c.boundaries, c.centroids)
     with pytest.raises(TypeError, match="centroids"):
         fn(torch.randn(5, 64), c.boundaries, c.centroids.long())
+
+
+def _positional_quantize(codec, x, positions):
+    """codec.quantize of x [N, H, dim], token i at positions[i] (each head's vector alone at that position)."""
+    from qjl.codecs.base import Codes
+
+    parts = [codec.quantize(x[i].unsqueeze(-2), start=int(positions[i])) for i in range(x.shape[0])]
+    return Codes(tuple(x.shape[:-1]), {n: torch.stack([c.fields[n].reshape(c.fields[n].shape[0], *c.fields[n].shape[2:])
+                                                       for c in parts]) for n in parts[0].fields})
+
+
+VQ_CASES = {  # the codecs the C encoder stores beyond one rotation's scalar cells
+    "vq2": dict(name="turboquant_vq", bits=2, norm_dtype="fp8"),
+    "vq3": dict(name="turboquant_vq", bits=3),
+    "vq4": dict(name="turboquant_vq", bits=4, norm_dtype="bf16"),
+    "vq2-cycled": dict(name="turboquant_vq", bits=2, cycles=8, norm_dtype="fp8"),
+    "mse2-cycled": dict(name="turboquant_mse", bits=2, cycles=3),
+    "mse3-cycled-plain-norm": dict(name="turboquant_mse", bits=3, cycles=5, correct=False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VQ_CASES))
+def test_c_encoder_stores_vector_codebooks_and_rotations_in_turn(case):
+    """Vector codebooks (each group's nearest codeword, its fields packed, the norm corrected by the clamped cosine)
+    and rotations in turn (token at position p by rotation p mod K) through the C store: codes and norms bit for bit
+    ``encode_reference``'s, codes equal to ``codec.quantize`` at each token's position on all but a rare coordinate
+    within float32 rounding of a decision boundary, norms within one ulp; the same vectors at positions K apart get
+    the same codes and at other positions other codes."""
+    from qjl.codecs.turboquant import TurboQuantMSE
+    from qjl.codecs.vq import TurboQuantVQ
+    from qjl.core.packing import unpack_bits
+    from qjl.kernels.reference import encode_reference
+
+    c = dict(VQ_CASES[case])
+    cls = TurboQuantVQ if c.pop("name") == "turboquant_vq" else TurboQuantMSE
+    codec = cls(64, c.pop("bits"), seed=3, correct_norm=c.pop("correct", True), **c)
+    p = kernels.cpu_pass(codec)
+    assert kernels.can_store_cpu(codec) and not kernels.can_quantize_cpu(codec) and not kernels.can_quantize(codec)
+    nbytes = (64 * codec.bits + 7) // 8
+    nsize = torch.empty(0, dtype=p.norm_dtype).element_size()
+    buf, field = _pool(blocks=40, heads=3, slots=5, entry=nbytes + nsize, seed=2)
+    codes_f, norm_f = field(0, torch.uint8, (nbytes,)), field(nbytes, p.norm_dtype, ())
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(150, 3, 64, generator=g) * 2
+    x[7] = x[3]  # one token again, at a position K further (same codes) or not (rotations in turn: others)
+    positions = torch.randint(0, 4000, (150,), generator=g)
+    positions[7] = positions[3] + codec.cycles
+    x[8], positions[8] = x[3], positions[3] + 1
+    cells = torch.randperm(200, generator=g)[:150]
+    blocks, slots = cells // 5, cells % 5
+    kernels.store_cpu([(codec, x, codes_f, norm_f)], blocks, slots,
+                      positions=positions if codec.cycles > 1 else None)
+    heads = torch.arange(3)[None, :]
+    got_c = codes_f.gather(blocks[:, None], heads, slots[:, None])
+    got_n = norm_f.gather(blocks[:, None], heads, slots[:, None])
+    want = encode_reference(codec, x, positions[:, None])
+    assert torch.equal(got_c, want.fields["codes"])
+    assert torch.equal(got_n.view(torch.uint8), want.fields["norm"].view(torch.uint8))
+    ref = _positional_quantize(codec, x, positions) if codec.cycles > 1 else codec.quantize(x)
+    a, b = unpack_bits(got_c, codec.bits, 64), unpack_bits(ref.fields["codes"], codec.bits, 64)
+    assert (a != b).float().mean() <= 1e-3
+    n1, n2 = got_n.float(), ref.fields["norm"].float()
+    assert ((n1 - n2).abs() <= torch.finfo(p.norm_dtype).eps * n2.abs()).all()
+    assert torch.equal(got_c[7], got_c[3])
+    assert torch.equal(got_c[8], got_c[3]) == (codec.cycles == 1)
+
+
+def test_rotations_in_turn_need_positions_and_store_nothing_without():
+    """A store over rotations in turn: missing, short, float or negative positions are refused by name before any
+    byte changes; the scalar/vector codecs the Triton and the bucketing kernels do not run are refused by them."""
+    from qjl.codecs.turboquant import TurboQuantMSE
+    from qjl.codecs.vq import TurboQuantVQ
+
+    codec = TurboQuantVQ(64, 2, cycles=4, correct_norm=True)
+    p = kernels.cpu_pass(codec)
+    buf, field = _pool(entry=16 + 2)
+    before = buf.clone()
+    codes_f, norm_f = field(0, torch.uint8, (16,)), field(16, p.norm_dtype, ())
+    x, blocks, slots = torch.randn(4, 3, 64), torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2, 3])
+    for bad in (None, torch.tensor([1, 2, 3]), torch.tensor([0.0, 1, 2, 3]), torch.tensor([0, 1, -2, 3])):
+        with pytest.raises(ValueError, match="positions"):
+            kernels.store_cpu([(codec, x, codes_f, norm_f)], blocks, slots, positions=bad)
+    assert torch.equal(buf, before)
+    for c in (codec, TurboQuantMSE(64, 2, cycles=3), TurboQuantVQ(64, 3)):
+        with pytest.raises(TypeError, match="codec"):
+            kernels.quantize_cpu(c, torch.randn(2, 64))
+        with pytest.raises(TypeError, match="codec"):
+            kernels.quantize(c, torch.randn(1, 2, 64))

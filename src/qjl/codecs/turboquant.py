@@ -210,14 +210,14 @@ class TurboQuantMSE(Codec):
         return [self.rotation.apply(q.float())]
 
     def quantize_view(self):
-        """Normalize, rotate, Lloyd-Max cell, pack (norm correction as configured); None with ``cycles > 1`` (the
-        quantize kernels take one matrix: such codes come from :meth:`quantize`)."""
+        """Normalize, rotate, Lloyd-Max cell, pack (norm correction as configured); with ``cycles > 1`` the pass
+        lists the rotations in turn (``ProjectQuantize.rotations``: only the CPU encoder, given each vector's
+        position, runs it)."""
         from qjl.codecs.views import ProjectQuantize, QuantizeView
 
-        if self.cycles > 1:
-            return None
         return QuantizeView((ProjectQuantize(self.rotation, self.bits, "codes", "norm", self.norm_dtype, self._boundaries,
-                                             self._centroids, normalize=True, correct_norm=self.correct_norm),))
+                                             self._centroids, normalize=True, correct_norm=self.correct_norm,
+                                             rotations=self.rotations if self.cycles > 1 else ()),))
 
     def mix_view(self):
         """One group, scale ``norm``, no zero point; rows mixed in the rotated basis (see :meth:`unmix`), into

@@ -119,7 +119,16 @@ class ProjectQuantize:
     channels alone (``"outliers"``, ``d' = n_outliers``); ``x'`` is divided by ``||x'||`` first when
     ``normalize``.  Codes: ``y >= 0`` (``boundaries`` None, 1 bit) or the number of ``boundaries`` below
     each coordinate, packed LSB-first into field ``codes``; field ``norm`` holds ``||x'||`` (divided by
-    ``<y, centroids[code]>`` when ``correct_norm``) as ``norm_dtype``."""
+    ``<y, centroids[code]>`` when ``correct_norm``) as ``norm_dtype``.
+
+    Two extensions of TurboQuant's pass, which only the CPU encoder runs (:attr:`plain` is False; the Triton quantize
+    kernel takes plain passes): ``table`` ([2^(g bits), g] float32, a vector codebook,
+    :class:`qjl.codecs.vq.TurboQuantVQ`): instead of cells, each group of g consecutive coordinates gets its nearest
+    codeword ``e`` (``||c||^2 - 2 <y, c>``, ties to the lowest), stored as its g b-bit fields, ``search`` its
+    optional candidate grid (pairs: :func:`qjl.core.vq_codebook.search_grid`, the same indices), and the corrected
+    norm divides by ``max(<y, c>, cos_floor)``; ``rotations`` (K > 1 rotations in turn, ``rotations[0]`` being
+    ``matrix``): the vector at code position t is projected with ``rotations[t % K]``, so the encoder needs each
+    vector's position."""
 
     matrix: object
     bits: int
@@ -131,6 +140,25 @@ class ProjectQuantize:
     normalize: bool = False
     correct_norm: bool = False
     channels: str = "all"
+    table: torch.Tensor | None = None
+    search: object = None
+    cos_floor: float = 0.0
+    rotations: tuple = ()
+
+    @property
+    def cycles(self) -> int:
+        """How many rotations are used in turn (1: ``matrix`` alone)."""
+        return max(1, len(self.rotations))
+
+    @property
+    def group(self) -> int:
+        """Coordinates per codeword (1: scalar cells)."""
+        return 1 if self.table is None else int(self.table.shape[1])
+
+    @property
+    def plain(self) -> bool:
+        """One matrix and scalar cells (or signs): what every quantize kernel runs."""
+        return self.table is None and self.cycles == 1
 
 
 @dataclass(frozen=True)
@@ -140,6 +168,11 @@ class QuantizeView:
 
     passes: tuple
     shared: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Every pass plain (:attr:`ProjectQuantize.plain`): what the Triton quantize kernel runs."""
+        return all(p.plain for p in self.passes)
 
 
 def kernel_readable(key_codec, value_codec) -> bool:

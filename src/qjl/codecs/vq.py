@@ -141,8 +141,16 @@ class TurboQuantVQ(TurboQuantMSE):
         return PackedCodes("codes", self.bits, self.rotation.out_dim, self._flat, group=self.group)
 
     def quantize_view(self):
-        """None: the quantize kernels place scalar cells; these codes come from :meth:`quantize` (torch)."""
-        return None
+        """Normalize, rotate (in turn with ``cycles > 1``), nearest codeword per group, pack, the norm corrected with
+        the clamped cosine: a pass with a ``table`` (:class:`qjl.codecs.views.ProjectQuantize`), which the CPU
+        encoder runs (:func:`qjl.kernels.encode.store_cpu`) and the Triton quantize kernel does not (``plain``
+        False: :meth:`quantize` codes them there)."""
+        from qjl.codecs.views import ProjectQuantize, QuantizeView
+
+        return QuantizeView((ProjectQuantize(self.rotation, self.bits, "codes", "norm", self.norm_dtype,
+                                             normalize=True, correct_norm=self.correct_norm, table=self.table,
+                                             search=self._grid, cos_floor=COS_FLOOR,
+                                             rotations=self.rotations if self.cycles > 1 else ()),))
 
     @property
     def centroids(self) -> torch.Tensor:

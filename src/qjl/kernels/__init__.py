@@ -21,14 +21,15 @@ import importlib
 import os
 
 __all__ = ["BACKENDS", "CYCLED_BACKENDS", "GROUPED_BACKENDS", "pick_backend", "cpu_available", "triton_usable", "supports", "paged_decode", "PagedField",
-           "FieldMap", "PagedRows", "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu", "encode_rows_cpu",
-           "store_cpu", "cpu_pass", "quantize_with"]
+           "FieldMap", "PagedRows", "quantize", "can_quantize", "quantize_cpu", "can_quantize_cpu", "can_store_cpu",
+           "encode_rows_cpu", "store_cpu", "cpu_pass", "quantize_with"]
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 _LAZY = {"paged_decode": "qjl.kernels.paged", "PagedField": "qjl.kernels.paged", "FieldMap": "qjl.kernels.paged",
          "PagedRows": "qjl.kernels.paged", "store_cpu": "qjl.kernels.encode", "quantize": "qjl.kernels.encode",
          "can_quantize": "qjl.kernels.encode", "quantize_cpu": "qjl.kernels.encode",
-         "can_quantize_cpu": "qjl.kernels.encode", "quantize_with": "qjl.kernels.encode",
+         "can_quantize_cpu": "qjl.kernels.encode", "can_store_cpu": "qjl.kernels.encode",
+         "quantize_with": "qjl.kernels.encode",
          "encode_rows_cpu": "qjl.kernels.encode", "cpu_pass": "qjl.kernels.encode"}
 
 

@@ -10,13 +10,15 @@ import weakref
 
 import torch
 
-__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "quantize_cpu", "encode_rows_cpu", "store_cpu",
-           "encode_store", "raise_store_error", "dense_t", "cpu_pass", "quantize_with"]
+__all__ = ["can_quantize", "quantize", "can_quantize_cpu", "can_store_cpu", "quantize_cpu", "encode_rows_cpu",
+           "store_cpu", "encode_store", "raise_store_error", "dense_t", "pass_matrices_t", "cpu_pass", "quantize_with"]
 
 
 def can_quantize(codec) -> bool:
-    """Codecs the Triton quantize kernel covers: those declaring a quantize view."""
-    return codec.quantize_view() is not None
+    """Codecs the Triton quantize kernel covers: those declaring a quantize view of plain passes (one matrix, signs or
+    scalar cells; :attr:`qjl.codecs.views.QuantizeView.plain`)."""
+    view = codec.quantize_view()
+    return view is not None and view.plain
 
 
 def _seq(x: torch.Tensor) -> torch.Tensor:
@@ -51,8 +53,9 @@ def quantize(codec, x: torch.Tensor, outlier_idx: torch.Tensor | None = None):
     from qjl.kernels.triton import launch as tl
 
     view = codec.quantize_view()
-    if view is None:
-        raise TypeError(f"codec: {type(codec).__name__} declares no quantize view for the Triton kernel")
+    if view is None or not view.plain:
+        raise TypeError(f"codec: {codec!r} declares no quantize view the Triton kernel runs (one matrix, signs or "
+                        "scalar cells): codec.quantize codes it")
     check_vectors("x", x, codec.dim, min_ndim=2 if view.shared else 1)
     lead = tuple(x.shape[:-1])
     xs = _seq(x)
@@ -90,8 +93,9 @@ _PASS = weakref.WeakKeyDictionary()  # codec -> its single CPU bucketing pass, o
 
 
 def cpu_pass(codec):
-    """The single bucketing pass (a :class:`qjl.codecs.views.ProjectQuantize`) the CPU kernel runs for ``codec``,
-    or None (memoized per codec object)."""
+    """The single normalize-rotate-quantize pass (a :class:`qjl.codecs.views.ProjectQuantize`: scalar cells or a
+    vector codebook, one rotation or several in turn) the CPU encoder runs for ``codec``, or None (memoized per codec
+    object)."""
     try:
         return _PASS[codec]
     except (KeyError, TypeError):
@@ -100,7 +104,7 @@ def cpu_pass(codec):
     p = None
     if view is not None and not view.shared and len(view.passes) == 1:
         q = view.passes[0]
-        p = q if q.boundaries is not None and q.normalize and q.channels == "all" else None
+        p = q if (q.boundaries is not None or q.table is not None) and q.normalize and q.channels == "all" else None
     try:
         _PASS[codec] = p
     except TypeError:  # not weak-referenceable: no memo
@@ -109,7 +113,18 @@ def cpu_pass(codec):
 
 
 def can_quantize_cpu(codec) -> bool:
-    """Codecs the C bucketing covers (normalize, rotate, Lloyd-Max cells: TurboQuant MSE) where it builds."""
+    """Codecs the C bucketing covers (normalize, one rotation, Lloyd-Max cells: TurboQuant MSE) where it builds
+    (:func:`quantize_cpu`)."""
+    from qjl.kernels.cpu import launch
+
+    p = cpu_pass(codec)
+    return p is not None and p.plain and launch.available()
+
+
+def can_store_cpu(codec) -> bool:
+    """Codecs the C encoder stores into paged fields where it builds (:func:`store_cpu`): TurboQuant MSE and its vector
+    codebooks (:class:`qjl.codecs.vq.TurboQuantVQ`), over one rotation or several in turn (these given each token's
+    position)."""
     from qjl.kernels.cpu import launch
 
     return cpu_pass(codec) is not None and launch.available()
@@ -121,9 +136,9 @@ def _rotated(codec, x: torch.Tensor):
     from qjl.core.validation import check_vectors
 
     p = cpu_pass(codec)
-    if p is None:
-        raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
-                        f"got {type(codec).__name__}")
+    if p is None or not p.plain:
+        raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs with one rotation "
+                        f"(TurboQuantMSE), got {codec!r}")
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.ndim < 1 or x.shape[-1] != codec.dim:
         check_vectors("x", x, codec.dim)  # raises the reference's error
     xf = x.float()
@@ -174,8 +189,16 @@ def dense_t(rotation) -> torch.Tensor:
     return m
 
 
+def pass_matrices_t(p) -> torch.Tensor:
+    """The dense matrices the C encoder rotates with for pass ``p``: [dim, n] (one rotation, :func:`dense_t`) or
+    [K, dim, n] (its K rotations in turn, ``p.rotations``)."""
+    if p.cycles == 1:
+        return dense_t(p.matrix)
+    return torch.stack([dense_t(r) for r in p.rotations])
+
+
 def store_cpu(jobs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | None = None,
-              memo: dict | None = None) -> None:
+              memo: dict | None = None, positions: torch.Tensor | None = None) -> None:
     """Quantize every job ``(codec, x [N, H, dim], codes_field, norm_field)`` and store its codes and norms into
     paged fields (CPU buffers) at (blocks [N], slots [N], KV heads 0..H-1), all jobs in one C call
     (:class:`qjl.kernels.cpu.store.EncodeStore`: norm, rotation, cells, packing and the norm's dtype, the rows
@@ -183,14 +206,15 @@ def store_cpu(jobs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | N
     :func:`qjl.kernels.reference.encode_reference` bit for bit; against ``codec.quantize`` (whose rotation is a
     BLAS product, rounded differently from one batch shape to another) a code may differ where a rotated
     coordinate lies within float32 rounding of a cell boundary (tested: rare, and only there).  Codecs: those of
-    :func:`can_quantize_cpu`.  Nothing is stored unless every job passes: the reference's ValueError for NaN/Inf
-    or a norm beyond its dtype; ValueError for positions or fields that do not fit.  ``bounds``:
+    :func:`can_store_cpu` (TurboQuant MSE, its vector codebooks, over rotations in turn: these need ``positions``
+    [N], each token's position in its sequence).  Nothing is stored unless every job passes: the reference's
+    ValueError for NaN/Inf or a norm beyond its dtype; ValueError for positions or fields that do not fit.  ``bounds``:
     :func:`qjl.kernels.cpu.store.store_bounds` of blocks and slots (a caller storing several layers at the same
     positions computes it once); ``memo``: a dict living as long as the fields (e.g.
     :attr:`qjl.kernels.paged.FieldMap.memo`) where the C arguments are kept between calls."""
     store, static = encode_store(jobs, memo)
     xs = [x for _, x, _, _ in jobs]
-    rc, k = store(xs, blocks, slots, bounds)
+    rc, k = store(xs, blocks, slots, bounds, positions)
     if rc:
         raise_store_error(rc, jobs[k][0], xs[k], static[k])
 
@@ -212,9 +236,9 @@ def encode_store(jobs, memo: dict | None = None) -> tuple:
     for codec, x, cf, nf in jobs:
         p = cpu_pass(codec)
         if p is None:
-            raise TypeError(f"codec: the CPU quantize kernel covers rotate-and-bucket codecs (TurboQuantMSE), "
+            raise TypeError(f"codec: the C encoder stores rotate-and-quantize codecs (TurboQuantMSE, TurboQuantVQ), "
                             f"got {type(codec).__name__}")
-        static.append((p, dense_t(p.matrix), cf, nf))
+        static.append((p, pass_matrices_t(p), cf, nf))
     store = EncodeStore(static, heads)
     if memo is not None:
         memo[key] = (objs, static, store)  # (the objects kept: their ids stay theirs)

@@ -161,43 +161,63 @@ def merge_stacked_partials(m: torch.Tensor, l: torch.Tensor, o: torch.Tensor, di
     return mx, (w * l).sum(dim=dim), (w.unsqueeze(-1) * o).sum(dim=dim)
 
 
-def encode_reference(codec, x: torch.Tensor):
+def encode_reference(codec, x: torch.Tensor, positions: torch.Tensor | None = None):
     """The plain-torch mirror of the C encoder (:func:`qjl.kernels.encode.store_cpu`, ``quantize.c``'s
     ``encode_row``), op for op in the same order, so its codes and stored norms are the C encoder's bit for bit:
     ``ss = sum_j x_j^2`` in float64 over j in order, ``norm = float32(sqrt(ss))``, ``u = x / (norm if norm > 0 else
-    1)``, ``y_k = sum_j u_j M[k, j]`` in float32 over j in order (products and sums rounded apart), cells as
-    ``torch.bucketize`` (``codec.cells``), ``cos = sum_k y_k cent[cell_k]`` in float32 over k in order, the stored
-    norm ``norm / cos`` (where positive) with ``correct_norm``, in the norm's dtype.
+    1)``, ``y_k = sum_j u_j M[k, j]`` in float32 over j in order (products and sums rounded apart; M the vector's
+    rotation: ``rotations[position % K]`` for a pass over K rotations in turn), cells as ``torch.bucketize``
+    (``codec.cells``) with ``cos = sum_k y_k cent[cell_k]``, or for a vector codebook each group's nearest codeword
+    (:func:`qjl.core.vq_codebook.nearest_reference`) with ``cos = sum_k y_k table[e, k % g]``, in float32 over k in
+    order; ``cos = max(cos, cos_floor)``; the stored norm ``norm / cos`` (where positive) with ``correct_norm``, in
+    the norm's dtype.
 
-    x: [..., dim] float -> :class:`qjl.Codes` (``codes`` [..., nbytes] uint8, ``norm`` [...]) of ``codec`` (a codec
-    the C encoder serves: :func:`qjl.kernels.encode.can_quantize_cpu`).  Slow (loops over the dimensions): for tests.
+    x: [..., dim] float; ``positions``: int, broadcastable to x's lead shape (each vector's position in its
+    sequence; needed for rotations in turn) -> :class:`qjl.Codes` (``codes`` [..., nbytes] uint8, ``norm`` [...]) of
+    ``codec`` (a codec the C encoder stores: :func:`qjl.kernels.encode.can_store_cpu`).  Slow (loops over the
+    dimensions): for tests.
     """
     from qjl.codecs.base import Codes
     from qjl.core.lloyd_max import bucket
     from qjl.core.packing import pack_bits
     from qjl.core.validation import check_fits, check_vectors
-    from qjl.kernels.encode import cpu_pass, dense_t
+    from qjl.core.vq_codebook import nearest_reference
+    from qjl.kernels.encode import cpu_pass, pass_matrices_t
 
     p = cpu_pass(codec)
     if p is None:
-        raise TypeError(f"codec: the C encoder covers rotate-and-bucket codecs (TurboQuantMSE), got "
+        raise TypeError(f"codec: the C encoder covers rotate-and-quantize codecs (TurboQuantMSE, TurboQuantVQ), got "
                         f"{type(codec).__name__}")
     check_vectors("x", x, codec.dim)
+    if p.cycles > 1 and positions is None:
+        raise ValueError(f"positions: {codec!r} codes vectors over rotations in turn by their positions")
     xf = x.float()
     ss = torch.zeros(xf.shape[:-1], dtype=torch.float64)
     for j in range(xf.shape[-1]):
         ss = ss + xf[..., j].double() * xf[..., j].double()
     norm = ss.sqrt().float()
     u = xf / torch.where(norm > 0, norm, torch.ones_like(norm)).unsqueeze(-1)
-    mt = dense_t(p.matrix)  # [dim, n]
-    y = torch.zeros(*xf.shape[:-1], mt.shape[1])
-    for j in range(mt.shape[0]):
-        y = y + u[..., j:j + 1] * mt[j]
-    idx = bucket(y, p.boundaries.float())
-    cent = p.centroids.float()[idx]
+    mt = pass_matrices_t(p)  # [dim, n] or [K, dim, n]
+    if p.cycles > 1:  # each vector's own rotation: [..., dim, n]
+        mt = mt[torch.broadcast_to(torch.as_tensor(positions).long(), xf.shape[:-1]) % p.cycles]
+    n = mt.shape[-1]
+    y = torch.zeros(*xf.shape[:-1], n)
+    for j in range(mt.shape[-2]):
+        y = y + u[..., j:j + 1] * mt[..., j, :]
+    if p.table is None:
+        idx = bucket(y, p.boundaries.float())
+        chosen = p.centroids.float()[idx]
+    else:
+        table = p.table.float()
+        g = table.shape[1]
+        e = nearest_reference(y.reshape(-1, g), table, table.double().square().sum(-1).float()).reshape(
+            *y.shape[:-1], n // g)
+        chosen = table[e].reshape(y.shape)
+        idx = ((e.unsqueeze(-1) >> (torch.arange(g) * p.bits)) & (2 ** p.bits - 1)).reshape(y.shape)
     cos = torch.zeros(xf.shape[:-1])
-    for k in range(y.shape[-1]):
-        cos = cos + y[..., k] * cent[..., k]
+    for k in range(n):
+        cos = cos + y[..., k] * chosen[..., k]
+    cos = torch.maximum(cos, torch.tensor(float(p.cos_floor)))
     check_fits("norm of x", norm, p.norm_dtype)
     stored = norm / torch.where(cos > 0, cos, torch.ones_like(cos)) if p.correct_norm else norm
     check_fits("corrected norm of x" if p.correct_norm else "norm of x", stored, p.norm_dtype)

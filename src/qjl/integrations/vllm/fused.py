@@ -60,7 +60,8 @@ def fused_decode(layout: PageLayout, fields, plan: StepPlan, query: torch.Tensor
     if one is None:
         return None
     rc, job, _, k, v = one(query.reshape(t, h, hq // h, d), key, value, step, plan.store_bounds(), q_scale=scale,
-                           out=out.view(t, h, hq // h, d), checked=True)  # (unmoved: asked just above)
+                           out=out.view(t, h, hq // h, d), checked=True,  # (unmoved: asked just above)
+                           positions=plan.write_positions if one.store.positional else None)
     if rc:
         from ...kernels.encode import encode_store, raise_store_error
 

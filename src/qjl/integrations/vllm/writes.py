@@ -41,11 +41,11 @@ def _codes(codec, x: torch.Tensor, plan=None) -> Codes:
 
 
 def _cpu_stored(codec) -> bool:
-    """The C encoder stores this role's codes straight into its fields (TurboQuant MSE, no per-block fit;
-    :func:`qjl.kernels.encode.store_cpu`)."""
+    """The C encoder stores this role's codes straight into its fields (TurboQuant MSE and its vector codebooks, over
+    one rotation or several in turn; no per-block fit: :func:`qjl.kernels.encode.store_cpu`)."""
     from ... import kernels
 
-    return kernels.can_quantize_cpu(codec)  # (no per-block fit: its codecs have no single CPU pass)
+    return kernels.can_store_cpu(codec)  # (no per-block fit: its codecs have no single CPU pass)
 
 
 def _quantize_keys(codec, k: torch.Tensor, blocks, offs, key_fields: dict) -> Codes:
@@ -138,8 +138,14 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
                 _codes(codec, x, plan))
                for role, codec, fmap, x in torch_roles]
     if c_jobs:  # the positions' checks: once per step when a plan is shared by the layers
+        positions = None
+        if any(getattr(codec, "positional", False) for codec, *_ in c_jobs):
+            positions = plan.write_positions if plan is not None else None
+            if positions is None or len(positions) != key.shape[0]:
+                raise ValueError(f"codecs over rotations in turn code tokens by their positions: the write needs the "
+                                 f"step's plan (its positions of the {key.shape[0]} tokens); nothing stored")
         kernels.store_cpu(c_jobs, blocks, offs, plan.store_bounds() if plan is not None else None,
-                          memo=fields.memo if isinstance(fields, FieldMap) else None)
+                          memo=fields.memo if isinstance(fields, FieldMap) else None, positions=positions)
     for role, fmap, enc in encoded:
         for name, t in enc.fields.items():
             f = fmap[name]

@@ -114,11 +114,22 @@ typedef struct {          /* one role's rows for qjl_encode_store (quantize.c) *
     int64_t x_st, x_sh;
     int32_t x_dtype;      /* 0 fp32, 1 fp16, 2 bf16 */
     int64_t dim, n;       /* input and rotated dimensions */
-    const float *matrix_t; /* [dim, n]: the rotation's dense matrix M [n, dim], transposed */
-    const float *bnd, *cent; /* [2^bits - 1] sorted boundaries, [2^bits] centroids */
+    const float *matrix_t; /* [cycles, dim, n]: each rotation's dense matrix M [n, dim], transposed */
+    const float *bnd, *cent; /* [2^bits - 1] sorted boundaries, [2^bits] centroids (group 1) */
     int32_t nbnd, bits, correct;
     float norm_max;
     qjl_field codes, norm_field;
+    int32_t group;        /* 1: scalar cells; g > 1: a vector codebook, each g coordinates' nearest codeword of
+                             table [words, g] (sq [words] its squared norms, tt [g, words] it transposed or NULL),
+                             stored as its g bits-bit fields; pairs may search through a grid (grid_cells > 0) */
+    int32_t words;
+    const float *table, *sq, *tt;
+    float grid_lo, grid_inv;
+    int32_t grid_cells;
+    const int32_t *grid_off, *grid_cand;
+    float cos_floor;      /* the corrected norm divides by max(cos, cos_floor) (0: by cos where positive) */
+    int32_t cycles;       /* rotations in turn: token t's rows rotated by matrix pos[t] % cycles (cycles 1: pos unread) */
+    const int64_t *pos;
 } qjl_encode_job;
 typedef struct {          /* one decode step of a layer in one call (step.c): B sequences, one new token each */
     const uint8_t *k, *v;  /* the new keys / values: token b, KV head h at k + b * k_st + h * k_sh (bytes; v

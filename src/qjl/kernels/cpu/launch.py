@@ -32,7 +32,7 @@ import torch
 
 from .binding import X_DTYPES, Args, check_groups, fill_view, f32, i32, i64, module, require
 from .rows import value_rows, value_rows_reference  # (their home: rows.py; named here as before)
-from .store import EncodeStore, bucket_norms, cell_moments, store_bounds  # (store.py)
+from .store import EncodeStore, bucket_norms, cell_moments, check_positions, store_bounds  # (store.py)
 
 __all__ = ["available", "implementation", "simd_path", "has_int_path", "has_amx_path", "default_impl", "paged_decode", "DecodeStep",
            "paged_decode_step", "DecodeCall", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore",
@@ -731,29 +731,20 @@ class DecodeStore:
     ``exact_fields`` (the (key, value) PagedFields the steps' exact rows are read in, when ``step.rows`` is set).
     :meth:`holds` tells whether a call's objects are these, their buffers unmoved (a call refuses moved buffers:
     build another); the key codec's query maps must be the kernel's own (:attr:`served`; else the general launcher
-    serves the layer); value codes over rotations in turn (``MixView.cycles > 1``: the store's jobs take one
-    rotation) and a vector codebook's codes of either role (``PackedCodes.group > 1``: the store's jobs place scalar
-    cells) are refused (ValueError naming the codec).  One caller at a time."""
+    serves the layer).  Either role may be a vector codebook's and the values may be coded over rotations in turn
+    (each call then gives the tokens' ``positions``).  One caller at a time."""
 
     def __init__(self, q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, store: "EncodeStore",
                  *, mu_field=None, mu_v_field=None, exact_fields=None):
-        from qjl.codecs.views import grouped
         from qjl.kernels.paged import FieldMap, extent_bytes, mix_view
 
         view = mix_view(value_codec)
-        if view is not None and view.cycles > 1:  # (step.c's encode jobs take one rotation matrix)
-            raise ValueError(f"value_codec {value_codec!r} codes values over rotations in turn (cycles > 1): the fused "
-                             "step does not store them (their codes come from codec.quantize; use paged_decode_step)")
-        for role, codec, sv, mv in (("key_codec", key_codec, getattr(key_codec, "score_view", lambda: None)(), None),
-                                    ("value_codec", value_codec, None, view)):
-            if grouped(sv, mv):  # (step.c's encode jobs place scalar cells)
-                raise ValueError(f"{role} {codec!r} codes vectors g coordinates at a time (a vector codebook, "
-                                 "PackedCodes.group > 1): the fused step does not store them (their codes come from "
-                                 "codec.quantize; use paged_decode_step)")
         if not isinstance(step, DecodeStep) or step.segments != 1:
             raise ValueError("step must be a DecodeStep with one segment (the new tokens)")
         if not isinstance(store, EncodeStore) or len(store.static) != 2:
             raise TypeError(f"store must be an EncodeStore of a key and a value job, got {type(store).__name__}")
+        if store.static[1][0].cycles != (view.cycles if view is not None else 1):
+            raise ValueError("store: its value job's rotations in turn differ from the value codec's accumulators")
         if not (isinstance(key_fields, FieldMap) and isinstance(value_fields, FieldMap)):
             raise TypeError("key_fields and value_fields must be FieldMaps (their checks are kept between steps)")
         if not isinstance(q, torch.Tensor) or q.ndim != 4 or q.shape[0] != step.batch:
@@ -829,13 +820,15 @@ class DecodeStore:
         return all(t.data_ptr() == p and t.shape == sh and t.stride() == st for t, p, sh, st in self.buffers)
 
     def __call__(self, q, key, value, step: DecodeStep, bounds: tuple, *, q_scale: float = 1.0,
-                 out: torch.Tensor | None = None, threads: int | None = None, checked: bool = False) -> tuple:
+                 out: torch.Tensor | None = None, threads: int | None = None, checked: bool = False,
+                 positions: torch.Tensor | None = None) -> tuple:
         """One step: q [B, H_kv, R, D] float (scaled by ``q_scale`` in the call), key / value [B, H_kv, D]
         fp32/fp16/bf16 with contiguous rows (one new token per sequence), ``step`` the step's :class:`DecodeStep`
         (``segments=1``; its exact rows of the geometry this was built for), ``bounds`` :func:`store_bounds` of
         the tokens' blocks and slots (sequence b's codes at entry b), out None or a contiguous [B, H_kv, R, D]
         fp32/fp16/bf16 tensor the attention is written into; ``checked``: the caller has just found
-        :meth:`unmoved` true (it is not asked again).
+        :meth:`unmoved` true (it is not asked again); ``positions`` [B] int: each new token's position in its
+        sequence (needed where the store codes values over rotations in turn, :attr:`EncodeStore.positional`).
 
         Returns (status, job, out, k, v): status 0, or the store's status of its failing ``job`` (nothing stored,
         nothing attended; :func:`qjl.kernels.encode.raise_store_error` names it); k, v [B, H_kv, D] float32 the keys
@@ -873,6 +866,7 @@ class DecodeStore:
         if blk.shape[0] != b:
             raise ValueError(f"bounds: {blk.shape[0]} positions for {b} sequences (nothing stored)")
         self.store.check_positions(bounds)
+        pos = check_positions(positions, b) if self.store.positional or positions is not None else None
         xb, ne = step.xbias, step.n_rows + 1
         if xb is not None and (xb.shape[1] not in (1, h) or xb.shape[2] not in (1, r) or xb.shape[3] != ne):
             raise ValueError(f"the step's xbias {tuple(xb.shape)} does not broadcast over [B, {h}, {r}, {ne}]")
@@ -884,7 +878,8 @@ class DecodeStore:
             self.tpl, self.jobs, step.shared(), q.data_ptr(), X_DTYPES[q.dtype], float(q_scale), key.data_ptr(),
             key.stride(0) * ks, key.stride(1) * ks, X_DTYPES[key.dtype], value.data_ptr(), value.stride(0) * vs,
             value.stride(1) * vs, X_DTYPES[value.dtype], out.data_ptr(), X_DTYPES[out.dtype], k_out.data_ptr(),
-            v_out.data_ptr(), mixed.data_ptr(), blk.data_ptr(), slt.data_ptr(), int(threads or 0), st)
+            v_out.data_ptr(), mixed.data_ptr(), blk.data_ptr(), slt.data_ptr(), 0 if pos is None else pos.data_ptr(),
+            int(threads or 0), st)
         if rc == 0 or st[0] == 1:  # (1: the store refused a job: its status, for the caller to name)
             return rc, int(st[1]), out, k_out, v_out
         if st[0] == 0:

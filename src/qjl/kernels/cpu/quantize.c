@@ -470,11 +470,54 @@ typedef struct {
     int *status;     /* [rows]: 0, -2 a non-finite entry, -3 the norm beyond norm_max, -4 the corrected norm */
 } qjl_encode_ctx;
 
+/* y [n]'s nearest codewords of a job's vector codebook, group by group (nearest_block: qjl_vq_nearest's indices),
+ * each stored as its g bits-bit fields packed LSB-first into out [ceil(n bits / 8)]; returns the norm correction's
+ * cosine sum_c y[c] * table[e_(c / g) g + c % g] in float32, in coordinate order. */
+static float vq_packed(const float *y, const qjl_encode_job *j, uint8_t *out) {
+    const int64_t n = j->n, g = j->group, per = n / g;
+    const int bits = j->bits;
+    int64_t code[per]; /* (head dimensions: a few KB on the stack) */
+    const qjl_grid grid = {j->grid_lo, j->grid_inv, j->grid_cells, j->grid_off, j->grid_cand};
+    nearest_block(y, per, (int)g, j->table, j->tt, j->sq, j->words, j->grid_cells > 0 ? &grid : NULL, code);
+    memset(out, 0, (size_t)((n * bits + 7) / 8));
+    const uint32_t mask = (1u << bits) - 1u;
+    float cos = 0.0f;
+    for (int64_t q = 0; q < per; q++) {
+        const int64_t e = code[q];
+        for (int64_t t = 0; t < g; t++) {
+            const int64_t c = q * g + t;
+            cos += y[c] * j->table[e * g + t];
+            const int64_t pos = c * bits;
+            const uint32_t w = ((uint32_t)(e >> (t * bits)) & mask) << (pos & 7);
+            out[pos >> 3] |= (uint8_t)w;
+            if ((pos & 7) + bits > 8) out[(pos >> 3) + 1] |= (uint8_t)(w >> 8);
+        }
+    }
+    return cos;
+}
+
+/* The rotation of token t's rows: matrix pos[t] % cycles of the job's (its only one when cycles is 1). */
+static inline const float *job_matrix(const qjl_encode_job *j, int64_t t) {
+    return j->cycles > 1 ? j->matrix_t + (j->pos[t] % j->cycles) * j->dim * j->n : j->matrix_t;
+}
+
+/* Codes of the rotated unit row y into out; returns the cosine the norm correction divides by (cells_packed's or
+ * vq_packed's, clamped at cos_floor). */
+static inline float job_cells(const qjl_encode_job *j, const float *y, uint8_t *out) {
+    if (j->group > 1) {
+        const float cos = vq_packed(y, j, out);
+        return cos < j->cos_floor ? j->cos_floor : cos;
+    }
+    const float cos = cells_packed(y, j->n, j->bnd, j->nbnd, j->cent, j->bits, out);
+    return cos < j->cos_floor ? j->cos_floor : cos;
+}
+
 /* Row i of a job in a fixed order (what qjl.kernels.encode.encode_reference computes op for op in torch):
  *   ss = sum_j x_j^2 in float64, j = 0, 1, ...; norm = (float)sqrt(ss); u_j = x_j / (norm > 0 ? norm : 1);
  *   y_k = sum_j u_j * M[k, j] in float32, j = 0, 1, ... (each product and sum rounded: no fused multiply-add,
- *   the build being -std=c99); cells as torch.bucketize, packed LSB-first; cos = sum_k y_k * cent[cell_k] in
- *   float32, k = 0, 1, ...; stored = correct ? norm / (cos > 0 ? cos : 1) : norm. */
+ *   the build being -std=c99; M the token's rotation, job_matrix); cells as torch.bucketize, packed LSB-first, and
+ *   cos = sum_k y_k * cent[cell_k] in float32, k = 0, 1, ... (a vector codebook: vq_packed's codewords and cosine);
+ *   cos = max(cos, cos_floor); stored = correct ? norm / (cos > 0 ? cos : 1) : norm. */
 static void encode_row(void *ctx, int64_t i) {
     const qjl_encode_ctx *c = ctx;
     const qjl_encode_job *j = c->j;
@@ -490,11 +533,12 @@ static void encode_row(void *ctx, int64_t i) {
     const float norm = (float)sqrt(ss), div = norm > 0.0f ? norm : 1.0f;
     for (int64_t k = 0; k < d; k++) x[k] = x[k] / div;
     for (int64_t k = 0; k < n; k++) y[k] = 0.0f;
+    const float *mt = job_matrix(j, t);
     for (int64_t k = 0; k < d; k++) { /* y += u_k * M[:, k]: each output summed over k in order */
-        const float uk = x[k], *col = j->matrix_t + k * n;
+        const float uk = x[k], *col = mt + k * n;
         for (int64_t o = 0; o < n; o++) y[o] = y[o] + uk * col[o];
     }
-    const float cos = cells_packed(y, n, j->bnd, j->nbnd, j->cent, j->bits, c->codes + i * nbytes);
+    const float cos = job_cells(j, y, c->codes + i * nbytes);
     const float v = j->correct ? norm / (cos > 0.0f ? cos : 1.0f) : norm;
     c->stored[i] = v;
     c->status[i] = !finite ? -2 : !(norm <= j->norm_max) ? -3 : !(fabsf(v) <= j->norm_max) ? -4 : 0;
@@ -527,20 +571,31 @@ static void encode_rows4(const qjl_encode_ctx *c, int64_t i0) {
         for (int64_t k = 0; k < d; k++) xb[r][k] = xb[r][k] / div;
         for (int64_t o = 0; o < n; o++) yb[r][o] = 0.0f;
     }
-    for (int64_t k = 0; k < d; k++) { /* y += u_k * M[:, k] for the 4 rows: each output summed over k in order */
-        const float *col = j->matrix_t + k * n;
-        const float u0 = xb[0][k], u1 = xb[1][k], u2 = xb[2][k], u3 = xb[3][k];
-        for (int64_t o = 0; o < n; o++) {
-            const float m = col[o];
-            yb[0][o] = yb[0][o] + u0 * m;
-            yb[1][o] = yb[1][o] + u1 * m;
-            yb[2][o] = yb[2][o] + u2 * m;
-            yb[3][o] = yb[3][o] + u3 * m;
+    const float *m0 = job_matrix(j, i0 / c->heads), *m3 = job_matrix(j, (i0 + 3) / c->heads);
+    if (m0 == m3) { /* one rotation for the 4 rows (always with one matrix): one column of M read for the 4 */
+        for (int64_t k = 0; k < d; k++) { /* y += u_k * M[:, k] for the 4 rows: each output summed over k in order */
+            const float *col = m0 + k * n;
+            const float u0 = xb[0][k], u1 = xb[1][k], u2 = xb[2][k], u3 = xb[3][k];
+            for (int64_t o = 0; o < n; o++) {
+                const float m = col[o];
+                yb[0][o] = yb[0][o] + u0 * m;
+                yb[1][o] = yb[1][o] + u1 * m;
+                yb[2][o] = yb[2][o] + u2 * m;
+                yb[3][o] = yb[3][o] + u3 * m;
+            }
         }
+    } else { /* rows of tokens at positions with different rotations: each its own matrix, the same order */
+        const float *mr[ENCODE_ILP];
+        for (int r = 0; r < ENCODE_ILP; r++) mr[r] = job_matrix(j, (i0 + r) / c->heads);
+        for (int64_t k = 0; k < d; k++)
+            for (int r = 0; r < ENCODE_ILP; r++) {
+                const float u = xb[r][k], *col = mr[r] + k * n;
+                for (int64_t o = 0; o < n; o++) yb[r][o] = yb[r][o] + u * col[o];
+            }
     }
     for (int r = 0; r < ENCODE_ILP; r++) {
         const int64_t i = i0 + r;
-        const float cos = cells_packed(yb[r], n, j->bnd, j->nbnd, j->cent, j->bits, c->codes + i * nbytes);
+        const float cos = job_cells(j, yb[r], c->codes + i * nbytes);
         const float v = j->correct ? norm[r] / (cos > 0.0f ? cos : 1.0f) : norm[r];
         c->stored[i] = v;
         c->status[i] = !finite[r] ? -2 : !(norm[r] <= j->norm_max) ? -3 : !(fabsf(v) <= j->norm_max) ? -4 : 0;
@@ -562,7 +617,8 @@ static void encode_block(void *ctx, int64_t b) {
 }
 
 /* Several roles (a layer's keys and values) quantized as encode_row says and stored into paged fields, the rows
- * never leaving C: row i of a job is token i / heads, KV head i % heads, stored at (blocks[i / heads],
+ * never leaving C (scalar cells or a vector codebook, one rotation or several in turn by the tokens' positions
+ * pos): row i of a job is token i / heads, KV head i % heads, stored at (blocks[i / heads],
  * slots[i / heads]) of its codes and norm fields (the norm converted to the field's dtype as torch's .to(dtype)).
  * Nothing is stored unless every row of every job passes; else *failed is the first job that did not and the
  * return value its first row's status (-2 non-finite x, -3 norm beyond norm_max, -4 corrected norm; -1 bad
@@ -580,11 +636,19 @@ QJL_EXPORT int qjl_encode_store(const qjl_encode_job *jobs, int32_t n_jobs, int6
         const qjl_encode_job *j = &jobs[k];
         *failed = k;
         if (j->dim < 1 || j->dim > 4096 || j->n < 1 || j->n > 4096 || j->bits < 1 || j->bits > 8 ||
-            j->nbnd != (1 << j->bits) - 1 ||
-            j->x_dtype < 0 || j->x_dtype > 2 || j->norm_field.dtype < 0 || j->norm_field.dtype > 3) {
+            j->x_dtype < 0 || j->x_dtype > 2 || j->norm_field.dtype < 0 || j->norm_field.dtype > 3 ||
+            j->cycles < 1 || j->cycles > 64 || (j->cycles > 1 && !j->pos) || !(j->cos_floor >= 0.0f) ||
+            (j->group == 1 ? j->nbnd != (1 << j->bits) - 1
+                           : (j->group < 2 || j->group > 8 || j->n % j->group || j->group * j->bits > 16 ||
+                              j->words != 1 << (j->group * j->bits) || !j->table || !j->sq ||
+                              (j->grid_cells > 0 && j->group != 2)))) { /* (a grid is checked once by its caller:
+                                                                           store.EncodeStore) */
             rc = -1;
             break;
         }
+        for (int64_t t = 0; t < tokens && j->cycles > 1 && !rc; t++)
+            if (j->pos[t] < 0) rc = -1;
+        if (rc) break;
         codes[k] = malloc((size_t)(rows * ((j->n * j->bits + 7) / 8)));
         stored[k] = malloc(sizeof(float) * (size_t)rows);
         if (!codes[k] || !stored[k]) { rc = -1; break; }

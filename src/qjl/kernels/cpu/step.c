@@ -5,8 +5,8 @@
  * -- what the backend's Python path computes with four calls, the same arithmetic in the same order, so the codes,
  * the pages and the output are equal bit for bit (tests/integrations/test_vllm_fused.py).
  *
- * Value codes over rotations in turn (value.cycles > 1) are refused (-1, stage 0): the encode jobs take one rotation;
- * so are grouped codes of either role (a vector codebook, group > 1, decode.h): the encode jobs place scalar cells.
+ * Either role may be a vector codebook's (group > 1) and the values may be coded over rotations in turn (their
+ * encode job's cycles > 1, reading each token's position from the job's pos, as the decode's accumulators do).
  * Returns 0, or a status with `stage` where it arose: 0 the arguments (-1; -6 a mean's block outside its field;
  * nothing read or stored), 1 qjl_encode_store's (with `failed` its job; nothing stored: -2 a non-finite entry,
  * -3 / -4 a norm beyond its dtype, -1 arguments), 2 qjl_paged_decode's (after the store, as in the Python path). */
@@ -21,9 +21,10 @@ QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
         s->v_dtype < 0 || s->v_dtype > 2 || (s->mu.base && (s->mu.dtype < 0 || s->mu.dtype > 2)) ||
         (s->mu_v.base && (s->mu_v.dtype < 0 || s->mu_v.dtype > 2 || !a->out || !s->out_final ||
                           s->out_final_dtype < 0 || s->out_final_dtype > 2 || a->value.out_dim != D)) ||
-        a->value.cycles != 1 || a->value.group > 1 || a->n_terms < 1 || a->n_terms > 2 || a->key[0].group > 1 ||
-        (a->n_terms == 2 && a->key[1].group > 1))
-        return -1;
+        a->n_terms < 1 || a->n_terms > 2 || s->n_jobs < 2 || s->jobs[0].group != a->key[0].group ||
+        (a->n_terms == 2 && a->key[1].group > 1) || s->jobs[1].group != a->value.group ||
+        s->jobs[1].cycles != a->value.cycles || s->jobs[0].cycles != 1)
+        return -1; /* (the store jobs must code what the decode reads) */
     for (int64_t b = 0; b < B; b++) {
         const int64_t blk = a->block_table[b * a->max_blocks];
         if ((s->mu.base && (blk < 0 || blk > s->mu_max_block)) ||
@@ -62,8 +63,8 @@ QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
  * fields, exact-row binding, means, the jobs' static parts) with the step's shared arguments `sh` and this call's
  * tensors given as addresses and strides (bytes): the query q [B, H, R, D] in q_dtype times q_scale, the new keys /
  * values k, v (token b, head h at k + b * k_st + h * k_sh), out [B, H, R, D] in out_dtype, the float32 scratch
- * k_out, v_out [B, H, D] and mixed [B, H, R, D] (with value means), the codes' blocks and slots [B], threads (0: the
- * step's).  The template is copied, never written; `jobs` (the template's two encode jobs) get this call's rows.
+ * k_out, v_out [B, H, D] and mixed [B, H, R, D] (with value means), the codes' blocks and slots [B], the tokens'
+ * positions [B] (int64, read by jobs over rotations in turn; 0: none), threads (0: the step's).  The template is copied, never written; `jobs` (the template's two encode jobs) get this call's rows.
  * status[0] / status[1]: qjl_decode_store's stage and failed job.  The same call as filling the struct field by
  * field from Python (launch.DecodeStore before stop 36), in one crossing. */
 QJL_EXPORT int qjl_decode_store_at(const qjl_step_args *tpl, qjl_encode_job *jobs, const qjl_step_shared *sh,
@@ -71,7 +72,7 @@ QJL_EXPORT int qjl_decode_store_at(const qjl_step_args *tpl, qjl_encode_job *job
                                    int64_t k_sh, int32_t k_dtype, intptr_t v, int64_t v_st, int64_t v_sh,
                                    int32_t v_dtype, intptr_t out, int32_t out_dtype, intptr_t k_out,
                                    intptr_t v_out, intptr_t mixed, intptr_t blocks, intptr_t slots,
-                                   int32_t threads, int32_t *status) {
+                                   intptr_t positions, int32_t threads, int32_t *status) {
     qjl_step_args s = *tpl;
     qjl_decode_args *c = &s.decode;
     c->q_raw = (const uint8_t *)q;
@@ -129,6 +130,7 @@ QJL_EXPORT int qjl_decode_store_at(const qjl_step_args *tpl, qjl_encode_job *job
         jobs[1].x_sh = v_sh;
         jobs[1].x_dtype = v_dtype;
     }
+    jobs[0].pos = jobs[1].pos = (const int64_t *)positions;
     s.jobs = jobs;
     s.blocks = (const int64_t *)blocks;
     s.slots = (const int64_t *)slots;

@@ -8,7 +8,7 @@ import torch
 
 from .binding import DTYPES, X_DTYPES, Args, f32, require
 
-__all__ = ["vq_nearest", "vq_moments", "bucket_norms", "cell_moments", "store_bounds", "EncodeStore"]
+__all__ = ["vq_nearest", "vq_moments", "bucket_norms", "cell_moments", "store_bounds", "check_positions", "EncodeStore"]
 
 
 def bucket_norms(y: torch.Tensor, norm: torch.Tensor, qpass) -> tuple:
@@ -130,12 +130,44 @@ def store_bounds(blocks: torch.Tensor, slots: torch.Tensor) -> tuple:
     return blk, slt, min(int(blk.min()), int(slt.min())), int(blk.max()), int(slt.max())
 
 
+def check_positions(positions, n: int) -> torch.Tensor:
+    """``positions`` as the C encoder reads them: a contiguous int64 CPU tensor [n] of non-negative positions (each
+    token's in its sequence), or ValueError naming it."""
+    if (not isinstance(positions, torch.Tensor) or positions.shape != (n,) or positions.dtype.is_floating_point
+            or positions.dtype == torch.bool):
+        raise ValueError(f"positions must be a 1-d int tensor of the {n} tokens' positions in their sequences (values "
+                         f"coded over rotations in turn), got {getattr(positions, 'shape', positions)!r}")
+    pos = positions.to("cpu", torch.int64).contiguous()
+    if n and int(pos.min()) < 0:
+        raise ValueError("positions must be non-negative")
+    return pos
+
+
+def _vq_job(a, j, qpass, n: int) -> None:
+    """A vector-codebook pass's C arguments into encode job ``j``: the table, its squared norms (as
+    :class:`qjl.codecs.vq.TurboQuantVQ` computes them), the table transposed and the pairs' search grid (checked once
+    here by a search through it)."""
+    table = f32(qpass.table)
+    words, g = table.shape
+    if n % g or words != 1 << (g * qpass.bits):
+        raise ValueError(f"a vector codebook of {words} words of {g} coordinates at {qpass.bits} bits does not code "
+                         f"{n} coordinates")
+    sq = table.double().square().sum(-1).float()
+    j.group, j.words, j.table, j.sq, j.tt = g, words, a.ptr(table), a.ptr(sq), a.ptr(table.t().contiguous())
+    grid = qpass.search
+    if grid is not None:
+        vq_nearest(torch.zeros(1, g), table, sq, grid)  # (ValueError unless it is a grid of this table)
+        j.grid_lo, j.grid_inv, j.grid_cells, j.grid_off, j.grid_cand = _grid(a, grid)
+
+
 class EncodeStore:
     """One C call (``qjl_encode_store``, ``quantize.c``) that quantizes a layer's new keys and values and stores
-    them into paged fields, with the jobs' fixed parts (Lloyd-Max pass, rotation, codes field, norm field) checked
-    and turned into C arguments once: callers that store into the same fields step after step keep one (the vLLM
-    backend: in its :attr:`qjl.kernels.paged.FieldMap.memo`).  ``static``: [(qpass, matrix_t [dim, n] float32 (the
-    rotation's dense matrix, transposed), codes_field, norm_field)], 1 to 4 jobs; ``heads``: KV heads per token.
+    them into paged fields, with the jobs' fixed parts (the pass: Lloyd-Max cells or a vector codebook; rotation,
+    codes field, norm field) checked and turned into C arguments once: callers that store into the same fields step
+    after step keep one (the vLLM backend: in its :attr:`qjl.kernels.paged.FieldMap.memo`).  ``static``: [(qpass, a
+    :class:`qjl.codecs.views.ProjectQuantize`; matrix_t [dim, n] float32, the rotation's dense matrix transposed, or
+    [K, dim, n] for the pass's K rotations in turn; codes_field, norm_field)], 1 to 4 jobs; ``heads``: KV heads per
+    token.
     The row order of the arithmetic is fixed (``quantize.c``'s ``encode_row``; the torch mirror is
     :func:`qjl.kernels.reference.encode_reference`).  Each call checks the positions against the fields' buffers
     (whose address and geometry must not have changed: checked too).  One caller at a time: a call fills the C
@@ -150,9 +182,21 @@ class EncodeStore:
         self.a = a = Args(self.mod.ffi)
         self.cj = a.ffi.new("qjl_encode_job[]", len(static))
         self.limits = []  # per field: (name, offset + the last head's and the entry's bytes, strides, extent, buffer)
+        self.positional = False  # some job codes tokens by their positions (rotations in turn)
         for j, (qpass, matrix_t, codes_field, norm_field) in zip(self.cj, static):
-            mt, bnd, cent = f32(matrix_t), f32(qpass.boundaries), f32(qpass.centroids)
-            dim, n = mt.shape
+            mt = f32(matrix_t)
+            cycles = mt.shape[0] if mt.ndim == 3 else 1
+            if mt.ndim not in (2, 3) or cycles != qpass.cycles:
+                raise ValueError(f"matrix_t must be [dim, n] (one rotation) or [K, dim, n] (K = the pass's "
+                                 f"{qpass.cycles} rotations in turn), got {tuple(matrix_t.shape)}")
+            dim, n = mt.shape[-2:]
+            self.positional |= cycles > 1
+            j.cycles, j.cos_floor = cycles, float(qpass.cos_floor)
+            if qpass.table is None:
+                bnd, cent = f32(qpass.boundaries), f32(qpass.centroids)
+                j.bnd, j.cent, j.nbnd, j.group = a.ptr(bnd), a.ptr(cent), bnd.numel(), 1
+            else:
+                _vq_job(a, j, qpass, n)
             for name, f, entry in (("codes_field", codes_field, (n * qpass.bits + 7) // 8),
                                    ("norm_field", norm_field, None)):
                 if f.buffer.device.type != "cpu":
@@ -166,8 +210,7 @@ class EncodeStore:
                 t = f.buffer
                 self.limits.append((name, f.offset + (self.heads - 1) * f.stride_head + f.entry_bytes, f.stride_block,
                                     f.stride_token, extent_bytes(t), t, t.data_ptr(), tuple(t.shape), t.stride()))
-            j.dim, j.n, j.matrix_t = dim, n, a.ptr(mt)
-            j.bnd, j.cent, j.nbnd, j.bits = a.ptr(bnd), a.ptr(cent), bnd.numel(), qpass.bits
+            j.dim, j.n, j.matrix_t, j.bits = dim, n, a.ptr(mt), qpass.bits
             j.correct, j.norm_max = int(bool(qpass.correct_norm)), torch.finfo(qpass.norm_dtype).max
             a.field(j.codes, codes_field, False)
             a.field(j.norm_field, norm_field, True)
@@ -188,14 +231,17 @@ class EncodeStore:
         return len(static) == len(self.static) and all(
             x is y for s, t in zip(static, self.static) for x, y in zip(s, t))
 
-    def __call__(self, xs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | None = None) -> tuple:
+    def __call__(self, xs, blocks: torch.Tensor, slots: torch.Tensor, bounds: tuple | None = None,
+                 positions: torch.Tensor | None = None) -> tuple:
         """xs: one tensor [N, H, dim] per job (fp32, fp16 or bf16; other floats are converted) of the tokens at
-        blocks, slots [N] (``bounds``: their :func:`store_bounds`).  Returns (status, job): 0, or for the first
-        job that failed -2 (a NaN/Inf entry), -3 (a norm beyond its dtype), -4 (a corrected norm beyond it), -1
-        (arguments refused); nothing is stored unless the status is 0.  ValueError (nothing stored) for inputs or
-        positions that do not fit."""
+        blocks, slots [N] (``bounds``: their :func:`store_bounds`); ``positions`` [N] int (>= 0): each token's
+        position in its sequence, which jobs over rotations in turn need (:attr:`positional`).  Returns (status,
+        job): 0, or for the first job that failed -2 (a NaN/Inf entry), -3 (a norm beyond its dtype), -4 (a
+        corrected norm beyond it), -1 (arguments refused); nothing is stored unless the status is 0.  ValueError
+        (nothing stored) for inputs or positions that do not fit."""
         blk, slt, lo, top_block, top_slot = bounds = store_bounds(blocks, slots) if bounds is None else bounds
         n_tok, h = blk.shape[0], self.heads
+        pos = check_positions(positions, n_tok) if self.positional or positions is not None else None
         for name, fixed, sb, st, extent, t, ptr, shape, stride in self.limits:
             if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride:
                 raise ValueError(f"{name}: its buffer moved or changed shape since this EncodeStore was built")
@@ -213,9 +259,10 @@ class EncodeStore:
             es = x.element_size()
             j.x, j.x_dtype = self.a.ffi.cast("const uint8_t *", x.data_ptr()), X_DTYPES[x.dtype]
             j.x_st, j.x_sh = x.stride(0) * es, x.stride(1) * es
+            j.pos = self.a.ffi.NULL if pos is None else self.a.ffi.cast("const int64_t *", pos.data_ptr())
         rc = self.mod.lib.qjl_encode_store(self.cj, len(self.static), n_tok, h,
                                            self.a.ffi.cast("int64_t *", blk.data_ptr()),
                                            self.a.ffi.cast("int64_t *", slt.data_ptr()), torch.get_num_threads(),
                                            self.failed)
-        del keep  # (the inputs stayed alive through the call)
+        del keep, pos  # (the inputs stayed alive through the call)
         return rc, int(self.failed[0])
