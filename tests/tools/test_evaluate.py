@@ -316,3 +316,18 @@ def test_over_seeds_means_the_worst_held_out_text():
     assert got["seeds"] == 2 and got["kl"] == pytest.approx(0.025) and got["kl_max"] == 0.03
     assert got["dppl"] == pytest.approx(1.5) and got["top1"] == pytest.approx(0.915)
     assert got["kl_mean"] == pytest.approx(0.0175)
+
+
+def test_a_preset_built_with_auto_is_measured_through_the_model(lm, text_file, tmp_path, monkeypatch):
+    """The bytes at ``memory_tokens`` of a configuration that allocates widths from the prompt's queries come from a
+    run of the model whatever its name (a preset built with ``QJLConfig.auto``, not only ``auto-*``): the same bytes
+    as the ``auto-3.0`` it equals, and a compressed cache (fed keys without queries it would hold every token exact)."""
+    from qjl.cache import presets
+    from qjl.cache.config import QJLConfig
+
+    monkeypatch.setitem(presets.PRESETS, "x-auto", QJLConfig.auto(bits_per_value=3.0))
+    plan = evalrun.EvalPlan(methods=("full precision", "x-auto", "auto-3.0"), texts=(text_file,), contexts=(300,),
+                            score=32, chunk=32, passkey_lengths=(96,), passkey_trials=0, memory_tokens=400, threads=1)
+    res = evalrun.run_eval(plan, tmp_path / "run", show_progress=False, model_and_tokenizer=lm)["results"]
+    assert res["x-auto"]["memory_at"] == res["auto-3.0"]["memory_at"]
+    assert res["x-auto"]["memory_at"]["x_vs_fp16"] > 1.5

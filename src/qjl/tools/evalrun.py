@@ -206,9 +206,10 @@ def run_eval(plan: EvalPlan, out_dir, show_progress: bool = True, model_and_toke
     for name, cfg in cfgs.items():
         r = results[name]
         if plan.memory_tokens:
-            # configurations that read the prompt's queries (auto-*) are measured through the model
+            # configurations that read the prompt's queries (an allocation: auto-*, or a config built with
+            # QJLConfig.auto) are measured through the model
             r["memory_at"] = memory_at(model, ids[plan.texts[0]], cfg, plan.memory_tokens,
-                                       None if name.startswith("auto-") else kv)
+                                       None if getattr(cfg, "allocation", None) is not None else kv)
             bar.update(1)
         checkpoint()
     bar.close()
