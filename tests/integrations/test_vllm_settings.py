@@ -87,3 +87,12 @@ def test_split_keys_are_refused_with_the_reason():
         check_servable(PRESETS["tq-ks3v3"])
     with pytest.raises(ValueError, match="cannot serve key codec 'polarquant'"):
         check_servable(PRESETS["polar-k42v3"])
+
+
+def test_widths_chosen_from_each_prompt_are_refused():
+    """A configuration with an allocation (QJLConfig.auto; the preset tqa-5x) is refused by name, as a preset and as a
+    config: its key/value fields are not what it stores, so serving them would give other numbers silently."""
+    with pytest.raises(ValueError, match="fixed widths.*QJLConfig.auto.*tqv-k3v2"):
+        load_settings(environ={"QJL_VLLM_PRESET": "tqa-5x"})
+    with pytest.raises(ValueError, match="fixed widths"):
+        check_servable(qjl.QJLConfig.auto(bits_per_value=3.0, heavy_tokens=0))

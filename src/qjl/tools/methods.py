@@ -55,7 +55,7 @@ _PEERS = {"hf-quanto-k4v4": HFQuantized(nbits=4), "hf-quanto-k2v2": HFQuantized(
 
 # the quick main job: the default, the 5x point (vector codebooks, and tq-k3v2: its scalar twin at the same bytes),
 # the paper's QJL, KIVI and transformers' QuantizedCache
-QUICK_METHODS = ("default", "tqv-k3v2", "tq-k3v2", "qjl-paper", "kivi-k2v2", "hf-quanto-k4v4")
+QUICK_METHODS = ("default", "tqv-k3v2", "tqa-5x", "tq-k3v2", "qjl-paper", "kivi-k2v2", "hf-quanto-k4v4")
 
 
 def _has_auto() -> bool:

@@ -124,6 +124,10 @@ class VLLMSettings:
 
 def check_servable(config: QJLConfig) -> None:
     """Refuse codecs and options the paged backend cannot serve, naming the setting."""
+    if config.allocation is not None:  # (its key / value fields are placeholders: serving them would be wrong)
+        raise ValueError("the qjl vLLM backend serves fixed widths: a configuration whose widths are chosen per layer "
+                         "from each prompt (QJLConfig.auto, e.g. the preset 'tqa-5x') is not served; choose a fixed "
+                         "preset (e.g. 'tqv-k3v2' at the same 5x point)")
     specs = [("key", config.key), ("value", config.value)]
     if config.late_key is not None:
         specs.append(("late_key", config.late_key))
