@@ -14,6 +14,7 @@ tokens, score 512 in chunks of 32 against the full-precision cache):
    is in C, ``qjl_vq_nearest`` / ``qjl_vq_nearest_grid``).
 
     python benchmarks/auto_bits.py --rank --cost-contexts 1536,8192
+    python benchmarks/auto_bits.py --smooth --cost-contexts 1536 --preset tqa-5x   # a preset with an allocation
 
 Writes ``<out>/auto-bits-<time>/{config.json,metrics.json}``.
 """
@@ -86,7 +87,9 @@ def rank(model, tok, text, context, score, smooth) -> dict:
     return {"rows": rows, "spearman": rho, "auto_kl": m["kl"], "auto_bits": m["compressed_bits"]}
 
 
-def cost(model, tok, text, context, repeats, smooth) -> dict:
+def cost(model, tok, text, context, repeats, smooth, preset=None) -> dict:
+    """Prefill times and the allocation's share; ``preset``: a preset with an allocation (e.g. ``tqa-5x``) timed in
+    place of ``auto(3.0)`` with vector keys."""
     from qjl import QJLCache, QJLConfig
     from qjl.cache import allocation
     from qjl.tools.evaluate import load_text_ids
@@ -112,7 +115,8 @@ def cost(model, tok, text, context, repeats, smooth) -> dict:
         for _ in range(repeats):
             for cfg, sink in ((QJLConfig.preset("tq-k3v3", smooth_keys=smooth), fixed),
                               (QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth, vector_keys=False), scalar),
-                              (QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth), auto)):
+                              (QJLConfig.preset(preset) if preset else
+                               QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth), auto)):
                 spent.append(0.0)
                 t = time.perf_counter()
                 model(ids, **cache_kwargs(QJLCache(model, cfg)))
@@ -122,11 +126,11 @@ def cost(model, tok, text, context, repeats, smooth) -> dict:
     finally:
         allocation.Allocator.observe, allocation.Allocator.allocate = real_observe, real_allocate
         allocation.candidate_codecs = real_candidates
-    r = {"context": context, "prefill_fixed_s": statistics.median(fixed), "prefill_auto_s": statistics.median(auto),
+    r = {"context": context, "auto": preset or "auto(3.0)", "prefill_fixed_s": statistics.median(fixed), "prefill_auto_s": statistics.median(auto),
          "prefill_auto_scalar_keys_s": statistics.median(scalar), "measure_share": statistics.median(share),
          "measure_share_scalar_keys": statistics.median(share_scalar)}
     print(f"  {context} tokens: prefill tq-k3v3 {r['prefill_fixed_s']:.2f} s, auto with scalar keys "
-          f"{r['prefill_auto_scalar_keys_s']:.2f} s, auto (vector keys, the default) {r['prefill_auto_s']:.2f} s; "
+          f"{r['prefill_auto_scalar_keys_s']:.2f} s, {preset or 'auto (vector keys, the default)'} {r['prefill_auto_s']:.2f} s; "
           f"measuring + allocating = {100 * r['measure_share']:.1f}% of the auto prefill "
           f"({100 * r['measure_share_scalar_keys']:.1f}% with scalar keys)", flush=True)
     return r
@@ -147,6 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smooth", action="store_true", help="key smoothing on (QJLConfig(smooth_keys=True))")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--preset", default=None, help="with --cost-contexts: time this preset with an allocation (e.g. "
+                   "tqa-5x) in place of auto(3.0)")
     p.add_argument("--out", default="runs")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -164,7 +170,7 @@ def main(argv=None) -> int:
         import argparse as stdlib_argparse
 
         text = a.cost_text or stdlib_argparse.__file__
-        metrics["cost"] = [cost(model, tok, text, int(c), a.repeats, a.smooth) for c in a.cost_contexts.split(",")]
+        metrics["cost"] = [cost(model, tok, text, int(c), a.repeats, a.smooth, a.preset) for c in a.cost_contexts.split(",")]
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print(f"results: {out}")
     return 0
