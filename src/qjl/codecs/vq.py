@@ -27,7 +27,8 @@ from qjl.codecs.params import Param, integer
 from qjl.codecs.turboquant import TurboQuantMSE
 from qjl.core.devices import on_device
 from qjl.core.packing import packed_size, unpack_bits
-from qjl.core.vq_codebook import GROUPS, group_table, joint_codes, nearest_reference, search_grid
+from qjl.core.vq_codebook import (GROUPS, codeword_norms, group_table, joint_codes, nearest_reference, search_grid,
+                                  split_codes)
 
 __all__ = ["TurboQuantVQ", "COS_FLOOR"]
 
@@ -70,7 +71,7 @@ class TurboQuantVQ(TurboQuantMSE):
         self.table = group_table(bits, 1.0 / math.sqrt(n))  # [2^(g bits), g] for coordinates of a unit vector
         self._grid = search_grid(bits, n) if self.group == 2 else None  # the C search's candidate lists (cached)
         self._flat = self.table.reshape(-1).contiguous()    # [2^(g bits) g]: the views' "centroids"
-        self._sq = self.table.double().square().sum(-1).float()
+        self._sq = codeword_norms(self.table)
 
     def __repr__(self):
         return "TurboQuantVQ" + super().__repr__()[len("TurboQuantMSE"):]
@@ -84,8 +85,7 @@ class TurboQuantVQ(TurboQuantMSE):
         table, sq = on_device(self.table, y.device), on_device(self._sq, y.device)
         yg = y.reshape(*y.shape[:-1], y.shape[-1] // g, g)
         code = _nearest(yg.reshape(-1, g).float(), table, sq, self._grid).reshape(yg.shape[:-1])
-        shifts = torch.arange(g, device=y.device) * b
-        idx = ((code.unsqueeze(-1) >> shifts) & (2 ** b - 1)).reshape(y.shape)
+        idx = split_codes(code, g, b).reshape(y.shape)
         cos = (yg * table[code]).sum((-1, -2)) if self.correct_norm else None
         return idx, self.stored_norm(norm, cos)
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["GROUPS", "group_size", "group_table", "joint_codes", "nearest_reference", "search_grid", "SearchGrid", "train"]
+__all__ = ["GROUPS", "group_size", "group_table", "joint_codes", "split_codes", "codeword_norms", "nearest_reference", "search_grid", "SearchGrid", "train"]
 
 # bits per coordinate -> coordinates per joint code (2^(g b) codewords: 256, 64, 256)
 GROUPS = {2: 4, 3: 2, 4: 2}
@@ -58,6 +58,19 @@ def joint_codes(idx: torch.Tensor, g: int, bits: int) -> torch.Tensor:
     coordinate ``s`` of a group holds bits ``[s bits, (s + 1) bits)`` of its codeword (the module doc's layout)."""
     shifts = torch.arange(g, device=idx.device) * bits
     return (idx.long().reshape(*idx.shape[:-1], idx.shape[-1] // g, g) << shifts).sum(-1)
+
+
+def split_codes(code: torch.Tensor, g: int, bits: int) -> torch.Tensor:
+    """Each group's codeword code [..., m] (integers) -> its per-coordinate fields [..., m g] int64 (the inverse of
+    :func:`joint_codes`)."""
+    shifts = torch.arange(g, device=code.device) * bits
+    return ((code.long().unsqueeze(-1) >> shifts) & (2 ** bits - 1)).reshape(*code.shape[:-1], code.shape[-1] * g)
+
+
+def codeword_norms(table: torch.Tensor) -> torch.Tensor:
+    """``||c||^2`` of each codeword of table [k, g]: [k] float32, summed in float64 (the ``sq`` every search reads:
+    :func:`nearest_reference`, the C search and the C encoder)."""
+    return table.double().square().sum(-1).float()
 
 
 def nearest_reference(y: torch.Tensor, table: torch.Tensor, sq: torch.Tensor, chunk: int = 1 << 14) -> torch.Tensor:

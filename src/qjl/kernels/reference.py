@@ -181,7 +181,7 @@ def encode_reference(codec, x: torch.Tensor, positions: torch.Tensor | None = No
     from qjl.core.lloyd_max import bucket
     from qjl.core.packing import pack_bits
     from qjl.core.validation import check_fits, check_vectors
-    from qjl.core.vq_codebook import nearest_reference
+    from qjl.core.vq_codebook import codeword_norms, nearest_reference, split_codes
     from qjl.kernels.encode import cpu_pass, pass_matrices_t
 
     p = cpu_pass(codec)
@@ -210,10 +210,9 @@ def encode_reference(codec, x: torch.Tensor, positions: torch.Tensor | None = No
     else:
         table = p.table.float()
         g = table.shape[1]
-        e = nearest_reference(y.reshape(-1, g), table, table.double().square().sum(-1).float()).reshape(
-            *y.shape[:-1], n // g)
+        e = nearest_reference(y.reshape(-1, g), table, codeword_norms(table)).reshape(*y.shape[:-1], n // g)
         chosen = table[e].reshape(y.shape)
-        idx = ((e.unsqueeze(-1) >> (torch.arange(g) * p.bits)) & (2 ** p.bits - 1)).reshape(y.shape)
+        idx = split_codes(e, g, p.bits)
     cos = torch.zeros(xf.shape[:-1])
     for k in range(n):
         cos = cos + y[..., k] * chosen[..., k]

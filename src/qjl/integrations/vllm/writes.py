@@ -15,6 +15,15 @@ from .layout import PageLayout, exact_slot
 __all__ = ["write_codes", "c_store_jobs", "exact_writes", "write_exact"]
 
 
+def _write_positions(plan, n: int) -> torch.Tensor:
+    """The step plan's positions of its ``n`` written tokens (what codes over rotations in turn depend on), or
+    ValueError (before anything is stored) where there is no plan to give them."""
+    if plan is None or plan.write_positions is None or len(plan.write_positions) != n:
+        raise ValueError(f"codecs over rotations in turn code tokens by their positions: the write needs the step's "
+                         f"plan (its positions of the {n} tokens); nothing stored")
+    return plan.write_positions
+
+
 def _codes(codec, x: torch.Tensor, plan=None) -> Codes:
     """x [N, H, D] -> codec.quantize(x)'s codes, through the fastest quantizer for x's device (C on CPU
     tensors, Triton on CUDA; bit-exact with the codec's own).  A codec over rotations in turn (``positional``:
@@ -25,9 +34,7 @@ def _codes(codec, x: torch.Tensor, plan=None) -> Codes:
     backend = kernels.pick_backend(x.device)
     if not getattr(codec, "positional", False):
         return kernels.quantize_with(backend, codec, x.float())
-    if plan is None or plan.write_positions is None or len(plan.write_positions) != x.shape[0]:
-        raise ValueError(f"codec {codec!r} codes tokens by their positions (rotations in turn): the write needs the "
-                         f"step's plan (its positions of the {x.shape[0]} tokens)")
+    _write_positions(plan, x.shape[0])
     n, h = x.shape[:2]
     fields = None
     for k, sel in plan.position_groups(codec.cycles, x.device):
@@ -138,12 +145,8 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
                 _codes(codec, x, plan))
                for role, codec, fmap, x in torch_roles]
     if c_jobs:  # the positions' checks: once per step when a plan is shared by the layers
-        positions = None
-        if any(getattr(codec, "positional", False) for codec, *_ in c_jobs):
-            positions = plan.write_positions if plan is not None else None
-            if positions is None or len(positions) != key.shape[0]:
-                raise ValueError(f"codecs over rotations in turn code tokens by their positions: the write needs the "
-                                 f"step's plan (its positions of the {key.shape[0]} tokens); nothing stored")
+        positions = (_write_positions(plan, key.shape[0])
+                     if any(getattr(codec, "positional", False) for codec, *_ in c_jobs) else None)
         kernels.store_cpu(c_jobs, blocks, offs, plan.store_bounds() if plan is not None else None,
                           memo=fields.memo if isinstance(fields, FieldMap) else None, positions=positions)
     for role, fmap, enc in encoded:

@@ -64,7 +64,8 @@ QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
  * tensors given as addresses and strides (bytes): the query q [B, H, R, D] in q_dtype times q_scale, the new keys /
  * values k, v (token b, head h at k + b * k_st + h * k_sh), out [B, H, R, D] in out_dtype, the float32 scratch
  * k_out, v_out [B, H, D] and mixed [B, H, R, D] (with value means), the codes' blocks and slots [B], the tokens'
- * positions [B] (int64, read by jobs over rotations in turn; 0: none), threads (0: the step's).  The template is copied, never written; `jobs` (the template's two encode jobs) get this call's rows.
+ * positions [B] (int64, read by jobs over rotations in turn; 0: none), threads (0: the step's).  The template is
+ * copied, never written; `jobs` (the template's two encode jobs) get this call's rows.
  * status[0] / status[1]: qjl_decode_store's stage and failed job.  The same call as filling the struct field by
  * field from Python (launch.DecodeStore before stop 36), in one crossing. */
 QJL_EXPORT int qjl_decode_store_at(const qjl_step_args *tpl, qjl_encode_job *jobs, const qjl_step_shared *sh,

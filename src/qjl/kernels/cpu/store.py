@@ -144,15 +144,17 @@ def check_positions(positions, n: int) -> torch.Tensor:
 
 
 def _vq_job(a, j, qpass, n: int) -> None:
-    """A vector-codebook pass's C arguments into encode job ``j``: the table, its squared norms (as
-    :class:`qjl.codecs.vq.TurboQuantVQ` computes them), the table transposed and the pairs' search grid (checked once
+    """A vector-codebook pass's C arguments into encode job ``j``: the table, its squared norms
+    (:func:`qjl.core.vq_codebook.codeword_norms`), the table transposed and the pairs' search grid (checked once
     here by a search through it)."""
     table = f32(qpass.table)
     words, g = table.shape
     if n % g or words != 1 << (g * qpass.bits):
         raise ValueError(f"a vector codebook of {words} words of {g} coordinates at {qpass.bits} bits does not code "
                          f"{n} coordinates")
-    sq = table.double().square().sum(-1).float()
+    from qjl.core.vq_codebook import codeword_norms
+
+    sq = codeword_norms(table)
     j.group, j.words, j.table, j.sq, j.tt = g, words, a.ptr(table), a.ptr(sq), a.ptr(table.t().contiguous())
     grid = qpass.search
     if grid is not None:
