@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from qjl.codecs import QJLSketch, TokenwiseQuantizer, TurboQuantMSE
+from qjl.codecs import QJLSketch, TokenwiseQuantizer, TurboQuantMSE, TurboQuantVQ
 from qjl.kernels.cpu import launch
 from qjl.kernels.paged import PagedField
 
@@ -29,6 +29,9 @@ CODECS = {  # (keys, values) as the presets build them at d = 128 (their first-h
     # the default preset's layers 15-29 (5-bit keys); "tq-k45v3" above is its layers 0-14
     "tq-k5v3": lambda d: (TurboQuantMSE(d, 5, correct_norm=True), TurboQuantMSE(d, 3, correct_norm=True)),
     "qjl-m256-u2": lambda d: (QJLSketch(d, 2 * d), TokenwiseQuantizer(d, 2)),
+    # the vector-codebook 5x preset's first layers (keys 3 bits in pairs, values 2 bits in fours over 8 rotations)
+    "tqv-k3v2": lambda d: (TurboQuantVQ(d, 3, correct_norm=True),
+                           TurboQuantVQ(d, 2, correct_norm=True, cycles=8, norm_dtype="fp8")),
 }
 
 

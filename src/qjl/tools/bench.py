@@ -13,7 +13,8 @@ measured bandwidth (the roofline of a bandwidth-bound decode).  Parts (:data:`PA
    transformers calls it, and the GQA group folded into query rows, the faster one here),
    KIVI-style dequantize-then-SDPA (contexts up to 16k: it is two orders slower), and
    :func:`qjl.cache.attention.attend` with the kernel the cache picks (:func:`qjl.kernels.paged_decode`:
-   the C kernel on CPU, Triton on CUDA) for the presets ``tq-k3v2`` (<= 3.2 bits), ``qjl-paper`` and the
+   the C kernel on CPU, Triton on CUDA) for the presets ``tq-k3v2`` (<= 3.2 bits), its vector-codebook twin
+   ``tqv-k3v2`` (the same bytes; keys in pairs, values in fours over 8 rotations in turn), ``qjl-paper`` and the
    default ``tq-k45v3``, one row per codec pair a preset uses across the embedded model's 30 layers
    (:func:`layer_groups`: ``tq-k45v3 L0-14`` with 4-bit keys, ``L15-29`` with 5-bit); the layer holds the
    context as codes + its exact window, as in generation.
@@ -45,7 +46,7 @@ __all__ = ["LAYERS", "PARTS", "measure_bandwidth", "run_attention", "run_quantiz
            "main_bench"]
 
 LAYERS = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
-PRESETS = ("tq-k3v2", "qjl-paper", "tq-k45v3")
+PRESETS = ("tq-k3v2", "tqv-k3v2", "qjl-paper", "tq-k45v3")
 PARTS = ("attention", "quantize", "e2e", "vllm")
 KIVI_MAX_CONTEXT = 16384
 
