@@ -53,7 +53,7 @@ class IndexConfig:
     to the next power of two, e.g. 384 -> 512 coordinates, so 4/3 more code bits per vector: faiss's ``HR,``) or
     'hadamard-kron' (the same codecs: random signs and a Hadamard transform of order ``dim`` itself, for ``dim = m 2^k``
     with m in 1, 12, 20 and dim >= 32, such as 64, 384 or 768: no padding, several times cheaper to apply than the
-    dense rotation, the same recall within the seed spread: README)."""
+    dense rotation, the same recall within the seed spread: docs/search.md, "An unpadded Hadamard rotation")."""
 
     dim: int
     codec: str = "tq-mse-rn"

@@ -47,7 +47,7 @@ DEFAULT_WINDOW = 4  # exact recent tokens per sequence; docs/vllm.md measures wh
 # presets whose point is memory: the 5x preset keeps >= 4x native's tokens only without a window (block 128)
 PRESET_WINDOWS = {"tq-k3v2": 0, "tqv-k3v2": 0}
 # ... and without value smoothing: its mean does not fit the 5x preset's page padding beside the key mean (3% fewer
-# tokens), for no lower KL against native (README, "Value smoothing in pages"); the other presets keep theirs
+# tokens), for no lower KL against native (docs/history.md, "Value smoothing in pages"); the other presets keep theirs
 PRESET_VALUE_SMOOTHING = {"tq-k3v2": False, "tqv-k3v2": False}
 SERVABLE_KEYS = ("turboquant_mse", "turboquant_vq", "qjl")
 # key codecs the paged layout could hold but the backend does not serve, and why
