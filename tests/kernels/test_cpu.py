@@ -144,6 +144,37 @@ def test_every_grouping(bits, group, d, impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("d,rows,block", [(64, 3, 0), (128, 4, 0), (24, 1, 0), (64, 9, 16), (40, 6, 7)])
+def test_pair_tables(bits, d, rows, block, impl):
+    """Keys in pairs of 2 or 3 bits in items of >= 256 tokens: the AVX2 path scores them through pair tables
+    (decode_avx2.c: a pair's joint code as the byte offset of its entry, the 4 rows' products, in a table built per
+    item).  The reference's result with a ragged start, masks, exact tokens, GQA chunks past 4 rows, odd numbers of
+    8-coordinate groups (d = 24, 40: a row's last group read to its end only) and shuffled block pools; misreadings
+    of the pairs far off."""
+    from paged_pool import paged_pool
+
+    c = Case("tq3-tq2", b=2, h=2, rows=rows, d=d, n=700, n_exact=3, ragged=True, seed=d + bits + rows)
+    _with_codecs(c, Regrouped(TurboQuantMSE(d, bits, seed=1), 2, 3 + bits), TurboQuantMSE(d, 2, seed=2))
+    want = misreads_are_far(c)
+    if not block:
+        close(_run(c, impl, split_tokens=0, threads=2), want, TOL)
+        return
+    kf, table = paged_pool(dict(c.kcodes.fields), {}, None, block, block)
+    vf, _ = paged_pool(dict(c.vcodes.fields), {}, None, block, block)
+    close(launch.paged_decode(c.q, c.kc, kf, c.vc, vf, table, block, c.start, c.end, exact=c.exact, code_bias=c.bias,
+                              impl=impl, split_tokens=300, threads=2), want, TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["vq3-vq2c8", "vq2-tq3"])
+def test_vector_keys_in_long_items(name, impl):
+    """The vector codebooks' 3-bit keys (pairs) and 2-bit keys (fours: the unpack8 loops) in items of >= 256 tokens."""
+    c = Case(name, b=1, h=3, rows=4, d=128, n=1100, n_exact=4, ragged=True, seed=5)
+    close(_run(c, impl, split_tokens=512, threads=2), misreads_are_far(c), TOL)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bits,group", [(2, 4), (3, 2), (1, 8)])
 @pytest.mark.parametrize("d,group_size", [(64, 16), (24, 8)])
 def test_grouped_codes_with_scale_groups(bits, group, d, group_size, impl):

@@ -18,7 +18,8 @@
  * and weights at the bound stated there.
  * Grouped codes (a vector codebook's, group g > 1: decode.h) take the same passes, softmax and merges: the portable
  * path expands each row through the joint codes' table (unpack_row), the AVX2 path loads each joint code's g floats
- * from it inside its score and mix loops (score_avx2, mix_avx2: unpack8_grouped); run_item never hands a grouped term
+ * from it inside its score and mix loops (score_avx2, mix_avx2: unpack8_grouped; keys in pairs of 2-3 bits, in items
+ * of 256 tokens or more, through pair tables, score_pairs); run_item never hands a grouped term
  * or view to the lane-sliced loops, the integer path (VNNI: int8 tables of scalar codes, the fused exp_weights) or
  * the AMX tiles -- with "c-int" / "c-amx" a grouped term or view takes the AVX2 fp32 loops beside the other role's
  * integer products. */
@@ -235,6 +236,18 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
 #if QJL_HAVE_VNNI
     vs = vs && !iv;
 #endif
+    /* pair tables (decode_avx2.c) for keys in pairs of 2-3 bits, in items long enough to pay for them (the integer
+     * path never takes grouped keys) */
+    int kp[2] = {0, 0};
+    float *ptab[2] = {NULL, NULL};
+    for (int k = 0; k < a->n_terms; k++) {
+        kp[k] = mode && pairs_ok(a->key[k].bits, a->key[k].group, a->key[k].n) && !a->key[k].q_per_block &&
+                it->t1 - it->t0 >= PAIR_MIN_TOKENS;
+#if QJL_HAVE_VNNI
+        kp[k] = kp[k] && !ik[k];
+#endif
+        if (kp[k]) ptab[k] = malloc(sizeof(float) * 4 * (size_t)pair_entries(a->key[k].bits, a->key[k].n));
+    }
 #endif
     for (int r = 0; r < RW; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     memset(acc, 0, sizeof(float) * RW * (size_t)(K * nv));
@@ -272,7 +285,8 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
 #if QJL_HAVE_VNNI
                     slice = slice && !ik[k]; /* the integer path scores this term (ik stays 0 once cleared) */
 #endif
-                    if (slice) slice_rows(q[k], kt->n, kt->bits, qsl[k]);
+                    if (slice && !kp[k]) slice_rows(q[k], kt->n, kt->bits, qsl[k]);
+                    if (kp[k]) pair_table(q[k], kt->n, kt->bits, kt->group, kt->cent, nr, ptab[k]);
 #endif
                     loaded[k] = j;
                 }
@@ -287,7 +301,8 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                 else
 #endif
 #if QJL_HAVE_AVX2
-                if (ks[k]) score_sliced(kt, nr, codes, knorm + off, cnt, qsl[k], logits + off);
+                if (kp[k]) score_pairs(kt, nr, codes, knorm + off, cnt, ptab[k], logits + off);
+                else if (ks[k]) score_sliced(kt, nr, codes, knorm + off, cnt, qsl[k], logits + off);
                 else if (mode) score_avx2(kt, nr, codes, knorm + off, cnt, q[k], logits + off);
                 else
 #endif
@@ -395,7 +410,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     free(cur);
 #if QJL_HAVE_AVX2
     for (int64_t k = 0; k < K && vs; k++) unslice_rows(acc + k * RW * nv, nv, v->bits, buf);
-    for (int k = 0; k < a->n_terms; k++) free(qsl[k]);
+    for (int k = 0; k < a->n_terms; k++) free(qsl[k]), free(ptab[k]);
 #endif
     if (v->has_zero)
         for (int64_t kr = 0; kr < K * RW; kr++) /* (accumulator k, row r) */

@@ -11,7 +11,8 @@
  * the lane-sliced loops at the end of this file instead (score_sliced, mix_sliced).  Grouped codes (a vector
  * codebook's, group g > 1: decode.h) take the unpack8 loops with unpack8_grouped in unpack8's place: the 8 / g joint
  * codes of each 8 coordinates' `bits` bytes each index g floats of the table, one load each (g = 2: 8 bytes, 4: 16,
- * 8: 32) blended into the 8 lanes; never the lane-sliced loops. */
+ * 8: 32) blended into the 8 lanes; never the lane-sliced loops.  Keys in pairs of 2-3 bits score through pair tables
+ * instead in items long enough (score_pairs). */
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define QJL_HAVE_AVX2 1
@@ -315,6 +316,108 @@ QJL_AVX2 static void mix_avx2(const qjl_value_view *v, int nr, const uint8_t *co
     } else {
         QJL_BY_ROWS(mix_avx2_, v, codes, count, pw, acc)
     }
+}
+
+/* Pair tables for keys of a vector codebook's pairs of 2 or 3 bits (group 2; TurboQuantVQ's 3-bit keys): the 2b bits
+ * of coordinates 2p and 2p + 1 are one joint code j of E = 2^(2b) (field 2p in the low bits, as stored), and T[p][j]
+ * holds that pair's part of the score for the 4 query rows, q[r][2p] t(j, 0) + q[r][2p + 1] t(j, 1) (t: the joint
+ * code's two floats).  A token's score is then a sum of n / 2 16-byte entries, one load-and-add each (the 4 rows at
+ * once), the code's bits shifted into a byte offset: no table loads blended into lanes and no products per token.
+ * Built once per item (its query rows), n E / 2 entries (64 KB at d = 128 and 3 bits: in L2), so run_item takes it for
+ * items of PAIR_MIN_TOKENS or more.  The same products as unpack8_grouped's loops, summed in another order (float
+ * rounding only).  Per token and KV head (d = 128, 4 rows, 16k tokens in blocks of 128, one thread, 2026-11-29's Zen 3
+ * EPYC, interleaved scratch timings) 3-bit pairs went from 1.27x the lane-sliced scalar keys' time to 1.0-1.14x;
+ * scalar 3-bit keys through the same tables measured ~12% slower than the lane-sliced loops, so they keep those. */
+#define PAIR_MIN_TOKENS 256
+
+static int pairs_ok(int bits, int group, int64_t n) { return (bits == 2 || bits == 3) && group == 2 && n > 0 && n % 8 == 0; }
+
+static int64_t pair_entries(int bits, int64_t n) { return n / 2 * ((int64_t)1 << (2 * bits)); }
+
+/* T [n / 2][E][4] from the query rows q [RW][n] (rows from nr on: zero) */
+QJL_AVX2 static void pair_table(const float *q, int64_t n, int bits, int group, const float *cent, int nr, float *T) {
+    const int E = 1 << (2 * bits), m = (1 << bits) - 1;
+    float c0[64], c1[64]; /* (scalar codes, group 1, would read their two fields' centroids) */
+    for (int j = 0; j < E; j++) {
+        c0[j] = group == 2 ? cent[2 * j] : cent[j & m];
+        c1[j] = group == 2 ? cent[2 * j + 1] : cent[j >> bits];
+    }
+    for (int64_t p = 0; p < n / 2; p++) {
+        float a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
+        for (int r = 0; r < nr; r++) a[r] = q[r * n + 2 * p], b[r] = q[r * n + 2 * p + 1];
+        const __m128 q0 = _mm_loadu_ps(a), q1 = _mm_loadu_ps(b);
+        float *t = T + p * E * 4;
+        for (int j = 0; j < E; j++)
+            _mm_storeu_ps(t + 4 * j, _mm_fmadd_ps(q1, _mm_set1_ps(c1[j]), _mm_mul_ps(q0, _mm_set1_ps(c0[j]))));
+    }
+}
+
+/* the 4 pairs' codes of 8 coordinates at p (b bytes; `last`: no read past them) as one word */
+QJL_AVX2 static inline __attribute__((always_inline)) uint32_t pair_word(const uint8_t *p, const int bits, const int last) {
+    uint32_t w;
+    if (bits == 2) { uint16_t h; memcpy(&h, p, 2); w = h; }
+    else if (last) { uint16_t h; memcpy(&h, p, 2); w = h | (uint32_t)p[2] << 16; }
+    else memcpy(&w, p, 4); /* 3 bits: the 4th byte belongs to the next 8 coordinates (masked off) */
+    return w;
+}
+
+/* the pair entries of 8 coordinates (4 pairs, E entries of 16 bytes each, from tb) added to a0..a3 */
+#define QJL_PAIR_ADD(w, a0, a1, a2, a3)                                                                                \
+    do {                                                                                                               \
+        a0 = _mm_add_ps(a0, _mm_loadu_ps((const float *)(tb + (((w) << 4) & mask))));                                 \
+        a1 = _mm_add_ps(a1, _mm_loadu_ps((const float *)(tb + 16 * E + (((w) >> (jb - 4)) & mask))));                \
+        a2 = _mm_add_ps(a2, _mm_loadu_ps((const float *)(tb + 32 * E + (((w) >> (2 * jb - 4)) & mask))));            \
+        a3 = _mm_add_ps(a3, _mm_loadu_ps((const float *)(tb + 48 * E + (((w) >> (3 * jb - 4)) & mask))));            \
+    } while (0)
+
+QJL_AVX2 static inline __attribute__((always_inline)) void score_pairs_(const int bits, const int nr,
+                                                                     const qjl_key_term *k, const uint8_t *codes,
+                                                                     const float *norm, int64_t count, const float *T,
+                                                                     float *logits) {
+    const int jb = 2 * bits, E = 1 << jb;
+    const uint32_t mask = (uint32_t)(E - 1) << 4; /* a code's entry as a byte offset */
+    const int64_t groups = k->n / 8, cs = k->codes.stride_token;
+    for (int64_t i = 0; i < count; i += 2) {
+        const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
+        _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0);
+        _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0);
+        __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        const uint8_t *tb = (const uint8_t *)(const void *)T;
+        for (int64_t g = 0; g < groups - 1; g++, tb += 64 * E) {
+            const uint32_t w0 = pair_word(r0 + g * bits, bits, 0), w1 = pair_word(r1 + g * bits, bits, 0);
+            QJL_PAIR_ADD(w0, a0, a1, a2, a3);
+            QJL_PAIR_ADD(w1, b0, b1, b2, b3);
+        }
+        { /* the row's last 8 coordinates: exact-size reads */
+            const int64_t g = groups - 1;
+            const uint32_t w0 = pair_word(r0 + g * bits, bits, 1), w1 = pair_word(r1 + g * bits, bits, 1);
+            QJL_PAIR_ADD(w0, a0, a1, a2, a3);
+            QJL_PAIR_ADD(w1, b0, b1, b2, b3);
+        }
+        float s[8];
+        _mm_storeu_ps(s, _mm_add_ps(_mm_add_ps(a0, a1), _mm_add_ps(a2, a3)));
+        _mm_storeu_ps(s + 4, _mm_add_ps(_mm_add_ps(b0, b1), _mm_add_ps(b2, b3)));
+        const float n0 = norm[i];
+        for (int r = 0; r < nr; r++) logits[r * SUB + i] += s[r] * n0;
+        if (i + 1 < count) {
+            const float n1 = norm[i + 1];
+            for (int r = 0; r < nr; r++) logits[r * SUB + i + 1] += s[4 + r] * n1;
+        }
+    }
+}
+#undef QJL_PAIR_ADD
+
+#define QJL_BY_BITS23(F, NR, ...)                                                                                       \
+    switch (bits) {                                                                                                    \
+    case 2: F(2, NR, __VA_ARGS__); break;                                                                              \
+    default: F(3, NR, __VA_ARGS__); break;                                                                             \
+    }
+
+/* keys of pairs_ok(bits, group, n): T their pair_table */
+QJL_AVX2 static void score_pairs(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
+                                 const float *T, float *logits) {
+    const int bits = k->bits;
+    QJL_ROWS_OF(QJL_BY_BITS23, score_pairs_, k, codes, norm, count, T, logits)
 }
 
 /* Lane-sliced traversal for codes of b <= 5 bits when a vector's n codes are a multiple of the slab (64 codes for
