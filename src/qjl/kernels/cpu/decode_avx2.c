@@ -325,9 +325,11 @@ QJL_AVX2 static void mix_avx2(const qjl_value_view *v, int nr, const uint8_t *co
  * once), the code's bits shifted into a byte offset: no table loads blended into lanes and no products per token.
  * Built once per item (its query rows), n E / 2 entries (64 KB at d = 128 and 3 bits: in L2), so run_item takes it for
  * items of PAIR_MIN_TOKENS or more.  The same products as unpack8_grouped's loops, summed in another order (float
- * rounding only).  Per token and KV head (d = 128, 4 rows, 16k tokens in blocks of 128, one thread, 2026-11-29's Zen 3
- * EPYC, interleaved scratch timings) 3-bit pairs went from 1.27x the lane-sliced scalar keys' time to 1.0-1.14x;
- * scalar 3-bit keys through the same tables measured ~12% slower than the lane-sliced loops, so they keep those. */
+ * rounding only).  Against the lane-sliced scalar keys' time (d = 128, 4 rows, one thread, 2026-11-29's Zen 3 EPYC;
+ * docs/runs/pair-tables-ab-20261129) 3-bit pairs went from 1.29x to 1.22x (16k tokens in blocks of 128) and 1.41x to
+ * 1.24x (64k contiguous); at d = 64 with 3 rows no change beyond the noise (the FMA loops' cost grows with the rows,
+ * the tables' does not).  Scalar 3-bit keys through the same tables measured ~12% slower than the lane-sliced loops,
+ * so they keep those. */
 #define PAIR_MIN_TOKENS 256
 
 static int pairs_ok(int bits, int group, int64_t n) { return (bits == 2 || bits == 3) && group == 2 && n > 0 && n % 8 == 0; }
