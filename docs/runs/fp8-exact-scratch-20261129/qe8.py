@@ -1,7 +1,7 @@
 """Scratch: exact tokens rounded through float8 e4m3 (stored at fp16, so bytes are fp16's: compute the fp8 bytes by
 hand), under scratch preset names; nothing shipped."""
 import sys
-sys.path.insert(0, "/work/main/src")
+sys.path.insert(0, "src")  # run from the repository root
 import torch
 from qjl.cache import presets, buffers
 from qjl.cache.config import QJLConfig
