@@ -54,7 +54,8 @@ class Rotation:
         seed: seed; the same seed gives the same rotation in every process.
         pad_pow2: pad to the next power of two also for "haar" (PolarQuant needs it).
         rounds: sign + Hadamard rounds (default: 3 for "hadamard", as for the QJL sketch; 2 for "hadamard-kron",
-            whose search-index recall matched the dense Haar rotation's at 1 and 2 rounds alike: docs/search.md, "Rotation").
+            whose search-index recall matched the dense Haar rotation's at 1 and 2 rounds alike: docs/search.md,
+            "Rotation").
     """
 
     def __init__(self, dim: int, kind: str = "haar", seed: int = 0, pad_pow2: bool = False, rounds: int | None = None):

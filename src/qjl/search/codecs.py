@@ -48,7 +48,8 @@ ENCODE_ROWS = 1024  # rows shifted, rotated and encoded together: their rotated 
 def default_rotation(codec: str, dim: int) -> str:
     """The rotation ``rotation="auto"`` picks: "hadamard-kron" where ``codec`` takes it and ``dim = m 2^k`` (m in 1,
     12, 20; dim >= 32), else "haar".  On MiniLM passages (384 = 12 x 32) its recall@10 matched the dense rotation's
-    within the seed spread at 1-4 bits and ``add`` ran 1.5-1.9x faster than with the dense rotation (docs/search.md, "An unpadded Hadamard rotation")."""
+    within the seed spread at 1-4 bits and ``add`` ran 1.5-1.9x faster than with the dense rotation (docs/search.md,
+    "An unpadded Hadamard rotation")."""
     from ..core.hadamard import kron_orders
 
     if codec in ROTATION_CODECS["hadamard-kron"] and dim >= 32 and kron_orders(dim) is not None:

@@ -286,7 +286,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                     slice = slice && !ik[k]; /* the integer path scores this term (ik stays 0 once cleared) */
 #endif
                     if (slice && !kp[k]) slice_rows(q[k], kt->n, kt->bits, qsl[k]);
-                    if (kp[k]) pair_table(q[k], kt->n, kt->bits, kt->group, kt->cent, nr, ptab[k]);
+                    if (kp[k]) pair_table(q[k], kt->n, kt->bits, kt->cent, nr, ptab[k]);
 #endif
                     loaded[k] = j;
                 }

@@ -332,30 +332,29 @@ QJL_AVX2 static void mix_avx2(const qjl_value_view *v, int nr, const uint8_t *co
  * so they keep those. */
 #define PAIR_MIN_TOKENS 256
 
-static int pairs_ok(int bits, int group, int64_t n) { return (bits == 2 || bits == 3) && group == 2 && n > 0 && n % 8 == 0; }
+static int pairs_ok(int bits, int group, int64_t n) {
+    return (bits == 2 || bits == 3) && group == 2 && n > 0 && n % 8 == 0;
+}
 
 static int64_t pair_entries(int bits, int64_t n) { return n / 2 * ((int64_t)1 << (2 * bits)); }
 
-/* T [n / 2][E][4] from the query rows q [RW][n] (rows from nr on: zero) */
-QJL_AVX2 static void pair_table(const float *q, int64_t n, int bits, int group, const float *cent, int nr, float *T) {
-    const int E = 1 << (2 * bits), m = (1 << bits) - 1;
-    float c0[64], c1[64]; /* (scalar codes, group 1, would read their two fields' centroids) */
-    for (int j = 0; j < E; j++) {
-        c0[j] = group == 2 ? cent[2 * j] : cent[j & m];
-        c1[j] = group == 2 ? cent[2 * j + 1] : cent[j >> bits];
-    }
+/* T [n / 2][E][4] from the query rows q [RW][n] (rows from nr on: zero) and the pairs' table cent [E][2] */
+QJL_AVX2 static void pair_table(const float *q, int64_t n, int bits, const float *cent, int nr, float *T) {
+    const int E = 1 << (2 * bits);
     for (int64_t p = 0; p < n / 2; p++) {
         float a[4] = {0, 0, 0, 0}, b[4] = {0, 0, 0, 0};
         for (int r = 0; r < nr; r++) a[r] = q[r * n + 2 * p], b[r] = q[r * n + 2 * p + 1];
         const __m128 q0 = _mm_loadu_ps(a), q1 = _mm_loadu_ps(b);
         float *t = T + p * E * 4;
         for (int j = 0; j < E; j++)
-            _mm_storeu_ps(t + 4 * j, _mm_fmadd_ps(q1, _mm_set1_ps(c1[j]), _mm_mul_ps(q0, _mm_set1_ps(c0[j]))));
+            _mm_storeu_ps(t + 4 * j,
+                          _mm_fmadd_ps(q1, _mm_set1_ps(cent[2 * j + 1]), _mm_mul_ps(q0, _mm_set1_ps(cent[2 * j]))));
     }
 }
 
 /* the 4 pairs' codes of 8 coordinates at p (b bytes; `last`: no read past them) as one word */
-QJL_AVX2 static inline __attribute__((always_inline)) uint32_t pair_word(const uint8_t *p, const int bits, const int last) {
+QJL_AVX2 static inline __attribute__((always_inline)) uint32_t pair_word(const uint8_t *p, const int bits,
+                                                                      const int last) {
     uint32_t w;
     if (bits == 2) { uint16_t h; memcpy(&h, p, 2); w = h; }
     else if (last) { uint16_t h; memcpy(&h, p, 2); w = h | (uint32_t)p[2] << 16; }
