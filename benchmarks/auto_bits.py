@@ -126,11 +126,13 @@ def cost(model, tok, text, context, repeats, smooth, preset=None) -> dict:
     finally:
         allocation.Allocator.observe, allocation.Allocator.allocate = real_observe, real_allocate
         allocation.candidate_codecs = real_candidates
-    r = {"context": context, "auto": preset or "auto(3.0)", "prefill_fixed_s": statistics.median(fixed), "prefill_auto_s": statistics.median(auto),
+    r = {"context": context, "auto": preset or "auto(3.0)", "prefill_fixed_s": statistics.median(fixed),
+         "prefill_auto_s": statistics.median(auto),
          "prefill_auto_scalar_keys_s": statistics.median(scalar), "measure_share": statistics.median(share),
          "measure_share_scalar_keys": statistics.median(share_scalar)}
     print(f"  {context} tokens: prefill tq-k3v3 {r['prefill_fixed_s']:.2f} s, auto with scalar keys "
-          f"{r['prefill_auto_scalar_keys_s']:.2f} s, {preset or 'auto (vector keys, the default)'} {r['prefill_auto_s']:.2f} s; "
+          f"{r['prefill_auto_scalar_keys_s']:.2f} s, {preset or 'auto (vector keys, the default)'} "
+          f"{r['prefill_auto_s']:.2f} s; "
           f"measuring + allocating = {100 * r['measure_share']:.1f}% of the auto prefill "
           f"({100 * r['measure_share_scalar_keys']:.1f}% with scalar keys)", flush=True)
     return r
@@ -170,7 +172,8 @@ def main(argv=None) -> int:
         import argparse as stdlib_argparse
 
         text = a.cost_text or stdlib_argparse.__file__
-        metrics["cost"] = [cost(model, tok, text, int(c), a.repeats, a.smooth, a.preset) for c in a.cost_contexts.split(",")]
+        metrics["cost"] = [cost(model, tok, text, int(c), a.repeats, a.smooth, a.preset)
+                           for c in a.cost_contexts.split(",")]
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print(f"results: {out}")
     return 0

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["GROUPS", "group_size", "group_table", "joint_codes", "split_codes", "codeword_norms", "nearest_reference", "search_grid", "SearchGrid", "train"]
+__all__ = ["GROUPS", "group_size", "group_table", "joint_codes", "split_codes", "codeword_norms", "nearest_reference",
+           "search_grid", "SearchGrid", "train"]
 
 # bits per coordinate -> coordinates per joint code (2^(g b) codewords: 256, 64, 256)
 GROUPS = {2: 4, 3: 2, 4: 2}

@@ -241,7 +241,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     int kp[2] = {0, 0};
     float *ptab[2] = {NULL, NULL};
     for (int k = 0; k < a->n_terms; k++) {
-        kp[k] = mode && pairs_ok(a->key[k].bits, a->key[k].group, a->key[k].n) && !a->key[k].q_per_block &&
+        kp[k] = mode && pairs_ok(a->key[k].bits, a->key[k].group) && !a->key[k].q_per_block &&
                 it->t1 - it->t0 >= PAIR_MIN_TOKENS;
 #if QJL_HAVE_VNNI
         kp[k] = kp[k] && !ik[k];

@@ -332,9 +332,8 @@ QJL_AVX2 static void mix_avx2(const qjl_value_view *v, int nr, const uint8_t *co
  * so they keep those. */
 #define PAIR_MIN_TOKENS 256
 
-static int pairs_ok(int bits, int group, int64_t n) {
-    return (bits == 2 || bits == 3) && group == 2 && n > 0 && n % 8 == 0;
-}
+/* (n: check_args already requires a multiple of 8) */
+static int pairs_ok(int bits, int group) { return (bits == 2 || bits == 3) && group == 2; }
 
 static int64_t pair_entries(int bits, int64_t n) { return n / 2 * ((int64_t)1 << (2 * bits)); }
 
