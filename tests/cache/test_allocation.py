@@ -74,6 +74,54 @@ def test_sensitivity_equals_the_direct_sum(heads_in_mask):
         _sensitivity_direct(q, k, v, None, 0.25, tokens), rel=1e-5)
 
 
+def test_sensitivity_per_kv_head_is_each_heads_own():
+    """``per_head``: each KV head's S_K, S_V are those of that head and its query group alone, and sum to the
+    layer's."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 6, 5, 16, generator=g)
+    k, v = torch.randn(2, 3, 40, 16, generator=g) * 2, torch.randn(2, 3, 40, 16, generator=g)
+    k[:, 1] *= 3  # heads of different sensitivity
+    mask = torch.zeros(2, 6, 5, 40)
+    mask[..., 35:] = float("-inf")
+    mask[0, 4:] = float("-inf")  # KV head 2's queries see nothing in row 0
+    mask[0, 4:, :, :3] = 0.0
+    tokens = slice(4, 30)
+    s_k, s_v = layer_sensitivity(q, k, v, mask, 0.25, tokens, per_head=True)
+    assert len(s_k) == len(s_v) == 3
+    for h in range(3):
+        want = _sensitivity_direct(q[:, 2 * h:2 * h + 2], k[:, h:h + 1], v[:, h:h + 1], mask[:, 2 * h:2 * h + 2],
+                                   0.25, tokens)
+        assert (s_k[h], s_v[h]) == pytest.approx(want, rel=1e-5)
+    assert (sum(s_k), sum(s_v)) == pytest.approx(layer_sensitivity(q, k, v, mask, 0.25, tokens), rel=1e-9)
+
+
+def test_widths_per_kv_head():
+    """Units of (layer, KV head): the budget holds over all heads, the most sensitive head of a layer gets the most
+    bits, a layer kept exact is kept so for all its heads, and one head per layer is the per-layer allocation."""
+    heads = 3
+    units = [_stats(1.0, 1.0), _stats(80.0, 1.0), _stats(1.0, 1.0),  # layer 0: head 1's keys matter
+             _stats(1.0, 1.0), _stats(1.0, 1.0), _stats(1.0, 60.0),  # layer 1: head 2's values
+             _stats(2.0, 2.0), _stats(1.0, 1.0), _stats(1.0, 1.0)]
+    picks = choose_widths(units, budget=3.0, exact_bits=16, boundary=0, heads=heads)
+    bits = [units[u]["keys"][k][0] + units[u]["values"][v][0] for u, (k, v) in enumerate(picks)]
+    assert sum(bits) / (2 * len(units)) <= 3.0
+    assert picks[1][0] > picks[0][0] and picks[1][0] > picks[2][0]
+    assert picks[5][1] > picks[3][1] and picks[5][1] > picks[4][1]
+    assert len(set(picks[0:3])) > 1  # the heads of a layer differ
+    # a per-layer allocation can only give layer 0's three heads one width: its error is larger at the same bits
+    layers = [dict(units[3 * i], s_k=sum(units[3 * i + h]["s_k"] for h in range(3)),
+                   s_v=sum(units[3 * i + h]["s_v"] for h in range(3))) for i in range(3)]
+    per_layer = [p for p in choose_widths(layers, 3.0, 16, 0) for _ in range(heads)]
+    assert predicted_error(units, picks) < predicted_error(units, per_layer)
+    assert choose_widths(layers, 3.0, 16, 0, heads=1) == choose_widths(layers, 3.0, 16, 0)
+    big = [_stats(1e6, 1e6)] * heads + [_stats(1.0, 1.0)] * (5 * heads)
+    exact = choose_widths(big, budget=5.0, exact_bits=16, boundary=1, heads=heads)
+    assert exact[:heads] == [None] * heads and all(p is not None for p in exact[heads:])
+    for bad in (0, 2, True):
+        with pytest.raises(ValueError, match="heads"):
+            choose_widths(units, 3.0, 16, 0, heads=bad)
+
+
 def _stats(s_k, s_v):
     keys = [(2.25, 0.12), (3.25, 0.034), (4.25, 0.0093), (5.25, 0.0025)]
     values = [(2.125, 0.13), (3.25, 0.034), (4.25, 0.0093)]

@@ -41,9 +41,10 @@ SCRIPT = textwrap.dedent("""
     with torch.no_grad():
         gen = model.generate(ids, **qjl.cache_kwargs(cache), max_new_tokens=12, do_sample=False,
                              output_scores=True, return_dict_in_generate=True)
-        # auto widths: each layer's error terms summed over the ranks' heads, so every rank chooses alike
+        # auto widths: each layer's error terms summed over the ranks' heads, so every rank chooses alike (per layer:
+        # under tensor parallelism widths are per layer, so the one-process run is asked for the same)
         auto = qjl.QJLCache(model, qjl.QJLConfig.auto(4.0, residual_length=8, flush_block=4, kernel="torch",
-                                                      exact_dtype=None))
+                                                      exact_dtype=None, per_head=False))
         model(torch.tensor([[(7 * j + 5) % 90 + 3 for j in range(400)]]), **qjl.cache_kwargs(auto))
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:

@@ -491,11 +491,44 @@ def test_auto_widths_from_the_prompt():
     assert out.shape[1] == 65
     widths = cache.memory_report()["widths"]
     assert sorted(widths) == [0, 1, 2]
-    bits = [cache.layers[i].store.key_codec.bit_budget().amortized(4096)
-            + cache.layers[i].store.value_codec.bit_budget().amortized(4096) for i in range(3)]
-    assert sum(bits) / 6 <= 3.0
+    assert sum(_nominal_bits(cache.layers[i].store) for i in range(3)) / 3 <= 3.0
     again = QJLCache(model, cfg)
     model.generate(_prompt(60), max_new_tokens=5, do_sample=False, **cache_kwargs(again))
+    assert again.memory_report()["widths"] == widths  # deterministic
+
+
+def _nominal_bits(store) -> float:
+    """Bits per value of a layer's codecs (keys and values averaged; each run of KV heads weighted by its heads)."""
+    amort = lambda c: c.bit_budget().amortized(4096)  # noqa: E731
+    if store.groups is None:
+        return (amort(store.key_codec) + amort(store.value_codec)) / 2
+    return sum((g.heads.stop - g.heads.start) * (amort(g.key_codec) + amort(g.value_codec)) / 2
+               for g in store.groups) / store.heads
+
+
+def test_auto_widths_per_kv_head():
+    """#14: widths chosen per KV head where a layer's heads differ (the default; ``per_head=False``: per layer):
+    the run's heads coded by their own codecs, within the budget, reported per run; generation runs; the same
+    prompt chooses the same widths; the per-layer allocation of the same prompt has one pair per layer."""
+    model = _patched("llama")
+    ids = _prompt(400)
+    caches = {}
+    for per_head in (True, False):
+        cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0,
+                             per_head=per_head)
+        cache = caches[per_head] = QJLCache(model, cfg)
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(cache))
+        assert out.shape[1] == 405
+        stores = [layer.store for layer in cache.layers]
+        assert all(s.n_codes > 0 for s in stores)
+        assert sum(_nominal_bits(s) for s in stores) / len(stores) <= 3.0
+        assert cache.memory_report()["compressed_bits"] <= 3.0
+    grouped = [layer.store for layer in caches[True].layers if layer.store.groups is not None]
+    assert grouped and all(layer.store.groups is None for layer in caches[False].layers)
+    widths = caches[True].memory_report()["widths"]
+    assert any("KV head" in k + v for k, v in widths.values())
+    again = QJLCache(model, caches[True].qjl_config)
+    model.generate(ids, max_new_tokens=5, do_sample=False, **cache_kwargs(again))
     assert again.memory_report()["widths"] == widths  # deterministic
 
 

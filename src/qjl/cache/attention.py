@@ -52,7 +52,11 @@ def _check_mask(store, attention_mask) -> None:
 def attend(store, query: torch.Tensor, attention_mask, scaling: float, softcap=None) -> torch.Tensor:
     """query: [B, H_q, t, D]; mask [B, 1|H, t, L] (additive float or bool) -> [B, t, H_q, D] in query's dtype.
 
-    With value smoothing the store holds ``v - mu_v``; ``mu_v`` is added back here, after any path."""
+    With value smoothing the store holds ``v - mu_v``; ``mu_v`` is added back here, after any path.  A store whose
+    KV heads are coded in groups of their own widths (``store.groups``) is attended group by group, each group's
+    query heads over that group's view (:class:`qjl.cache.storage.HeadGroupView`)."""
+    if getattr(store, "groups", None) is not None:
+        return _attend_groups(store, query, attention_mask, scaling, softcap)
     b, hq, t, d = query.shape
     hkv = store.heads
     g = hq // hkv
@@ -76,6 +80,24 @@ def attend(store, query: torch.Tensor, attention_mask, scaling: float, softcap=N
         dv = store.mu_v.shape[-1]
         out = (out.reshape(b, t, hkv, g, dv) + store.mu_v[:, None, :, None, :]).reshape(b, t, hq, dv)
     return out.to(query.dtype)
+
+
+def _attend_groups(store, query: torch.Tensor, attention_mask, scaling: float, softcap) -> torch.Tensor:
+    """:func:`attend` of a store coded in head groups: query heads ``h * g .. (h + 1) * g`` read KV head h, so each
+    group's query heads attend over the group alone -> [B, t, H_q, D_v] in query's dtype."""
+    b, hq, t, _ = query.shape
+    g = hq // store.heads
+    out = None
+    for view in store.head_views():
+        rows = slice(view.head_slice.start * g, view.head_slice.stop * g)
+        mask = attention_mask
+        if mask is not None and mask.shape[1] != 1:  # [B, H_q, t, L]: the group's query heads
+            mask = mask[:, rows]
+        o = attend(view, query[:, rows], mask, scaling, softcap)
+        if out is None:
+            out = o.new_empty(b, t, hq, o.shape[-1])
+        out[:, :, rows] = o
+    return out
 
 
 def _attend_reference(store, query, attention_mask, scaling, softcap) -> torch.Tensor:

@@ -49,10 +49,14 @@ def _first_bad(x: torch.Tensor) -> str:
 
 
 def _codecs(store, role: str) -> list:
+    """[(codec, KV heads it codes)] of one role: the layer's codec, each head group's, or every candidate."""
+    every = slice(None)
     if store.key_codec is not None:
-        return [store.key_codec if role == "key" else store.value_codec]
+        return [(store.key_codec if role == "key" else store.value_codec, every)]
+    if store.groups is not None:
+        return [(g.key_codec if role == "key" else g.value_codec, g.heads) for g in store.groups]
     cands = getattr(store, "candidates", None)  # widths still to be chosen: every candidate must hold it
-    return list(cands[0] if role == "key" else cands[1]) if cands else []
+    return [(c, every) for c in (cands[0] if role == "key" else cands[1])] if cands else []
 
 
 def _largest(*xs) -> list:
@@ -84,13 +88,13 @@ def check_values(store, keys, values) -> None:
                              "model's dtype)")
     for role, x, name in (("key", k, "key_states"), ("value", v, "value_states")):
         bound = big[name] * math.sqrt(x.shape[-1])  # no vector's norm exceeds it
-        for codec in _codecs(store, role):
+        for codec, heads in _codecs(store, role):
             limit = codec.norm_limit()
             if limit is not None and bound <= limit:
                 continue
             fit = store.key_fit if role == "key" and store.key_fit is not None else ()
             try:
-                codec.check_storable(x, f"{role}_states", *fit)
+                codec.check_storable(x[:, heads], f"{role}_states", *fit)
             except ValueError as e:
                 raise ValueError(f"layer {store.layer_idx}, {e}: QJLConfig({role}=CodecSpec(..., {{'norm_dtype': "
                                  f"'fp16'}})), or a preset without fp8 norms") from None

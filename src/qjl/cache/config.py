@@ -8,7 +8,7 @@ checked by :meth:`QJLConfig.check_model`, which :class:`qjl.QJLCache` calls befo
 
 ``QJLConfig()`` is the default preset (``DEFAULT_PRESET`` in :mod:`qjl.cache.presets`, "tq-k45v3"):
 the same configuration ``QJLCache(model)`` uses.  Named presets: ``QJLConfig.preset(name)``; widths
-chosen per layer from the prompt itself: ``QJLConfig.auto(bits_per_value=...)``
+chosen per layer and KV head from the prompt itself: ``QJLConfig.auto(bits_per_value=...)``
 (:mod:`qjl.cache.allocation`).
 """
 
@@ -146,8 +146,9 @@ class QJLConfig:
             coded.  Attention sinks are not only the first tokens (KVSink, arXiv:2508.04257); an error in a token
             that takes much of the attention moves the output most.  Counted with the exact tokens; 16 by default
             (measured better on every text, docs/cache.md).
-        allocation: None, or widths chosen per layer from the prompt (:class:`qjl.cache.allocation.AutoBits`;
-            made by :meth:`QJLConfig.auto`); then ``key``/``value``/``late_key``/``layer_overrides`` are unused.
+        allocation: None, or widths chosen per layer and KV head from the prompt
+            (:class:`qjl.cache.allocation.AutoBits`; made by :meth:`QJLConfig.auto`); then
+            ``key``/``value``/``late_key``/``layer_overrides`` are unused.
         seed: base seed; layer l uses seed + 1000 * l for its sketches and rotations.
         kernel: attention/quantization kernels (:mod:`qjl.kernels`): "auto" (default: Triton on
             CUDA, the C kernel on CPU, for the codecs they cover), "cpu", "triton" or "torch"
@@ -313,15 +314,16 @@ class QJLConfig:
         budget, bits in [1, 16]; ``"auto-3.0c1"``: values over one rotation instead of AutoBits' default 8 rotations in
         turn, ``value_cycles``; a final ``s``: scalar codebooks for keys and values (the default before vector
         codebooks, e.g. ``"auto-3.0c8s"``), ``v``: vector codebooks for both (AutoBits ``vector_keys`` /
-        ``vector_values``; the default: vector keys, scalar values)), with
+        ``vector_values``; the default: vector keys, scalar values); a last ``l``: widths per layer instead of per
+        KV head (AutoBits ``per_head=False``, e.g. ``"auto-3.0l"``)), with
         fields replaced; the names ``qjl eval --methods`` and lm-eval's model take."""
         if isinstance(name, str) and name.startswith("auto-"):
             import re
 
-            m = re.fullmatch(r"auto-([0-9]*\.?[0-9]+)(?:c([0-9]+))?([sv])?", name)
+            m = re.fullmatch(r"auto-([0-9]*\.?[0-9]+)(?:c([0-9]+))?([sv])?(l)?", name)
             if m is None:
-                raise ValueError(f"{name!r}: write auto-<bits per value>[c<rotations>][s|v], e.g. auto-3.0, auto-3.0c8 "
-                                 "or auto-3.0c8s")
+                raise ValueError(f"{name!r}: write auto-<bits per value>[c<rotations>][s|v][l], e.g. auto-3.0, "
+                                 "auto-3.0c8, auto-3.0c8s or auto-3.0l")
             bits = float(m[1])
             if not 1.0 <= bits <= 16.0:
                 raise ValueError(f"{name!r}: bits per value must be in [1, 16]")
@@ -329,12 +331,14 @@ class QJLConfig:
                 overrides = {"value_cycles": int(m[2]), **overrides}
             if m[3] is not None:
                 overrides = {"vector_keys": m[3] == "v", "vector_values": m[3] == "v", **overrides}
+            if m[4] is not None:
+                overrides = {"per_head": False, **overrides}
             return QJLConfig.auto(bits_per_value=bits, **overrides)
         return QJLConfig.preset(name, **overrides)
 
     @staticmethod
     def auto(bits_per_value: float, **fields) -> "QJLConfig":
-        """Widths chosen per layer at the end of prefill from the prompt's own keys, values and queries,
+        """Widths chosen per layer and KV head at the end of prefill from the prompt's own keys, values and queries,
         within ``bits_per_value`` (compressed part, keys and values averaged); see
         :class:`qjl.cache.allocation.AutoBits` for the error proxy and the candidates.
 

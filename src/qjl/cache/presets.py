@@ -76,7 +76,7 @@ PRESETS = {
     # mean perplexity change +0.85% against +1.08% (README, "The 5x point"); transformers only (vLLM serves fixed
     # widths: tqv-k3v2)
     "tqa-5x": QJLConfig.auto(bits_per_value=2.72, vector_values=True, residual_length=120, flush_block=8,
-                             exact_dtype="fp16"),
+                             exact_dtype="fp16", per_head=False),  # (measured with widths per layer)
     "tq-k2v2": _fixed(_tq(2), _tq(2)),  # the lowest budget measured (2.25 bits)
     # --- the papers' methods as published, for comparison ---
     # QJL: m = 2d sign bits (256 at d = 128), 8 outlier channels with their own sketch, 2-bit token-wise values

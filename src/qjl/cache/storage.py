@@ -24,6 +24,10 @@ Key and value smoothing (``config.smooth_keys`` / ``smooth_values``, :mod:`qjl.c
 ``mu_v`` are fit once, before the first flush or at the first attention, and subtracted from every key / value
 the store holds; :func:`qjl.cache.attention.attend` adds ``mu_v`` back to its output.
 
+Widths per KV head (``QJLConfig.auto``'s default): :meth:`LayerStore.assign_heads` gives runs of adjacent KV heads
+codecs of their own (a :class:`HeadGroup` each, with its own code buffers); the exact parts stay shared, and
+attention reads each run through a :class:`HeadGroupView`.
+
 This module knows nothing of any framework; attention over a store is :mod:`qjl.cache.attention`,
 the transformers cache layer is :mod:`qjl.integrations.transformers.layer`.
 """
@@ -36,10 +40,10 @@ from qjl import kernels
 from qjl.cache import checks, padding
 from qjl.cache.buffers import CodeBuffer, TokenBuffer, storage_bytes
 from qjl.cache.smoothing import VALUE_MEAN_ROWS, attention_weighted_mean, attention_weights, channel_mean
-from qjl.codecs.base import Codes
+from qjl.codecs.base import Codec, Codes
 from qjl.core.validation import STORAGE_DTYPES
 
-__all__ = ["LayerStore", "EAGER_FLUSH", "exact_storage"]
+__all__ = ["LayerStore", "HeadGroup", "HeadGroupView", "EAGER_FLUSH", "exact_storage"]
 
 # A window overflowing by more than this many tokens (a prompt, a long chunk) is flushed right after the
 # attention that read it, so the prompt is not held at full precision; smaller overflows (decode steps,
@@ -75,6 +79,7 @@ class LayerStore:
     def reset(self) -> None:
         self.is_initialized = False
         self.key_codec = self.value_codec = None
+        self.groups = None  # widths per KV head (qjl.cache.allocation): a HeadGroup per run of heads, else None
         self.exact_only = False  # a layer kept exact (an allocation choice): never flushed to codes
         self.kernel_ok = False  # the kernels read this layer's codecs
         self._wk = self._wv = None  # the exact recent window (TokenBuffer)
@@ -132,10 +137,41 @@ class LayerStore:
                                                        value_spec.build(self.value_dim, seed + 1))
         self.kernel_ok = self.backend != "torch" and kernels.supports(self.key_codec, self.value_codec, self.backend)
 
+    def assign_heads(self, runs: list) -> None:
+        """Code runs of adjacent KV heads with their own codecs (widths chosen per KV head), before any token is
+        flushed.  ``runs``: ``[(heads, key_spec, value_spec, (key codec, value codec))]``, ``heads`` slices that
+        cover ``0 .. H_kv`` in order, at least two; codecs of one token per code and no per-sequence fit."""
+        if self._kc.n or self.groups is not None or self.key_codec is not None:
+            raise RuntimeError(f"layer {self.layer_idx} already has codecs: they cannot change")
+        if not isinstance(runs, (list, tuple)) or len(runs) < 2:
+            raise ValueError(f"runs must list at least two head groups (one pair for every head: assign), got {runs!r}")
+        at = 0
+        for heads, _, _, codecs in runs:
+            if not isinstance(heads, slice) or heads.start != at or heads.stop is None or heads.stop <= at:
+                raise ValueError(f"runs must cover the KV heads 0..{self.heads} in order with non-empty slices, "
+                                 f"got {[r[0] for r in runs]}")
+            at = heads.stop
+            for c in codecs:
+                if c.tokens_per_code != 1 or c.fits_queries or type(c).fit is not Codec.fit:
+                    raise ValueError(f"widths per KV head take codecs of one token per code without a per-sequence "
+                                     f"fit, got {c!r}")
+        if at != self.heads:
+            raise ValueError(f"runs must cover the KV heads 0..{self.heads}, got {[r[0] for r in runs]}")
+        self.key_spec = self.value_spec = None
+        self.exact_only, self.kernel_ok = False, False
+        self._wk.spare = self._wv.spare = False
+        self.groups = tuple(HeadGroup(heads, ks, vs, kc, vc, self.backend != "torch"
+                                      and kernels.supports(kc, vc, self.backend))
+                            for heads, ks, vs, (kc, vc) in runs)
+
+    def head_views(self) -> list:
+        """:class:`HeadGroupView` of each head group (``groups``), as attention reads a store."""
+        return [HeadGroupView(self, g) for g in self.groups]
+
     @property
     def pending(self) -> bool:
         """Widths not chosen yet (``config.allocation``): nothing can be flushed."""
-        return self.is_initialized and self.key_codec is None and not self.exact_only
+        return self.is_initialized and self.key_codec is None and self.groups is None and not self.exact_only
 
     # -- views and lengths ------------------------------------------------------------------------
     @property
@@ -149,16 +185,24 @@ class LayerStore:
 
     @property
     def key_codes(self) -> Codes | None:
+        self._one_pair("key_codes")
         return self._kc.view()
 
     @property
     def value_codes(self) -> Codes | None:
+        self._one_pair("value_codes")
         return self._vc.view()
+
+    def _one_pair(self, what: str) -> None:
+        if self.groups is not None:
+            raise RuntimeError(f"layer {self.layer_idx} codes its KV heads in groups of their own widths: read {what} "
+                               "per group (head_views())")
 
     def kernel_fields(self) -> tuple:
         """(key fields, value fields, block size) of the codes for the paged kernels: one block per sequence over
         the buffers' whole capacity, the same FieldMap objects from call to call until the buffers grow (so the
         launchers keep their checks); the codes in use are tokens ``[0, n_codes)``."""
+        self._one_pair("kernel_fields")
         return self._kc.paged_fields(), self._vc.paged_fields(), self._kc.capacity
 
     @property
@@ -172,6 +216,8 @@ class LayerStore:
     @property
     def n_codes(self) -> int:
         """Tokens held as codes."""
+        if self.groups is not None:
+            return self.groups[0].kc.n  # (one token per code in every group)
         return self._kc.n * (self.key_codec.tokens_per_code if self.key_codec is not None else 1)
 
     def seq_length(self) -> int:
@@ -298,9 +344,18 @@ class LayerStore:
         if n <= 0:
             return
         wk, wv = self._wk.view(), self._wv.view()
+        at = self.n_codes  # the code position of the block's first token (codecs over rotations in turn read it)
+        if self.groups is not None:  # each run of heads through its own codecs (no per-sequence fits)
+            coded = [(self._quantize(g.key_codec, wk[:, g.heads, :n], start=at),
+                      self._quantize(g.value_codec, wv[:, g.heads, :n], start=at)) for g in self.groups]
+            for g, (kc, vc) in zip(self.groups, coded):
+                g.kc.append(kc)
+                g.vc.append(vc)
+            self._wk.replace(wk[:, :, n:])
+            self._wv.replace(wv[:, :, n:])
+            return
         if self.key_fit is None:
             self.key_fit = self._fit_keys(self._without_padding(wk[:, :, :n]))
-        at = self.n_codes  # the code position of the block's first token (codecs over rotations in turn read it)
         key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit, start=at)
         value_codes = self._quantize(self.value_codec, wv[:, :, :n], start=at)
         self._kc.append(key_codes)
@@ -320,6 +375,8 @@ class LayerStore:
 
     def _wants_queries(self) -> bool:
         """Whether the key codec (or, before an allocation, one of its candidates) fits to the prompt's queries."""
+        if self.groups is not None:
+            return False  # (head groups take no fitted codecs)
         codecs = [self.key_codec] if self.key_codec is not None else list((self.candidates or ((),))[0])
         return any(c.fits_queries for c in codecs)
 
@@ -367,6 +424,7 @@ class LayerStore:
     def encode(self, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> tuple:
         """Codes of keys and values ``[B, H_kv, n, D]`` with this layer's codecs and kernels (not stored), their
         first token at code position ``start``."""
+        self._one_pair("encode")
         fit = self.key_fit if self.key_fit is not None else self.key_codec.fit(k)
         return self._quantize(self.key_codec, k, *fit, start=start), self._quantize(self.value_codec, v, start=start)
 
@@ -377,6 +435,8 @@ class LayerStore:
     def snapshot(self):
         """Everything needed to undo the next operations (buffers are only written beyond their state)."""
         bufs = {n: getattr(self, n).state() for n in ("_wk", "_wv", "_kc", "_vc") if getattr(self, n) is not None}
+        for i, g in enumerate(self.groups or ()):
+            bufs[(i, "kc")], bufs[(i, "vc")] = g.kc.state(), g.vc.state()
         return dict(self.__dict__), bufs
 
     def restore(self, snap) -> None:
@@ -384,7 +444,10 @@ class LayerStore:
         self.__dict__.clear()
         self.__dict__.update(attrs)
         for name, state in bufs.items():
-            getattr(self, name).restore(state)
+            if isinstance(name, tuple):  # a head group's buffer
+                getattr(self.groups[name[0]], name[1]).restore(state)
+            else:
+                getattr(self, name).restore(state)
 
     # -- crop / select ------------------------------------------------------------------------------
     def check_crop(self, n: int) -> None:
@@ -400,7 +463,12 @@ class LayerStore:
         self._wv.n -= r
         n -= r
         c = min(n, self.n_codes)
-        if c:
+        if c and self.groups is not None:
+            for g in self.groups:
+                g.kc.truncate(g.kc.n - c)
+                g.vc.truncate(g.vc.n - c)
+            n -= c
+        elif c:
             self._kc.truncate(self._kc.n - c // (self.key_codec.tokens_per_code if self.key_codec else 1))
             self._vc.truncate(self._vc.n - c)
             n -= c
@@ -424,8 +492,8 @@ class LayerStore:
         for buf in (self._wk, self._wv):
             buf.replace(sel(buf.view()))
         self.sink_k, self.sink_v = sel(self.sink_k), sel(self.sink_v)
-        self._kc.select(index)
-        self._vc.select(index)
+        for buf in (self._kc, self._vc, *(b for g in self.groups or () for b in (g.kc, g.vc))):
+            buf.select(index)
         self.mu, self.mu_v = sel(self.mu), sel(self.mu_v)
         self.row_start, self.pads, self.heavy_pos = sel(self.row_start), sel(self.pads), sel(self.heavy_pos)
         self.heavy_w, self.fit_q = sel(self.heavy_w), sel(self.fit_q)
@@ -436,7 +504,9 @@ class LayerStore:
     # -- bookkeeping ------------------------------------------------------------------------------
     def parts(self) -> dict:
         """Tensors held, by part (the window and sinks are 'exact'; 'smoothing' is mu and mu_v)."""
-        return {"key_codes": self._kc.tensors(), "value_codes": self._vc.tensors(),
+        groups = self.groups or ()
+        return {"key_codes": self._kc.tensors() + [t for g in groups for t in g.kc.tensors()],
+                "value_codes": self._vc.tensors() + [t for g in groups for t in g.vc.tensors()],
                 "exact": [*(self._wk.tensors() if self._wk else []), *(self._wv.tensors() if self._wv else []),
                           self.sink_k, self.sink_v],
                 "smoothing": [self.mu, self.mu_v],
@@ -457,3 +527,63 @@ class LayerStore:
             return {"compressed": 0, "exact": 0}
         per_token = self.batch * self.heads * self.key_dim
         return {"compressed": per_token * self.n_codes, "exact": per_token * (self.n_sink + self.n_window)}
+
+
+class HeadGroup:
+    """A run of adjacent KV heads ``heads`` (a slice) of one layer coded with its own codecs (widths chosen per KV
+    head, :meth:`LayerStore.assign_heads`): the specs, the codecs, whether the kernels read them, and the code
+    buffers ``kc``/``vc`` of those heads ([B, len(heads), n] codes)."""
+
+    def __init__(self, heads: slice, key_spec, value_spec, key_codec, value_codec, kernel_ok: bool):
+        self.heads, self.key_spec, self.value_spec = heads, key_spec, value_spec
+        self.key_codec, self.value_codec, self.kernel_ok = key_codec, value_codec, kernel_ok
+        self.kc, self.vc = CodeBuffer(), CodeBuffer()
+        self.mean = None  # (the store's value mean, its rows of these heads): kept while the store's is the same
+
+    def __repr__(self):
+        return f"HeadGroup(heads {self.heads.start}-{self.heads.stop - 1}, {self.key_codec!r}, {self.value_codec!r})"
+
+
+class HeadGroupView:
+    """One head group of a :class:`LayerStore` read as a store of those heads alone: what
+    :func:`qjl.cache.attention.attend` reads (exact sinks and window as views of the store's, the group's codes and
+    codecs, the value mean's rows of those heads).  Attention of the group's query heads over it is the layer's
+    attention for those heads: each query head reads only its own KV head."""
+
+    def __init__(self, store: LayerStore, group: HeadGroup):
+        self.store, self.group, self.head_slice = store, group, group.heads
+        self.layer_idx, self.config, self.backend = store.layer_idx, store.config, store.backend
+        self.heads = group.heads.stop - group.heads.start
+        self.key_dim, self.value_dim, self.batch = store.key_dim, store.value_dim, store.batch
+        self.key_codec, self.value_codec, self.kernel_ok = group.key_codec, group.value_codec, group.kernel_ok
+
+    def _rows(self, x):
+        return None if x is None else x[:, self.head_slice]
+
+    keys = property(lambda self: self._rows(self.store.keys))
+    values = property(lambda self: self._rows(self.store.values))
+    sink_k = property(lambda self: self._rows(self.store.sink_k))
+    sink_v = property(lambda self: self._rows(self.store.sink_v))
+    key_codes = property(lambda self: self.group.kc.view())
+    value_codes = property(lambda self: self.group.vc.view())
+    n_sink = property(lambda self: self.store.n_sink)
+    n_codes = property(lambda self: self.store.n_codes)
+    n_window = property(lambda self: self.store.n_window)
+
+    @property
+    def mu_v(self):
+        """The value mean's rows of these heads [B, h, D_v] (contiguous; the same tensor from call to call while the
+        store's mean is)."""
+        mu = self.store.mu_v
+        if mu is None:
+            return None
+        if self.group.mean is None or self.group.mean[0] is not mu:
+            self.group.mean = (mu, mu[:, self.head_slice].contiguous())
+        return self.group.mean[1]
+
+    def seq_length(self) -> int:
+        return self.store.seq_length()
+
+    def kernel_fields(self) -> tuple:
+        """:meth:`LayerStore.kernel_fields` of the group's codes."""
+        return self.group.kc.paged_fields(), self.group.vc.paged_fields(), self.group.kc.capacity

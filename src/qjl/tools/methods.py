@@ -4,8 +4,9 @@
   other method is measured against (always run);
 * every name in :data:`qjl.PRESETS` -- a :class:`qjl.QJLCache` with that preset;
 * ``"auto-<bits>"`` (e.g. ``auto-3.0``) -- ``QJLConfig.auto(bits_per_value=<bits>)``, where this version
-  of the cache has it: codec widths chosen per layer from the prompt; ``"auto-<bits>c<K>"`` (e.g.
-  ``auto-3.0c1``): its value candidates over K rotations in turn (AutoBits ``value_cycles``; default 8);
+  of the cache has it: codec widths chosen per KV head of each layer from the prompt; ``"auto-<bits>c<K>"`` (e.g.
+  ``auto-3.0c1``): its value candidates over K rotations in turn (AutoBits ``value_cycles``; default 8); a final
+  ``l`` (``auto-3.0l``): widths per layer (AutoBits ``per_head=False``);
 * ``"hf-quanto-k4v4"``, ``"hf-quanto-k2v2"`` -- transformers' own ``QuantizedCache`` (quanto backend,
   per-channel groups of 64, residual 128), with ``pip install optimum-quanto``;
 * ``"<preset or auto-bits>@<seed>"`` (e.g. ``tq-k3v3@2``) -- the same configuration with another base seed

@@ -38,10 +38,20 @@ def _head_dim(text) -> int:
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
-def _describe(store, spec, dim) -> str:
+def _describe(store, role: str) -> str:
+    """The codec of one role ("key" or "value") of a layer, or of each run of its KV heads (widths per KV head)."""
+    dim = store.key_dim if role == "key" else store.value_dim
+    spec = store.key_spec if role == "key" else store.value_spec
     if spec is not None:
         return spec.describe(dim)
+    if store.groups is not None:
+        return "; ".join(f"{_heads(g.heads)}: {(g.key_spec if role == 'key' else g.value_spec).describe(dim)}"
+                         for g in store.groups)
     return "pending (widths chosen after the prefill)" if store.pending else "exact"
+
+
+def _heads(heads: slice) -> str:
+    return f"KV head {heads.start}" if heads.stop - heads.start == 1 else f"KV heads {heads.start}-{heads.stop - 1}"
 
 
 def _rank_sum(model):
@@ -262,6 +272,5 @@ class QJLCache(Cache):
         n = store.seq_length()
         out.update(compressed_coords=c["compressed"], exact_coords=c["exact"], coords=c["compressed"] + c["exact"],
                    baseline=store.batch * store.heads * n * (store.key_dim + store.value_dim) * store.dtype.itemsize,
-                   key=_describe(store, store.key_spec, store.key_dim),
-                   value=_describe(store, store.value_spec, store.value_dim))
+                   key=_describe(store, "key"), value=_describe(store, "value"))
         return out
