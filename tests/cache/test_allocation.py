@@ -122,6 +122,59 @@ def test_widths_per_kv_head():
             choose_widths(units, 3.0, 16, 0, heads=bad)
 
 
+def _greedy_reference(stats, budget, exact_bits, boundary, heads):
+    """choose_widths re-evaluating every move of every unit at each step (what its kept best moves must equal)."""
+    n, layers = len(stats), len(stats) // heads
+    err = lambda u, r, i: stats[u]["s_" + r[0]] * stats[u][r][i][1]  # noqa: E731
+    bits = lambda u, r, i: stats[u][r][i][0]  # noqa: E731
+    choice = [{r: min(range(len(stats[u][r])), key=lambda i: (bits(u, r, i), err(u, r, i))) for r in ("keys", "values")}
+              for u in range(n)]
+    exact = [False] * layers
+    cost = lambda u: bits(u, "keys", choice[u]["keys"]) + bits(u, "values", choice[u]["values"])  # noqa: E731
+    error = lambda u: err(u, "keys", choice[u]["keys"]) + err(u, "values", choice[u]["values"])  # noqa: E731
+    total, cap = sum(cost(u) for u in range(n)), 2 * budget * n
+    while True:
+        moves = []
+        for u in range(n):
+            l = u // heads
+            if exact[l]:
+                continue
+            for r in ("keys", "values"):
+                for i in range(len(stats[u][r])):
+                    j = choice[u][r]
+                    moves.append((bits(u, r, i) - bits(u, r, j), err(u, r, j) - err(u, r, i), u, r, i))
+            if u % heads == 0 and (l < boundary or l >= layers - boundary):
+                units = range(u, u + heads)
+                moves.append((2 * exact_bits * heads - sum(cost(x) for x in units), sum(error(x) for x in units),
+                              u, "exact", None))
+        ok = [m for m in moves if m[0] > 0 and m[1] > 0 and total + m[0] <= cap + 1e-9]
+        if not ok:
+            return [None if exact[u // heads] else (choice[u]["keys"], choice[u]["values"]) for u in range(n)]
+        extra, _, u, r, i = max(ok, key=lambda m: (m[1] / m[0], -m[2], m[3], -(m[4] or 0)))
+        if r == "exact":
+            exact[u // heads] = True
+        else:
+            choice[u][r] = i
+        total += extra
+
+
+def test_greedy_keeps_the_choices_of_re_evaluating_every_move():
+    """choose_widths keeps each unit's best affordable move between steps: the same picks as re-evaluating every move
+    (random sensitivities, budgets, boundaries, one to four heads per layer, exact layers among the choices)."""
+    import random
+
+    rng = random.Random(0)
+    exact_seen = 0
+    for _ in range(200):
+        heads, layers = rng.choice([1, 2, 3, 4]), rng.choice([3, 5, 8])
+        stats = [_stats(rng.lognormvariate(3, 3), rng.lognormvariate(2, 2)) for _ in range(heads * layers)]
+        budget, boundary = rng.choice([2.8, 3.0, 3.5, 4.5, 5.5, 7.0, 9.0, 12.0]), rng.choice([0, 1, 2])
+        want = _greedy_reference(stats, budget, 16, boundary, heads)
+        assert choose_widths(stats, budget, 16, boundary, heads=heads) == want
+        exact_seen += None in want
+    assert exact_seen  # the exact option was exercised
+
+
 def _stats(s_k, s_v):
     keys = [(2.25, 0.12), (3.25, 0.034), (4.25, 0.0093), (5.25, 0.0025)]
     values = [(2.125, 0.13), (3.25, 0.034), (4.25, 0.0093)]
