@@ -349,6 +349,7 @@ def choose_widths(stats: list, budget: float, exact_bits: float, boundary: int, 
     cap = 2 * budget * n
     if total > cap + 1e-9:
         raise ValueError(f"bits_per_value={budget:g} is below the cheapest candidates ({total / 2 / n:.3f} bits/value)")
+
     def best_move(u):  # the unit's best affordable move (its key), or None
         l, best = u // heads, None
         options = [(role, i) for role in ("keys", "values") for i in range(len(stats[u][role]))]
