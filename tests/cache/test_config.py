@@ -164,3 +164,13 @@ def test_named_takes_presets_and_auto_budgets():
         QJLConfig.auto(bits_per_value=3.0, vector_keys=1)
     with pytest.raises(ValueError, match="auto-<bits"):
         QJLConfig.named("auto-3.0x")
+    # widths per KV head by default; a final l: per layer (with any other suffix), the candidates unchanged
+    per_layer, sca_layer = QJLConfig.named("auto-3.0l"), QJLConfig.named("auto-3.0c8sl")
+    assert dft.allocation.per_head and not per_layer.allocation.per_head and not sca_layer.allocation.per_head
+    assert "per KV head" in dft.allocation.describe() and "per layer" in per_layer.allocation.describe()
+    assert per_layer.allocation.key_candidates == dft.allocation.key_candidates
+    assert sca_layer.allocation.value_candidates == sca.allocation.value_candidates
+    with pytest.raises(ValueError, match="per_head"):
+        QJLConfig.auto(bits_per_value=3.0, per_head=1)
+    with pytest.raises(ValueError, match="auto-<bits"):
+        QJLConfig.named("auto-3.0lv")

@@ -77,7 +77,7 @@ def method_names() -> list:
     """Every name ``--methods`` accepts (presets, peers, and ``auto-<bits>`` where available)."""
     from qjl.cache.presets import PRESETS
 
-    return [*PRESETS, *_PEERS] + (["auto-<bits>[c<rotations>]"] if _has_auto() else [])
+    return [*PRESETS, *_PEERS] + (["auto-<bits>[c<rotations>][s|v][l]"] if _has_auto() else [])
 
 
 def split_seed(name: str) -> tuple:
