@@ -70,13 +70,13 @@ PRESETS = {
     # +1.08% against +1.31% (README); tq-k3v2 stays as its scalar, one-rotation twin (the speed figures' preset)
     "tqv-k3v2": QJLConfig(key=_vq(3), value=_vq(2, cycles=8, norm_dtype="fp8"), late_key=_vq(4), late_fraction=0.07,
                           residual_length=120, flush_block=8, exact_dtype="fp16"),
-    # the 5x point with widths chosen per layer from the prompt (QJLConfig.auto within 2.72 bits per value: vector
-    # codebooks for keys at 2-6 bits and values at 2-4 bits, values over 8 rotations in turn; tq-k3v2's window, flush
-    # and exact dtype; 2026-11-29): 5.06-5.09x at 4k, held-out at 1.5k worst KL 0.0090 against tqv-k3v2's 0.0123 and
-    # mean perplexity change +0.85% against +1.08% (README, "The 5x point"); transformers only (vLLM serves fixed
-    # widths: tqv-k3v2)
+    # the 5x point with widths chosen per layer and KV head from the prompt (QJLConfig.auto within 2.72 bits per
+    # value: vector codebooks for keys at 2-6 bits and values at 2-4 bits, values over 8 rotations in turn; tq-k3v2's
+    # window, flush and exact dtype; 2026-11-29): 5.06-5.09x at 4k; per KV head (fourth session) held out at 1.5k
+    # worst KL 0.0070 and perplexity change +0.92% against +1.28% per layer, KL lower on all seven text-lengths
+    # (docs/runs/tqa5x-perhead-scratch-20261129); transformers only (vLLM serves fixed widths: tqv-k3v2)
     "tqa-5x": QJLConfig.auto(bits_per_value=2.72, vector_values=True, residual_length=120, flush_block=8,
-                             exact_dtype="fp16", per_head=False),  # (measured with widths per layer)
+                             exact_dtype="fp16"),
     "tq-k2v2": _fixed(_tq(2), _tq(2)),  # the lowest budget measured (2.25 bits)
     # --- the papers' methods as published, for comparison ---
     # QJL: m = 2d sign bits (256 at d = 128), 8 outlier channels with their own sketch, 2-bit token-wise values
