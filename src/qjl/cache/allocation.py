@@ -451,11 +451,12 @@ class Allocator:
         r = min(self.auto.queries, query.shape[2])
         m = None if mask is None else mask[:, :, -r:] if mask.shape[2] > 1 else mask
         tokens = _compressible(keys.shape[2], self.config.sink_tokens, self.config.residual_length)
-        per_head = self.per_head(store)
-        s_k, s_v = layer_sensitivity(query[:, :, -r:], keys, values, m, scaling, tokens, per_head=per_head)
-        heads = (s_k, s_v) if per_head else None
-        if per_head:
-            s_k, s_v = float(sum(s_k)), float(sum(s_v))
+        heads = None
+        if self.per_head(store):  # each KV head's own S_K, S_V (the layer's: their sums)
+            heads = layer_sensitivity(query[:, :, -r:], keys, values, m, scaling, tokens, per_head=True)
+            s_k, s_v = float(sum(heads[0])), float(sum(heads[1]))
+        else:
+            s_k, s_v = layer_sensitivity(query[:, :, -r:], keys, values, m, scaling, tokens)
         n = len(range(*tokens.indices(keys.shape[2])))
         pick = torch.linspace(tokens.start, tokens.start + max(n - 1, 0), min(n, self.auto.sample_tokens)).round().long()
         ks, vs = keys[:, :, pick], values[:, :, pick]
@@ -473,7 +474,7 @@ class Allocator:
         store.auto_stats = {"s_k": s_k, "s_v": s_v, "tokens": n,
                             "keys": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(kc, kd)],
                             "values": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(vc, vd)]}
-        if heads is not None:  # each KV head's own S_K, S_V (the layer's distortions: the codecs are the same)
+        if heads is not None:  # (with the layer's distortions: the codecs are the same)
             store.auto_stats["heads"] = [{"s_k": a, "s_v": b} for a, b in zip(*heads)]
 
     def per_head(self, store) -> bool:

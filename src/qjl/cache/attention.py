@@ -55,7 +55,7 @@ def attend(store, query: torch.Tensor, attention_mask, scaling: float, softcap=N
     With value smoothing the store holds ``v - mu_v``; ``mu_v`` is added back here, after any path.  A store whose
     KV heads are coded in groups of their own widths (``store.groups``) is attended group by group, each group's
     query heads over that group's view (:class:`qjl.cache.storage.HeadGroupView`)."""
-    if getattr(store, "groups", None) is not None:
+    if store.groups is not None:
         return _attend_groups(store, query, attention_mask, scaling, softcap)
     b, hq, t, d = query.shape
     hkv = store.heads

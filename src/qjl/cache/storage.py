@@ -346,20 +346,18 @@ class LayerStore:
         wk, wv = self._wk.view(), self._wv.view()
         at = self.n_codes  # the code position of the block's first token (codecs over rotations in turn read it)
         if self.groups is not None:  # each run of heads through its own codecs (no per-sequence fits)
-            coded = [(self._quantize(g.key_codec, wk[:, g.heads, :n], start=at),
+            coded = [(g, self._quantize(g.key_codec, wk[:, g.heads, :n], start=at),
                       self._quantize(g.value_codec, wv[:, g.heads, :n], start=at)) for g in self.groups]
-            for g, (kc, vc) in zip(self.groups, coded):
+            for g, kc, vc in coded:
                 g.kc.append(kc)
                 g.vc.append(vc)
-            self._wk.replace(wk[:, :, n:])
-            self._wv.replace(wv[:, :, n:])
-            return
-        if self.key_fit is None:
-            self.key_fit = self._fit_keys(self._without_padding(wk[:, :, :n]))
-        key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit, start=at)
-        value_codes = self._quantize(self.value_codec, wv[:, :, :n], start=at)
-        self._kc.append(key_codes)
-        self._vc.append(value_codes)
+        else:
+            if self.key_fit is None:
+                self.key_fit = self._fit_keys(self._without_padding(wk[:, :, :n]))
+            key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit, start=at)
+            value_codes = self._quantize(self.value_codec, wv[:, :, :n], start=at)
+            self._kc.append(key_codes)
+            self._vc.append(value_codes)
         self._wk.replace(wk[:, :, n:])
         self._wv.replace(wv[:, :, n:])
 
@@ -549,6 +547,8 @@ class HeadGroupView:
     :func:`qjl.cache.attention.attend` reads (exact sinks and window as views of the store's, the group's codes and
     codecs, the value mean's rows of those heads).  Attention of the group's query heads over it is the layer's
     attention for those heads: each query head reads only its own KV head."""
+
+    groups = None  # (a view is read as a store with one pair of codecs)
 
     def __init__(self, store: LayerStore, group: HeadGroup):
         self.store, self.group, self.head_slice = store, group, group.heads
