@@ -122,8 +122,9 @@ class AutoBits:
             model, and per head the proxy's predicted error fell by ~30% at the same bytes; on GPL-3 (the tuning
             text; three seeds, four windows) KL 0.0049 -> 0.0034, lower at each seed, and on the five held-out texts
             at 1.5k KL lower on all five (worst 0.0060 -> 0.0039) and the worst perplexity change +1.15% -> +0.90%
-            (docs/cache.md, "Widths per KV head").  Widths stay per layer under tensor parallelism (each rank holds
-            only its own heads' statistics) and where a key candidate fits per sequence (split keys).
+            (docs/cache.md, "Widths per KV head").  Under tensor parallelism every rank gathers every KV head's
+            terms (placed by rank offset and summed over the ranks), chooses as one process would and keeps its own
+            heads' picks.  Widths stay per layer where a key candidate fits per sequence (split keys).
     """
 
     bits_per_value: float
@@ -427,6 +428,22 @@ def candidate_codecs(config, layer_idx: int, key_dim: int, value_dim: int) -> tu
             [_build(s, value_dim, seed + 1) for s in auto.value_candidates])
 
 
+def _layer_heads(store) -> int:
+    """The layer's KV heads: the store's, times the ranks under tensor parallelism."""
+    return store.heads * (1 if store.ranks is None else store.ranks[1])
+
+
+def _gather_heads(store, heads: tuple, device) -> tuple:
+    """Per-head ``(S_K list, S_V list)`` of this rank's heads -> those of every rank's heads in the layer's order:
+    each rank places its own at its offset (``store.ranks``) and the ranks' vectors are summed (``store.rank_sum``)."""
+    rank, n_ranks = store.ranks
+    h = len(heads[0])
+    full = torch.zeros(2, h * n_ranks, dtype=torch.float64, device=device)
+    full[:, rank * h:(rank + 1) * h] = torch.tensor(heads, dtype=torch.float64, device=device)
+    full = store.rank_sum(full).tolist()
+    return full[0], full[1]
+
+
 def predicted_error(stats: list, picks: list) -> float:
     """The proxy's total for per-layer picks ``(key index, value index)`` (None: exact, 0 error)."""
     return sum(0.0 if pick is None else st["s_k"] * st["keys"][pick[0]][1] + st["s_v"] * st["values"][pick[1]][1]
@@ -454,6 +471,8 @@ class Allocator:
         heads = None
         if self.per_head(store):  # each KV head's own S_K, S_V (the layer's: their sums)
             heads = layer_sensitivity(query[:, :, -r:], keys, values, m, scaling, tokens, per_head=True)
+            if store.ranks is not None:  # every rank's heads, in the layer's head order
+                heads = _gather_heads(store, heads, query.device)
             s_k, s_v = float(sum(heads[0])), float(sum(heads[1]))
         else:
             s_k, s_v = layer_sensitivity(query[:, :, -r:], keys, values, m, scaling, tokens)
@@ -469,7 +488,9 @@ class Allocator:
         if store.rank_sum is not None:  # tensor parallelism: every rank's heads, so every rank chooses alike
             flat = store.rank_sum(torch.tensor([s_k, s_v, *(x for pair in kd + vd for x in pair)], dtype=torch.float64,
                                                device=query.device)).tolist()
-            s_k, s_v, pairs = flat[0], flat[1], list(zip(flat[2::2], flat[3::2]))
+            pairs = list(zip(flat[2::2], flat[3::2]))
+            if heads is None:  # (per head: s_k, s_v already summed over every rank's heads)
+                s_k, s_v = flat[0], flat[1]
             kd, vd = pairs[:len(kd)], pairs[len(kd):]
         store.auto_stats = {"s_k": s_k, "s_v": s_v, "tokens": n,
                             "keys": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(kc, kd)],
@@ -478,12 +499,14 @@ class Allocator:
             store.auto_stats["heads"] = [{"s_k": a, "s_v": b} for a, b in zip(*heads)]
 
     def per_head(self, store) -> bool:
-        """Whether widths are chosen per KV head for this store: AutoBits ``per_head``, more than one KV head, one
-        process (under tensor parallelism each rank sees only its own heads' statistics, so widths stay per layer
-        there, chosen alike on every rank from the summed statistics), and no key candidate with a per-sequence fit
-        (split keys, outlier channels: such a layer keeps one pair of codecs)."""
+        """Whether widths are chosen per KV head for this store: AutoBits ``per_head``, more than one KV head in
+        the layer (over every rank under tensor parallelism, where the store must know its rank: ``store.ranks``),
+        and no key candidate with a per-sequence fit (split keys, outlier channels: such a layer keeps one pair of
+        codecs)."""
         fitted = any(c.fits_queries or type(c).fit is not Codec.fit for c in store.candidates[0])
-        return self.auto.per_head and store.heads > 1 and store.rank_sum is None and not fitted
+        if store.rank_sum is not None and store.ranks is None:
+            return False
+        return self.auto.per_head and _layer_heads(store) > 1 and not fitted
 
     def ready(self) -> bool:
         return self.choices is None and all(s.auto_stats is not None for s in self.stores)
@@ -509,11 +532,12 @@ class Allocator:
                           f"codes, below the cheapest candidates ({cheapest:.3f}); using those, so the cache holds more "
                           f"than the budget until the context grows", stacklevel=2)
             budget = cheapest
-        heads = live[0].heads
-        if all("heads" in st for st in stats) and all(s.heads == heads for s in live):
+        heads = len(stats[0].get("heads", ()))  # the layer's KV heads (every rank's under tensor parallelism)
+        if all(len(st.get("heads", ())) == heads for st in stats) and heads:
             units = [dict(st, **h) for st in stats for h in st["heads"]]
             flat = choose_widths(units, budget, exact_bits, self.auto.boundary_layers, heads=heads)
-            picks = [flat[i * heads:(i + 1) * heads] for i in range(len(live))]
+            first = [0 if s.ranks is None else s.ranks[0] * s.heads for s in live]  # this rank's first head
+            picks = [flat[i * heads + f:i * heads + f + s.heads] for i, (s, f) in enumerate(zip(live, first))]
         else:
             picks = [[p] * s.heads for p, s in zip(choose_widths(stats, budget, exact_bits,
                                                                   self.auto.boundary_layers), live)]

@@ -74,6 +74,9 @@ class LayerStore:
         # choices made from all heads (heavy tokens, auto widths) are the same on every rank and as in one process;
         # None in one process (set by the integration)
         self.rank_sum = None
+        # tensor parallelism: (this rank, number of ranks); rank r holds the layer's KV heads [r h, (r + 1) h) of
+        # h = self.heads per rank (transformers' column-wise split of k_proj / v_proj); None in one process
+        self.ranks = None
         self.reset()
 
     def reset(self) -> None:
@@ -554,7 +557,7 @@ class HeadGroupView:
         self.store, self.group, self.head_slice = store, group, group.heads
         self.layer_idx, self.config, self.backend = store.layer_idx, store.config, store.backend
         self.heads = group.heads.stop - group.heads.start
-        self.key_dim, self.value_dim, self.batch = store.key_dim, store.value_dim, store.batch
+        self.value_dim = store.value_dim
         self.key_codec, self.value_codec, self.kernel_ok = group.key_codec, group.value_codec, group.kernel_ok
 
     def _rows(self, x):
@@ -568,7 +571,6 @@ class HeadGroupView:
     value_codes = property(lambda self: self.group.vc.view())
     n_sink = property(lambda self: self.store.n_sink)
     n_codes = property(lambda self: self.store.n_codes)
-    n_window = property(lambda self: self.store.n_window)
 
     @property
     def mu_v(self):

@@ -119,8 +119,13 @@ class QJLCache(Cache):
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
+        ranks = None
+        if rank_sum:  # (the tensor-parallel group is the world: checked by _rank_sum)
+            import torch.distributed as dist
+
+            ranks = (dist.get_rank(), dist.get_world_size())
         for layer in self._compressed():
-            layer.store.rank_sum = rank_sum or None
+            layer.store.rank_sum, layer.store.ranks = rank_sum or None, ranks
         self._step, self._last = {}, -1  # layer index -> its state before this forward; last layer updated
         self._auto = None
         if config.allocation is not None:
