@@ -124,7 +124,9 @@ class AutoBits:
             at 1.5k KL lower on all five (worst 0.0060 -> 0.0039) and the worst perplexity change +1.15% -> +0.90%
             (docs/cache.md, "Widths per KV head").  Under tensor parallelism every rank gathers every KV head's
             terms (placed by rank offset and summed over the ranks), chooses as one process would and keeps its own
-            heads' picks.  Widths stay per layer where a key candidate fits per sequence (split keys).
+            heads' picks.  Widths stay per layer where a key candidate fits per sequence (split keys).  Cost: a run
+            of heads is one more kernel call per layer and step (`tqa-5x` decoded 15% slower per KV head than per
+            layer at 8k on a 2-core Zen 3: docs/cache.md).
     """
 
     bits_per_value: float
