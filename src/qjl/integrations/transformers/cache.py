@@ -44,14 +44,16 @@ def _describe(store, role: str) -> str:
     spec = store.key_spec if role == "key" else store.value_spec
     if spec is not None:
         return spec.describe(dim)
-    if store.groups is not None:
-        return "; ".join(f"{_heads(g.heads)}: {(g.key_spec if role == 'key' else g.value_spec).describe(dim)}"
+    if store.groups is not None:  # (numbered as the layer's KV heads: under tensor parallelism, from the rank's)
+        first = 0 if store.ranks is None else store.ranks[0] * store.heads
+        return "; ".join(f"{_heads(g.heads, first)}: {(g.key_spec if role == 'key' else g.value_spec).describe(dim)}"
                          for g in store.groups)
     return "pending (widths chosen after the prefill)" if store.pending else "exact"
 
 
-def _heads(heads: slice) -> str:
-    return f"KV head {heads.start}" if heads.stop - heads.start == 1 else f"KV heads {heads.start}-{heads.stop - 1}"
+def _heads(heads: slice, first: int = 0) -> str:
+    a, b = first + heads.start, first + heads.stop - 1
+    return f"KV head {a}" if a == b else f"KV heads {a}-{b}"
 
 
 def _rank_sum(model):
