@@ -430,18 +430,13 @@ def candidate_codecs(config, layer_idx: int, key_dim: int, value_dim: int) -> tu
             [_build(s, value_dim, seed + 1) for s in auto.value_candidates])
 
 
-def _layer_heads(store) -> int:
-    """The layer's KV heads: the store's, times the ranks under tensor parallelism."""
-    return store.heads * (1 if store.ranks is None else store.ranks[1])
-
-
 def _gather_heads(store, heads: tuple, device) -> tuple:
     """Per-head ``(S_K list, S_V list)`` of this rank's heads -> those of every rank's heads in the layer's order:
-    each rank places its own at its offset (``store.ranks``) and the ranks' vectors are summed (``store.rank_sum``)."""
-    rank, n_ranks = store.ranks
-    h = len(heads[0])
-    full = torch.zeros(2, h * n_ranks, dtype=torch.float64, device=device)
-    full[:, rank * h:(rank + 1) * h] = torch.tensor(heads, dtype=torch.float64, device=device)
+    each rank places its own at its offset (``store.first_head``) and the ranks' vectors are summed
+    (``store.rank_sum``)."""
+    h, first = len(heads[0]), store.first_head
+    full = torch.zeros(2, store.layer_heads, dtype=torch.float64, device=device)
+    full[:, first:first + h] = torch.tensor(heads, dtype=torch.float64, device=device)
     full = store.rank_sum(full).tolist()
     return full[0], full[1]
 
@@ -508,7 +503,7 @@ class Allocator:
         fitted = any(c.fits_queries or type(c).fit is not Codec.fit for c in store.candidates[0])
         if store.rank_sum is not None and store.ranks is None:
             return False
-        return self.auto.per_head and _layer_heads(store) > 1 and not fitted
+        return self.auto.per_head and store.layer_heads > 1 and not fitted
 
     def ready(self) -> bool:
         return self.choices is None and all(s.auto_stats is not None for s in self.stores)
@@ -538,8 +533,7 @@ class Allocator:
         if all(len(st.get("heads", ())) == heads for st in stats) and heads:
             units = [dict(st, **h) for st in stats for h in st["heads"]]
             flat = choose_widths(units, budget, exact_bits, self.auto.boundary_layers, heads=heads)
-            first = [0 if s.ranks is None else s.ranks[0] * s.heads for s in live]  # this rank's first head
-            picks = [flat[i * heads + f:i * heads + f + s.heads] for i, (s, f) in enumerate(zip(live, first))]
+            picks = [flat[i * heads + s.first_head:i * heads + s.first_head + s.heads] for i, s in enumerate(live)]
         else:
             picks = [[p] * s.heads for p, s in zip(choose_widths(stats, budget, exact_bits,
                                                                   self.auto.boundary_layers), live)]

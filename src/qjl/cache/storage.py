@@ -83,6 +83,7 @@ class LayerStore:
         self.is_initialized = False
         self.key_codec = self.value_codec = None
         self.groups = None  # widths per KV head (qjl.cache.allocation): a HeadGroup per run of heads, else None
+        self._views = None  # a HeadGroupView per head group
         self.exact_only = False  # a layer kept exact (an allocation choice): never flushed to codes
         self.kernel_ok = False  # the kernels read this layer's codecs
         self._wk = self._wv = None  # the exact recent window (TokenBuffer)
@@ -138,7 +139,11 @@ class LayerStore:
         seed = self.config.seed + 1000 * self.layer_idx
         self.key_codec, self.value_codec = codecs or (key_spec.build(self.key_dim, seed),
                                                        value_spec.build(self.value_dim, seed + 1))
-        self.kernel_ok = self.backend != "torch" and kernels.supports(self.key_codec, self.value_codec, self.backend)
+        self.kernel_ok = self._kernel_ok(self.key_codec, self.value_codec)
+
+    def _kernel_ok(self, key_codec, value_codec) -> bool:
+        """Whether this store's kernel backend reads codes of this pair of codecs."""
+        return self.backend != "torch" and kernels.supports(key_codec, value_codec, self.backend)
 
     def assign_heads(self, runs: list) -> None:
         """Code runs of adjacent KV heads with their own codecs (widths chosen per KV head), before any token is
@@ -163,13 +168,24 @@ class LayerStore:
         self.key_spec = self.value_spec = None
         self.exact_only, self.kernel_ok = False, False
         self._wk.spare = self._wv.spare = False
-        self.groups = tuple(HeadGroup(heads, ks, vs, kc, vc, self.backend != "torch"
-                                      and kernels.supports(kc, vc, self.backend))
+        self.groups = tuple(HeadGroup(heads, ks, vs, kc, vc, self._kernel_ok(kc, vc))
                             for heads, ks, vs, (kc, vc) in runs)
+        # (built once: a view reads everything else from the store and its group when attention asks)
+        self._views = tuple(HeadGroupView(self, g) for g in self.groups)
 
-    def head_views(self) -> list:
+    def head_views(self) -> tuple:
         """:class:`HeadGroupView` of each head group (``groups``), as attention reads a store."""
-        return [HeadGroupView(self, g) for g in self.groups]
+        return self._views
+
+    @property
+    def first_head(self) -> int:
+        """The layer's index of this store's first KV head (``ranks``: rank r holds heads ``[r H, (r + 1) H)``)."""
+        return 0 if self.ranks is None else self.ranks[0] * self.heads
+
+    @property
+    def layer_heads(self) -> int:
+        """The layer's KV heads: this store's, times the ranks under tensor parallelism."""
+        return self.heads * (1 if self.ranks is None else self.ranks[1])
 
     @property
     def pending(self) -> bool:

@@ -45,8 +45,8 @@ def _describe(store, role: str) -> str:
     if spec is not None:
         return spec.describe(dim)
     if store.groups is not None:  # (numbered as the layer's KV heads: under tensor parallelism, from the rank's)
-        first = 0 if store.ranks is None else store.ranks[0] * store.heads
-        return "; ".join(f"{_heads(g.heads, first)}: {(g.key_spec if role == 'key' else g.value_spec).describe(dim)}"
+        return "; ".join(f"{_heads(g.heads, store.first_head)}: "
+                         f"{(g.key_spec if role == 'key' else g.value_spec).describe(dim)}"
                          for g in store.groups)
     return "pending (widths chosen after the prefill)" if store.pending else "exact"
 
