@@ -104,6 +104,23 @@ def test_head_groups_hold_each_runs_codes_and_nothing_else():
         grouped.kernel_fields()
 
 
+def test_head_groups_count_their_copies_of_the_value_mean():
+    """Each run keeps a contiguous copy of its rows of the value mean for the kernels (where its rows are not
+    contiguous in the store's: a batch of 2); those copies are storage held, counted under 'smoothing'."""
+    auto, _, _ = _configs("torch")
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(B_, H, 40, D, generator=g), torch.randn(B_, H, 40, D, generator=g)
+    grouped, runs = _grouped(auto)
+    _step(grouped, k, v, torch.randn(B_, HQ, 40, D, generator=g), None, runs)
+    _step(grouped, k[:, :, :1], v[:, :, :1], torch.randn(B_, HQ, 1, D, generator=g), None)  # a decode step
+    means = [grouped.mu, grouped.mu_v]
+    copies = [run.mean[1] for run in grouped.groups if run.mean is not None]
+    assert all(m is not None for m in means) and len(copies) == len(grouped.groups)
+    ptrs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in means + copies}
+    assert len(ptrs) == len(means) + len(copies)  # (each copy its own storage)
+    assert grouped.nbytes()["smoothing"] == sum(ptrs.values())
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_head_groups_crop_select_and_undo(kernel):
     """Crop into the codes, batch selection and snapshot / restore apply to every run's codes alike (no heavy

@@ -520,13 +520,14 @@ class LayerStore:
 
     # -- bookkeeping ------------------------------------------------------------------------------
     def parts(self) -> dict:
-        """Tensors held, by part (the window and sinks are 'exact'; 'smoothing' is mu and mu_v)."""
+        """Tensors held, by part (the window and sinks are 'exact'; 'smoothing' is mu and mu_v, and each head group's
+        contiguous copy of its rows of mu_v, kept for the kernels once attention has read it)."""
         groups = self.groups or ()
         return {"key_codes": self._kc.tensors() + [t for g in groups for t in g.kc.tensors()],
                 "value_codes": self._vc.tensors() + [t for g in groups for t in g.vc.tensors()],
                 "exact": [*(self._wk.tensors() if self._wk else []), *(self._wv.tensors() if self._wv else []),
                           self.sink_k, self.sink_v],
-                "smoothing": [self.mu, self.mu_v],
+                "smoothing": [self.mu, self.mu_v, *(g.mean[1] for g in groups if g.mean is not None)],
                 "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos, self.heavy_w, self.fit_q]}
 
     def nbytes(self) -> dict:
