@@ -1,8 +1,9 @@
 """What coding a layer's KV heads in runs of their own codecs (widths per KV head, ``LayerStore.assign_heads``) costs a
 decode step: one layer's attention of one new token (``qjl.cache.attention.attend``, the C kernel) over a store whose
 KV heads share one pair of codecs, against the same store split into runs of heads that each hold the *same* pair
-(so the codes, the bytes and the arithmetic are equal and only the grouping differs: one kernel call per run, the
-query and output sliced per run).  A measurement, not a test.
+(so the codes, the bytes and the arithmetic are equal and only the grouping differs: since the sixth session of
+2026-11-29 every run in one C call, ``DecodeHeads``; before it one call per run, the query and output sliced per
+run).  A measurement, not a test.
 
     python benchmarks/head_groups_speed.py [--contexts 4096 8192] [--shapes smollm2 llama3] [--rounds 15] [--out runs]
     python benchmarks/head_groups_speed.py --e2e 8192      # and the embedded model end to end (below)

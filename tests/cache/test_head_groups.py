@@ -168,3 +168,108 @@ def test_assign_heads_names_what_is_wrong():
     store.assign_heads(runs)
     with pytest.raises(RuntimeError, match="already"):
         store.assign_heads(runs)
+
+
+def _decode_ready(auto, runs, g, n=40):
+    """A store of ``auto`` given ``runs`` (None: A for the layer) after an ``n``-token prefill and a flush: codes,
+    sinks, a window and both means, ready for decode steps."""
+    store = LayerStore(LAYER, auto)
+    k, v = torch.randn(B_, H, n, D, generator=g), torch.randn(B_, H, n, D, generator=g)
+    _step(store, k, v, torch.randn(B_, HQ, n, D, generator=g), None, runs)
+    if runs is None and store.pending:  # (a one-pair store of A, with the codecs the runs are given)
+        seed = auto.seed + 1000 * LAYER
+        store.assign(*A, codecs=(A[0].build(D, seed), A[1].build(D, seed + 1)))
+    store.flush()
+    return store
+
+
+@pytest.mark.skipif(not kernels.cpu_available(), reason="the C kernel does not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_groups_decode_in_one_call(dtype, monkeypatch, two_threads):
+    """A decode step of a store coded in runs of KV heads is one C call over every run (DecodeHeads): runs that
+    share one pair of codecs give the one-pair store's output bit for bit (the same work items and sums), runs of
+    their own codecs each run's own call's output (within float error: the items' splits are chosen for all runs
+    together), value means and sinks included, at batch 2 and in bf16."""
+    from qjl.kernels.cpu import launch
+
+    calls = []
+    real = launch.DecodeHeads.__call__
+    monkeypatch.setattr(launch.DecodeHeads, "__call__", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    auto, _, _ = _configs("cpu", heavy=0)
+    g = torch.Generator().manual_seed(7)
+    same = [(heads, *A, (A[0].build(D, auto.seed + 1000 * LAYER), A[1].build(D, auto.seed + 1000 * LAYER + 1)))
+            for heads in (slice(0, 1), slice(1, 2), slice(2, 3))]
+    # (600 tokens on two threads: a run alone would split its codes into two work items, the layer's call not)
+    one = _decode_ready(auto, None, torch.Generator().manual_seed(7), 600)
+    runs_same = _decode_ready(auto, same, torch.Generator().manual_seed(7), 600)
+    _, runs = _grouped(auto)
+    mixed = _decode_ready(auto, runs, torch.Generator().manual_seed(7))
+    assert one.groups is None and runs_same.groups is not None and mixed.groups is not None
+    assert one.mu_v is not None and one.sink_k is not None and one.n_codes > 0
+    for _ in range(3):
+        q = torch.randn(B_, HQ, 1, D, generator=g).to(dtype)
+        k, v = torch.randn(B_, H, 1, D, generator=g), torch.randn(B_, H, 1, D, generator=g)
+        n0 = len(calls)
+        ref = _step(one, k, v, q, None)
+        got = _step(runs_same, k, v, q, None)
+        assert len(calls) == n0 + 1 and got.dtype == dtype
+        assert torch.equal(got, ref)
+        out = _step(mixed, k, v, q, None)
+        assert len(calls) == n0 + 2
+        for view in mixed.head_views():  # each run alone (its own DecodeCall), its value mean added
+            rows = slice(2 * view.head_slice.start, 2 * view.head_slice.stop)
+            alone = attend(view, q[:, rows], None, 0.125)
+            tol = 1e-6 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(out[:, :, rows], alone, rtol=tol, atol=tol)
+    assert not torch.equal(out[:, :, :4], out[:, :, 4:].repeat(1, 1, 2, 1))  # (the runs' codecs differ)
+
+
+@pytest.fixture
+def two_threads():
+    """The kernels' calls on two threads (the suite runs on one): their work items split by the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not kernels.cpu_available(), reason="the C kernel does not build here")
+def test_decode_heads_names_what_is_wrong():
+    from qjl.kernels.cpu import launch
+
+    auto, _, _ = _configs("cpu", heavy=0)
+    g = torch.Generator().manual_seed(8)
+    store, runs = _grouped(auto)
+    store = _decode_ready(auto, runs, g)
+    q = torch.randn(B_, H, 2, D, generator=g)
+    calls = []
+    for view in store.head_views():
+        kf, vf, cap = view.kernel_fields()
+        step = launch.DecodeStep(torch.arange(B_, dtype=torch.int32)[:, None], cap,
+                                 torch.zeros(B_, dtype=torch.int32), torch.full((B_,), store.n_codes,
+                                                                                 dtype=torch.int32), segments=1)
+        calls.append(launch.DecodeCall(q[:, view.head_slice].contiguous(), view.key_codec, kf, view.value_codec, vf,
+                                       step))
+    with pytest.raises(TypeError, match="calls"):
+        launch.DecodeHeads([])
+    with pytest.raises(ValueError, match="mean"):
+        launch.DecodeHeads(calls, mean=torch.zeros(B_, H + 1, D))
+    heads = launch.DecodeHeads(calls)
+    segs = ((store.keys, store.values),)
+    out = torch.empty(B_, H, 2, D)
+    with pytest.raises(ValueError, match="q must be"):
+        heads(q[:, :2].contiguous(), segs, q_scale=0.125, out=out)
+    with pytest.raises(ValueError, match="out must be"):
+        heads(q, segs, q_scale=0.125, out=out.double())
+    with pytest.raises(ValueError, match="segments"):
+        heads(q, segs * 2, q_scale=0.125, out=out)
+    with pytest.raises(ValueError, match="q_scale"):
+        heads(q, segs, q_scale=float("nan"), out=out)
+    heads(q, segs, q_scale=0.125, out=out)
+    for i, view in enumerate(store.head_views()):  # every run's rows as its own call writes them
+        alone = torch.empty(B_, view.heads, 2, D)
+        calls_i = calls[i]
+        calls_i(q[:, view.head_slice].contiguous(), ((store.keys[:, view.head_slice],
+                                                      store.values[:, view.head_slice]),),
+                q_scale=0.125, out=alone)
+        torch.testing.assert_close(out[:, view.head_slice], alone, rtol=1e-6, atol=1e-6)

@@ -30,7 +30,8 @@ measured on the other), which for an even spread has the plain ``D_K``'s expecta
 output error is the sum of its KV heads' (each with its own ``S_K``, ``S_V`` over its query group) and the
 allocation's units are (layer, KV head) pairs, sharing the layer's candidates and distortions; a layer kept exact
 is kept so for all its heads.  A layer whose heads get different widths codes each run of adjacent heads with its
-own codecs (:meth:`qjl.cache.storage.LayerStore.assign_heads`); the kernels are called once per run.
+own codecs (:meth:`qjl.cache.storage.LayerStore.assign_heads`); the CPU kernel decodes every run in one call
+(:class:`qjl.kernels.cpu.launch.DecodeHeads`), the other paths attend run by run.
 
 Cost: one attention pass of ``queries`` rows per layer (:func:`layer_sensitivity`), and the cells of
 ``sample_tokens`` vectors per candidate width (:func:`distortions`) -- a few percent of the prefill (measured in
@@ -124,9 +125,9 @@ class AutoBits:
             at 1.5k KL lower on all five (worst 0.0060 -> 0.0039) and the worst perplexity change +1.15% -> +0.90%
             (docs/cache.md, "Widths per KV head").  Under tensor parallelism every rank gathers every KV head's
             terms (placed by rank offset and summed over the ranks), chooses as one process would and keeps its own
-            heads' picks.  Widths stay per layer where a key candidate fits per sequence (split keys).  Cost: a run
-            of heads is one more kernel call per layer and step (`tqa-5x` decoded 15% slower per KV head than per
-            layer at 8k on a 2-core Zen 3: docs/cache.md).
+            heads' picks.  Widths stay per layer where a key candidate fits per sequence (split keys).  Cost: the CPU
+            kernel decodes every run of a layer in one call (`tqa-5x` per KV head decoded within 1.4% of per layer
+            at 8k on a 2-core Zen 3, against 15% with a call per run: docs/cache.md).
     """
 
     bits_per_value: float

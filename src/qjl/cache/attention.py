@@ -6,7 +6,7 @@ Three paths, all the same attention up to float error:
   ``config.kernel``): decode steps (at most ``MAX_KERNEL_ROWS`` query rows per KV head, a mask that
   is the same for every row over the codes, no softcap) score and mix the codes inside the kernel --
   the same paged core vLLM calls, with one block per sequence -- merged exactly with the sinks and
-  the window in the same call;
+  the window in the same call (a store coded in runs of KV heads: every run in that one call);
 * **SDPA**: other forwards with a kernel backend (prefill, long chunks, codecs the kernels do not
   read) run torch SDPA over sinks + dequantized codes + window;
 * **reference** (``kernel="torch"``, and softcapped models): every part scored with the codecs'
@@ -87,6 +87,14 @@ def _attend_groups(store, query: torch.Tensor, attention_mask, scaling: float, s
     group's query heads attend over the group alone -> [B, t, H_q, D_v] in query's dtype."""
     b, hq, t, _ = query.shape
     g = hq // store.heads
+    if (t == 1 and softcap is None and store.backend == "cpu" and query.dtype in _KERNEL_DTYPES
+            and (attention_mask is None or (attention_mask.device.type == "cpu"
+                                            and plainly_visible(attention_mask, attention_mask.shape[-1])))):
+        if attention_mask is not None:
+            _check_mask(store, attention_mask)
+        out = _attend_cpu_heads(store, query, scaling)  # (every run in one C call)
+        if out is not None:
+            return out
     out = None
     for view in store.head_views():
         rows = slice(view.head_slice.start * g, view.head_slice.stop * g)
@@ -224,6 +232,44 @@ def _attend_cpu_call(store, query: torch.Tensor, scaling: float):
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _attend_cpu_heads(store, query: torch.Tensor, scaling: float):
+    """A decode step (one new token per sequence, no mask) of a store coded in runs of KV heads, every run in one C
+    call (:class:`qjl.kernels.cpu.launch.DecodeHeads`, kept in the first run's key fields' memo until a flush):
+    :func:`_attend_cpu_call` of each run, written into one output -> [B, 1, H_q, D], or None where a run is not
+    served by it (the runs then attend one by one)."""
+    b, hq, _, d = query.shape
+    views, n_codes, hkv, mu_v = store.head_views(), store.n_codes, store.heads, store.mu_v
+    if (not n_codes or store.value_dim != d or not all(v.kernel_ok for v in views)
+            or (mu_v is not None and (mu_v.dtype != torch.float32 or not mu_v.is_contiguous()))):
+        return None
+    g = hq // hkv
+    q = query.reshape(b, hkv, g, d).contiguous()  # query head h reads KV head h // g
+    fields = [v.kernel_fields() for v in views]
+    sinks = store.sink_k is not None
+    segments = 1 + sinks
+    params = (b, hkv, g, d, q.dtype, n_codes, segments, id(mu_v),
+              tuple((cap, id(vf), id(v.key_codec), id(v.value_codec)) for v, (_, vf, cap) in zip(views, fields)))
+
+    def build():  # (the call holds every object whose id is in params: no id is reused while it is kept)
+        from qjl.kernels.cpu.launch import DecodeCall, DecodeHeads
+
+        calls = []
+        for v, (kf, vf, cap) in zip(views, fields):
+            rows = slice(v.head_slice.start, v.head_slice.stop)
+            step = _cpu_step(kf, b, n_codes, max(cap, 1), segments)
+            calls.append(DecodeCall(q[:, rows].contiguous(), v.key_codec, kf, v.value_codec, vf, step))
+        return DecodeHeads(calls, mean=mu_v)
+
+    call = _kept(fields[0][0], "attend_heads", params, build)
+    if not call.served:
+        return None
+    keys = tuple(x for x in (store.sink_k, store.keys) if x is not None)
+    values = tuple(x for x in (store.sink_v, store.values) if x is not None)
+    out = torch.empty(b, 1, hq, d, dtype=query.dtype)
+    call(q, tuple(zip(keys, values)), q_scale=scaling, out=out.view(b, hkv, g, d))
+    return out
 
 
 def _ranges(b: int, n_codes: int, dev) -> tuple:

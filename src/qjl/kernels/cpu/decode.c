@@ -704,7 +704,10 @@ QJL_EXPORT int qjl_paged_decode(const qjl_decode_args *a) {
     return rc;
 }
 
-static int decode_checked(const qjl_decode_args *a) {
+/* The work of one call: checked arguments, the kernel path, the items and their partials' buffers.  `units_all`:
+ * the units of every call that shares the parallel region (the split heuristic's count; this call's alone when it
+ * runs by itself).  Returns 0 (job filled: free_job frees it) or decode_checked's status (nothing allocated). */
+static int plan_job(const qjl_decode_args *a, int64_t units_all, qjl_job *job, int64_t *n_items) {
     if (check_args(a)) return -1;
     if (a->out_raw && (a->out_dtype < 1 || a->out_dtype > 2)) return -1;
     const int bad = check_ranges(a);
@@ -713,7 +716,7 @@ static int decode_checked(const qjl_decode_args *a) {
     const int vnni = a->simd >= 2 && avx2 && QJL_HAVE_VNNI && cpu_has_vnni();
     const int mode = vnni && a->simd == 3 && QJL_HAVE_AMX && amx_ready() ? 3 : vnni ? 2 : avx2;
     const int64_t B = a->batch, H = a->heads, rchunks = (a->rows + RW - 1) / RW, nv = a->value.cycles * a->value.n;
-    const int64_t units = B * H * rchunks;
+    const int64_t units = B * H * rchunks, all = units_all > units ? units_all : units;
     const int threads = a->threads > 0 ? a->threads : 1;
     int64_t max_len = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -725,9 +728,9 @@ static int decode_checked(const qjl_decode_args *a) {
                          4 per thread, a multiple of the threads (equal items finish together; 6 items for 3 KV
                          heads on 2 threads took 148 us at 8k tokens where 9 took 160, and 48 took 200: each item
                          prepares its query rows again) */
-        int64_t per = (2 * threads + units - 1) / units;
-        if (units < 4 * threads)
-            while ((units * per) % threads) per++;
+        int64_t per = (2 * threads + all - 1) / all;
+        if (all < 4 * threads)
+            while ((all * per) % threads) per++;
         split = (max_len + per - 1) / (per > 0 ? per : 1);
         split = split < 256 ? 256 : split;
     }
@@ -756,9 +759,136 @@ static int decode_checked(const qjl_decode_args *a) {
             }
     }
     first[units] = at_item;
-    qjl_job job = {a, mode, list, first, unit_of, left, malloc(sizeof(float) * RW * (size_t)items),
-                   malloc(sizeof(float) * RW * (size_t)items), malloc(sizeof(float) * RW * (size_t)(items * nv))};
-    parallel_for(items, threads, do_item, &job);
-    free(list), free(first), free(left), free(unit_of), free(job.pm), free(job.pl), free(job.po);
+    *job = (qjl_job){a, mode, list, first, unit_of, left, malloc(sizeof(float) * RW * (size_t)items),
+                     malloc(sizeof(float) * RW * (size_t)items), malloc(sizeof(float) * RW * (size_t)(items * nv))};
+    *n_items = items;
     return 0;
+}
+
+static void free_job(qjl_job *j) {
+    free((void *)j->list), free((void *)j->first), free(j->left), free((void *)j->unit_of), free(j->pm),
+        free(j->pl), free(j->po);
+}
+
+static int decode_checked(const qjl_decode_args *a) {
+    qjl_job job;
+    int64_t items = 0;
+    const int rc = plan_job(a, 0, &job, &items);
+    if (rc) return rc;
+    parallel_for(items, a->threads > 0 ? a->threads : 1, do_item, &job);
+    free_job(&job);
+    return 0;
+}
+
+typedef struct { /* several calls' items in one parallel region: call k's items at [start[k], start[k + 1]) */
+    qjl_job *jobs;
+    const int64_t *start;
+    int32_t n;
+} qjl_jobs;
+
+static void do_any_item(void *ctx, int64_t i) {
+    const qjl_jobs *m = ctx;
+    int32_t k = 0;
+    while (k + 1 < m->n && i >= m->start[k + 1]) k++;
+    do_item(&m->jobs[k], i - m->start[k]);
+}
+
+/* One decode step of a layer whose KV heads are coded in runs of their own codecs (qjl.cache.storage.HeadGroupView;
+ * launch.DecodeHeads): the n runs' decodes in one parallel region, each run's value mean added to its rows and
+ * every row written into one output.  args[k]: run k's filled arguments (codes, codecs, ranges: launch.DecodeCall's
+ * struct; its heads the run's, its query, exact segments and outputs ignored) over KV heads [head0[k], head0[k] +
+ * args[k]->heads) of the layer's heads_total; the layer's query q_raw [B, heads_total, R, qdim] dense in q_dtype
+ * (times q_scale); its exact segments xseg[0 .. n_xseg) over all heads (ne tokens; stride-addressed: no offsets);
+ * mean NULL or [B, heads_total, D] float32 contiguous; out [B, heads_total, R, D] dense in out_dtype (0 fp32, 1
+ * fp16, 2 bf16).  Each run's rows are what qjl_decode_mean (or qjl_paged_decode) of that run alone writes, the
+ * runs' items split as if they were one call's (with one pair of codecs for every run: that call's outputs bit for
+ * bit).  Returns 0, or the first failing run's status (failed[0] = k; nothing written). */
+QJL_EXPORT int qjl_decode_heads(const qjl_decode_args *const *args, int32_t n, const int64_t *head0,
+                                int64_t heads_total, const qjl_exact_seg *xseg, int32_t n_xseg, int64_t ne,
+                                const uint8_t *q_raw, int32_t q_dtype, float q_scale, const float *mean,
+                                uint8_t *out, int32_t out_dtype, int32_t threads, int32_t simd, int32_t *failed) {
+    failed[0] = 0;
+    if (n < 1 || n > 4096 || heads_total < 1 || !q_raw || q_dtype < 0 || q_dtype > 2 || !out || out_dtype < 0 ||
+        out_dtype > 2 || n_xseg < 0 || n_xseg > 2 || ne < 0)
+        return -1;
+    for (int32_t s = 0; s < n_xseg; s++)
+        if (xseg[s].k_off || xseg[s].v_off) return -1;
+    const int64_t B = args[0]->batch, R = args[0]->rows, D = args[0]->value.out_dim;
+    int64_t covered = 0, units = 0;
+    for (int32_t k = 0; k < n; k++) { /* runs in order, tiling the heads; one query and output geometry */
+        const qjl_decode_args *a = args[k];
+        if (head0[k] != covered || a->batch != B || a->rows != R || a->value.out_dim != D || a->n_terms < 1 ||
+            a->n_terms > 2 || a->key[0].qdim != D || !a->key[0].qmap || (a->n_terms == 2 && a->key[1].qdim != D) ||
+            (a->n_terms == 2 && !a->key[1].qmap) || a->heads < 1) {
+            failed[0] = k;
+            return -1;
+        }
+        covered += a->heads;
+        units += B * a->heads * ((R + RW - 1) / RW);
+    }
+    if (covered != heads_total || D < 1 || D > 4096) return -1;
+    const int64_t qs = dtype_bytes(q_dtype), os = dtype_bytes(out_dtype);
+    qjl_decode_args *local = malloc(sizeof(qjl_decode_args) * (size_t)n);
+    qjl_job *jobs = malloc(sizeof(qjl_job) * (size_t)n);
+    int64_t *start = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    float *qb = malloc(sizeof(float) * (size_t)(B * heads_total * R * D + 1)); /* runs' queries, run after run */
+    float *ob = malloc(sizeof(float) * (size_t)(B * heads_total * R * D + 1)); /* their float32 outputs */
+    int rc = 0;
+    int32_t planned = 0;
+    start[0] = 0;
+    for (int32_t k = 0; k < n && !rc; k++) {
+        qjl_decode_args *a = &local[k];
+        *a = *args[k];
+        const int64_t H = a->heads, off = B * head0[k] * R * D; /* run k's [B, H, R, D] block of qb / ob */
+        for (int64_t b = 0; b < B; b++) { /* (the query converted and scaled as qjl_paged_decode does) */
+            const int64_t row = (b * heads_total + head0[k]) * R * D;
+            float *dst = qb + off + b * H * R * D;
+            read_row(q_raw + row * qs, q_dtype, H * R * D, dst);
+            for (int64_t i = 0; i < H * R * D; i++) dst[i] *= q_scale;
+        }
+        for (int t = 0; t < a->n_terms; t++) a->key[t].q = qb + off;
+        a->qx = qb + off;
+        a->q_raw = NULL;
+        a->n_xseg = n_xseg;
+        a->ne = ne;
+        a->dx = D;
+        for (int32_t s = 0; s < n_xseg; s++) { /* the run's heads of every segment */
+            a->xseg[s] = xseg[s];
+            a->xseg[s].k += head0[k] * xseg[s].k_sh;
+            a->xseg[s].v += head0[k] * xseg[s].v_sh;
+        }
+        a->xbias = NULL;
+        a->out = ob + off;
+        a->out_raw = NULL;
+        a->out_m = a->out_l = a->out_o = a->out_ox = NULL;
+        a->threads = threads > 0 ? threads : 1;
+        a->simd = simd;
+        int64_t items = 0;
+        rc = plan_job(a, units, &jobs[k], &items);
+        if (rc) failed[0] = k;
+        else start[k + 1] = start[k] + items, planned++;
+    }
+    if (!rc) {
+        qjl_jobs all = {jobs, start, n};
+        parallel_for(start[n], threads > 0 ? threads : 1, do_any_item, &all);
+        float y[D];
+        for (int32_t k = 0; k < n; k++) { /* o + mean in float32 (as torch's add), then out's dtype (as .to()) */
+            const int64_t H = local[k].heads;
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t h = 0; h < H; h++) {
+                    const int64_t hh = head0[k] + h;
+                    const float *mu = mean ? mean + (b * heads_total + hh) * D : NULL;
+                    for (int64_t r = 0; r < R; r++) {
+                        const float *o = local[k].out + ((b * H + h) * R + r) * D;
+                        for (int64_t c = 0; c < D; c++) y[c] = mu ? o[c] + mu[c] : o[c];
+                        uint8_t *dst = out + ((b * heads_total + hh) * R + r) * D * os;
+                        if (out_dtype == 0) memcpy(dst, y, sizeof(float) * (size_t)D);
+                        else store_half_row(y, D, out_dtype, dst);
+                    }
+                }
+        }
+    }
+    for (int32_t k = 0; k < planned; k++) free_job(&jobs[k]);
+    free(local), free(jobs), free(start), free(qb), free(ob);
+    return rc;
 }

@@ -35,7 +35,7 @@ from .rows import value_rows, value_rows_reference  # (their home: rows.py; name
 from .store import EncodeStore, bucket_norms, cell_moments, check_positions, store_bounds  # (store.py)
 
 __all__ = ["available", "implementation", "simd_path", "has_int_path", "has_amx_path", "default_impl", "paged_decode", "DecodeStep",
-           "paged_decode_step", "DecodeCall", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore",
+           "paged_decode_step", "DecodeCall", "DecodeHeads", "half_rounding", "bucket_norms", "EncodeStore", "DecodeStore",
            "cell_moments", "store_bounds", "value_rows", "value_rows_reference", "IMPLS"]
 
 IMPLS = ("c", "c-int", "c-amx", "c-portable")
@@ -709,6 +709,96 @@ class DecodeCall:
             _set_out(ffi, c, out)
             rc = mod.lib.qjl_paged_decode(c)
         _decode_status(rc, q, kc, kf, vc, vf, step)
+        return out
+
+
+class DecodeHeads:
+    """One layer's decode step whose KV heads are coded in runs of their own codecs (widths per KV head,
+    :class:`qjl.cache.storage.HeadGroupView`) in one C call (``qjl_decode_heads``): every run's items in one
+    parallel region, each run's value mean added, every row written into one output.  Equal bit for bit to the runs'
+    :class:`DecodeCall` calls, each over its run's heads::
+
+        for call, heads in zip(calls, runs):                      # runs: consecutive slices tiling the KV heads
+            call(q[:, heads], segments over those heads, q_scale=q_scale, out=out[:, heads])
+
+    up to the split of each run's coded tokens into work items, which is chosen for all runs together (as one call
+    over every head would: runs with one pair of codecs give that call's outputs bit for bit).
+
+    ``calls``: a :class:`DecodeCall` per run, built without a mean (its codes, codecs, fields and ranges are read; its
+    query, segments and output are this call's), in order of their heads; ``mean``: None or a contiguous float32
+    [B, H_kv, D] tensor of every head (read at every call).  One caller at a time."""
+
+    __slots__ = ("mod", "calls", "args", "head0", "heads", "qshape", "qdtype", "mean", "xseg", "failed", "segments",
+                 "served")
+
+    def __init__(self, calls, *, mean=None):
+        if not isinstance(calls, (list, tuple)) or not calls or not all(isinstance(c, DecodeCall) for c in calls):
+            raise TypeError("calls must be a non-empty sequence of DecodeCall")
+        if any(c.mean is not None for c in calls):
+            raise ValueError("calls must be built without a mean (the mean of every head is given here)")
+        b, _, r, d = calls[0].qshape
+        dtype, segments = calls[0].qdtype, calls[0].step.segments
+        if any(c.qshape[0] != b or c.qshape[2:] != (r, d) or c.qdtype != dtype or c.step.segments != segments
+               or c.mod is not calls[0].mod for c in calls):
+            raise ValueError("calls: every run must have the same batch, query rows, head dim, query dtype and "
+                             "segments")
+        h = sum(c.qshape[1] for c in calls)
+        if mean is not None and (not isinstance(mean, torch.Tensor) or tuple(mean.shape) != (b, h, d)
+                                 or mean.dtype != torch.float32 or not mean.is_contiguous()
+                                 or mean.device.type != "cpu"):
+            raise ValueError(f"mean must be None or a contiguous float32 CPU tensor [{b}, {h}, {d}], got "
+                             f"{getattr(mean, 'dtype', type(mean).__name__)} {tuple(getattr(mean, 'shape', ()))}")
+        self.mod = mod = calls[0].mod
+        ffi = mod.ffi
+        self.calls, self.mean, self.segments = tuple(calls), mean, segments
+        self.served = all(c.served for c in calls)
+        self.args = ffi.new("qjl_decode_args *[]", [c.c for c in calls])
+        starts = [sum(c.qshape[1] for c in calls[:i]) for i in range(len(calls))]
+        self.head0 = ffi.new("int64_t[]", starts)
+        self.heads, self.qshape, self.qdtype = h, torch.Size((b, h, r, d)), dtype
+        self.xseg = ffi.new("qjl_exact_seg[2]")
+        self.failed = ffi.new("int32_t[1]")
+
+    def __call__(self, q, segments: tuple, *, q_scale: float, out: torch.Tensor) -> torch.Tensor:
+        """q [B, H_kv, R, D] contiguous of every KV head (the runs' query dtype), multiplied by ``q_scale`` in the
+        call; segments: the runs' ``segments`` (k, v) pairs of exact tokens [B, H_kv, n, D] of every head; out: a
+        contiguous fp32/fp16/bf16 [B, H_kv, R, D] tensor, written and returned."""
+        if not isinstance(q, torch.Tensor) or q.shape != self.qshape or q.dtype != self.qdtype or not q.is_contiguous():
+            raise ValueError(f"q must be a contiguous {self.qdtype} tensor {tuple(self.qshape)} (this DecodeHeads'), "
+                             f"got {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+        if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not abs(q_scale) < float("inf"):
+            raise ValueError(f"q_scale must be a finite float, got {q_scale!r}")
+        b, h, r, d = self.qshape
+        if (not isinstance(out, torch.Tensor) or out.shape != self.qshape or out.dtype not in X_DTYPES
+                or not out.is_contiguous() or out.device.type != "cpu"):
+            raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
+                             f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+        if not isinstance(segments, tuple) or len(segments) != self.segments:
+            raise ValueError(f"segments must be a tuple of the runs' {self.segments} (k, v) pairs")
+        for call in self.calls:
+            kc, kf, vc, vf = call.objects
+            if not call.prep.matches(vf, kc, vc):
+                raise ValueError("a buffer a run's DecodeCall points into moved or changed shape since it was built: "
+                                 "build another")
+        segs = [_tensor_segment(i, kv, (b, h, d)) for i, kv in enumerate(segments)]
+        mod = self.mod
+        ffi = mod.ffi
+        n_seg = ne = 0
+        for k, v, n in segs:
+            if n:
+                _tensor_fill(ffi, self.xseg[n_seg], k, v)
+                n_seg, ne = n_seg + 1, ne + n
+        mean = self.mean
+        rc = mod.lib.qjl_decode_heads(
+            self.args, len(self.calls), self.head0, h, self.xseg, n_seg, ne,
+            ffi.cast("const uint8_t *", q.data_ptr()), X_DTYPES[q.dtype], float(q_scale),
+            ffi.NULL if mean is None else ffi.cast("const float *", mean.data_ptr()),
+            ffi.cast("uint8_t *", out.data_ptr()), X_DTYPES[out.dtype], torch.get_num_threads(),
+            _SIMD[_impl_code(self.calls[0].step.impl)], self.failed)
+        if rc:
+            call = self.calls[int(self.failed[0])]
+            kc, kf, vc, vf = call.objects
+            _decode_status(rc, q[:, :call.qshape[1]].contiguous(), kc, kf, vc, vf, call.step)
         return out
 
 
