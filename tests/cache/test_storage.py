@@ -245,3 +245,86 @@ def test_values_over_rotations_in_turn_are_coded_at_their_positions():
     want = store.value_codec.quantize(v[:, :, 2:2 + n])
     assert n >= 16 and torch.equal(store.value_codes.fields["codes"], want.fields["codes"])
     assert not torch.equal(store.value_codes.fields["codes"], store.value_codec.quantize(v[:, :, 3:3 + n]).fields["codes"])
+
+
+_C_FLUSH = QJLConfig(key=CodecSpec("turboquant_vq", {"bits": 3, "correct_norm": True}),
+                     value=CodecSpec("turboquant_mse", {"bits": 2, "cycles": 8, "correct_norm": True,
+                                                        "norm_dtype": "fp8"}),
+                     late_key=None, residual_length=8, flush_block=4, sink_tokens=2, kernel="cpu",
+                     smooth_keys=False, smooth_values=False)
+
+
+def _counting(monkeypatch):
+    """kernels.store_cpu wrapped to count its calls."""
+    from qjl import kernels
+
+    calls = []
+    real = kernels.store_cpu
+    monkeypatch.setattr(kernels, "store_cpu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.skipif(not __import__("qjl").kernels.cpu_available(), reason="the C kernel does not build here")
+def test_decode_flushes_of_vector_and_cycled_codecs_are_stored_by_the_c_encoder(monkeypatch):
+    """On the CPU backend, flushes after the first (codes held) of codecs codec.quantize codes in torch (vector
+    codebooks, rotations in turn) go through the C encoder straight into the code buffers: the codes and norms held
+    equal the C encoder's torch mirror (encode_reference) bit for bit at every code position, through a crop and
+    regrowth, at batch 2; against codec.quantize they differ only where a rotated coordinate lies within rounding
+    of a cell boundary (rare)."""
+    from qjl.kernels.reference import encode_reference
+
+    calls = _counting(monkeypatch)
+    store = LayerStore(0, _C_FLUSH)
+    k, v = _kv(60, b=2)
+    store.append(k[:, :, :17], v[:, :, :17])
+    store.flush()  # the first block: codec.quantize (no codes held yet)
+    first = store.n_codes
+    assert first and not calls
+    for t in range(17, 45):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        store.flush()
+    assert len(calls) == (store.n_codes - first) // 4 > 0
+    store.crop(9)  # back into the codes, then regrow over the same positions
+    for t in range(36, 60):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        store.flush()
+    n = store.n_codes
+    pos = torch.arange(first, n)
+    for codec, x, held in ((store.key_codec, k, store.key_codes), (store.value_codec, v, store.value_codes)):
+        x = x[:, :, 2 + first:2 + n].to(store.exact_dtype)  # (the window's tokens, as they are coded)
+        want = encode_reference(codec, x, positions=pos[None, None].expand(2, 2, -1))
+        for name in ("codes", "norm"):
+            got = held.fields[name][:, :, first:]
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                               want.fields[name].view(torch.uint8) if got.dtype == torch.float8_e4m3fn
+                               else want.fields[name]), name
+        torch_codes = codec.quantize(x, start=first).fields["codes"]
+        rows = (held.fields["codes"][:, :, first:] != torch_codes).any(-1)
+        assert rows.float().mean() <= 0.02  # (rare boundary cases at most)
+
+
+@pytest.mark.skipif(not __import__("qjl").kernels.cpu_available(), reason="the C kernel does not build here")
+def test_a_c_flush_that_fails_stores_nothing(monkeypatch):
+    """A C store refused mid-flush leaves the store as it was (the room reserved is not counted, the window keeps
+    its tokens), and the next flush codes the same tokens."""
+    from qjl import kernels
+
+    store = LayerStore(0, _C_FLUSH)
+    k, v = _kv(30)
+    store.append(k[:, :, :17], v[:, :, :17])
+    store.flush()
+    store.append(k[:, :, 17:21], v[:, :, 17:21])
+    before = state(store)
+    real = kernels.store_cpu
+
+    def refused(*a, **kw):
+        raise ValueError("refused")
+
+    monkeypatch.setattr(kernels, "store_cpu", refused)
+    with pytest.raises(ValueError, match="refused"):
+        store.flush()
+    assert same(state(store), before)
+    monkeypatch.setattr(kernels, "store_cpu", real)
+    n = store.n_codes
+    store.flush()
+    assert store.n_codes == n + 4 and store.seq_length() == 21

@@ -168,6 +168,27 @@ class CodeBuffer:
             self.fields[k][:, :, self.n: self.n + m] = t
         self.n += m
 
+    def reserve(self, m: int) -> None:
+        """Room for ``m`` more codes after those in use (capacity grown as :meth:`append` grows it: fresh tensors,
+        the codes in use copied; nothing in use changes), for a kernel to write them in place through
+        :meth:`paged_fields` before :meth:`extend` counts them.  Only once codes are held (their fields' layout)."""
+        if self.fields is None or self.n == 0:
+            raise RuntimeError("reserve needs codes held (append the first block)")
+        if self.n + m > self.capacity:
+            cap = grown_capacity(self.n + m, self.capacity, m)
+            new = {}
+            for k, t in self.fields.items():
+                buf = torch.empty(*t.shape[:2], cap, *t.shape[3:], dtype=t.dtype, device=t.device)
+                buf[:, :, : self.n] = t[:, :, : self.n]
+                new[k] = buf
+            self.fields = new
+
+    def extend(self, m: int) -> None:
+        """Count ``m`` codes written in place after those in use (:meth:`reserve` made the room)."""
+        if m < 0 or self.fields is None or self.n + m > self.capacity:
+            raise ValueError(f"extend: {m} codes do not fit after {self.n} in a capacity of {self.capacity}")
+        self.n += m
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` codes (capacity kept)."""
         self.n = n

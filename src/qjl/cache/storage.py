@@ -364,7 +364,9 @@ class LayerStore:
             return
         wk, wv = self._wk.view(), self._wv.view()
         at = self.n_codes  # the code position of the block's first token (codecs over rotations in turn read it)
-        if self.groups is not None:  # each run of heads through its own codecs (no per-sequence fits)
+        if self._flush_stored(wk, wv, n, at):
+            pass
+        elif self.groups is not None:  # each run of heads through its own codecs (no per-sequence fits)
             coded = [(g, self._quantize(g.key_codec, wk[:, g.heads, :n], start=at),
                       self._quantize(g.value_codec, wv[:, g.heads, :n], start=at)) for g in self.groups]
             for g, kc, vc in coded:
@@ -379,6 +381,46 @@ class LayerStore:
             self._vc.append(value_codes)
         self._wk.replace(wk[:, :, n:])
         self._wv.replace(wv[:, :, n:])
+
+    def _flush_stored(self, wk: torch.Tensor, wv: torch.Tensor, n: int, at: int) -> bool:
+        """A flush of the window's first ``n`` tokens (code positions ``at ..``) stored by the C encoder straight
+        into the code buffers (:func:`qjl.kernels.encode.store_cpu`: every run of heads' key and value jobs, the
+        buffers' room reserved first and the codes counted once all are stored) -> True; False where it does not
+        serve (another backend, no codes held yet, a per-sequence key fit, a codec it does not store or scalar
+        cells over one rotation, which :func:`qjl.kernels.encode.quantize_cpu` codes as ``codec.quantize`` does).
+        Its codes are :func:`qjl.kernels.reference.encode_reference`'s bit for bit (``codec.quantize``'s but where a
+        rotated coordinate lies within float32 rounding of a cell boundary)."""
+        if self.backend != "cpu" or not self.n_codes or self.key_fit:
+            return False
+        if self.groups is not None:
+            runs = [(g.heads, g.key_codec, g.value_codec, g.kc, g.vc) for g in self.groups]
+        else:
+            runs = [(slice(None), self.key_codec, self.value_codec, self._kc, self._vc)]
+        plain = all(kernels.can_quantize_cpu(c) for r in runs for c in r[1:3])
+        if plain or not all(kernels.can_store_cpu(c) for r in runs for c in r[1:3]):
+            return False
+        b = wk.shape[0]
+        blocks = torch.arange(b).repeat_interleave(n)  # token (sequence s, i) at block s, slot at + i
+        slots = (at + torch.arange(n)).repeat(b)
+        from qjl.kernels.cpu.store import store_bounds
+
+        bounds = store_bounds(blocks, slots)
+        for _, _, _, kc, vc in runs:
+            kc.reserve(n)
+            vc.reserve(n)
+        for heads, key_codec, value_codec, kc, vc in runs:
+            kf, vf = kc.paged_fields(), vc.paged_fields()
+            jobs = []
+            for codec, x, fm in ((key_codec, wk, kf), (value_codec, wv, vf)):
+                p = kernels.cpu_pass(codec)
+                x = x[:, heads, :n]  # [B, h, n, D] -> tokens [B n, h, D]
+                jobs.append((codec, x.transpose(1, 2).reshape(b * n, x.shape[1], x.shape[3]), fm[p.codes],
+                             fm[p.norm]))
+            kernels.store_cpu(jobs, blocks, slots, bounds, memo=kf.memo, positions=slots)
+        for _, _, _, kc, vc in runs:
+            kc.extend(n)
+            vc.extend(n)
+        return True
 
     def _fit_keys(self, block: torch.Tensor) -> tuple:
         """The key codec's per-sequence fit from the first flushed block [B, H, n, D] (and the prompt's last queries
