@@ -169,21 +169,23 @@ def test_forward_batch_writes_the_output_buffer(dtype, decode):
 
 
 def test_code_ranges_and_exact_rows():
-    start, end = code_ranges(torch.tensor([0, 1, 3, 4, 10, 40]), sinks=2, window=3)
-    assert start.tolist() == [0, 1, 2, 2, 2, 2] and end.tolist() == [0, 1, 2, 2, 7, 37]
+    # block 16: within block 0 the window is its last 3; past it, the last 2 + 3 (the sink slots ring there too)
+    start, end = code_ranges(torch.tensor([0, 1, 3, 4, 10, 16, 17, 20, 40]), sinks=2, window=3, block_size=16)
+    assert start.tolist() == [0, 1, 2, 2, 2, 2, 2, 2, 2] and end.tolist() == [0, 1, 2, 2, 7, 13, 13, 15, 35]
     # a sliding window of 8: the current token (position n) sees positions n - 7 ... n - 1 of its history
-    start, end = code_ranges(torch.tensor([0, 5, 8, 10, 40]), sinks=0, window=3, sliding_window=8)
+    start, end = code_ranges(torch.tensor([0, 5, 8, 10, 40]), sinks=0, window=3, sliding_window=8, block_size=16)
     assert start.tolist() == [0, 0, 1, 3, 33] and end.tolist() == [0, 2, 5, 7, 37]
     with pytest.raises(ValueError, match="sliding window"):
         decode_rows(torch.tensor([[0]]), torch.tensor([3]), block_size=8, sinks=0, window=8, sliding_window=8)
     for bad in (0, 8.0, True):
         with pytest.raises(ValueError, match="sliding_window"):
-            code_ranges(torch.tensor([5]), sinks=0, window=3, sliding_window=bad)
+            code_ranges(torch.tensor([5]), sinks=0, window=3, sliding_window=bad, block_size=16)
     table = torch.tensor([[5, 6, 7], [1, 2, 3]])
     rows = decode_rows(table, torch.tensor([3, 20]), block_size=8, sinks=2, window=3)
-    # sequence 0 (3 tokens): sinks 0, 1 and window token 2; sequence 1: sinks 0, 1, window 17, 18, 19
-    assert rows.valid.tolist() == [[True, True, True, False, False], [True] * 5]
-    assert rows.blocks[1, 0].tolist() == [1, 1, 3, 3, 3] and rows.slots[1, 0].tolist() == [0, 1, 4, 2, 3]
+    # sequence 0 (3 tokens): sinks 0, 1 and window token 2; sequence 1: sinks 0, 1, window 15 ... 19 (past block 0
+    # the last sinks + window: 15 in block 1 of the table, 16-19 in block 2, at slot t % 5)
+    assert rows.valid.tolist() == [[True, True, True, False, False, False, False], [True] * 7]
+    assert rows.blocks[1, 0].tolist() == [1, 1, 2, 3, 3, 3, 3] and rows.slots[1, 0].tolist() == [0, 1, 0, 1, 2, 3, 4]
 
 
 def test_kernel_decode_refuses_bad_heads():

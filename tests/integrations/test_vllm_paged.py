@@ -98,7 +98,9 @@ class Sim:
         vhat = lay.value_codec.dequantize(_quantize(lay.value_codec, v.transpose(0, 1))).transpose(0, 1)
         exact = torch.zeros(L, dtype=torch.bool)
         exact[:min(lay.sinks, n)] = True
-        exact[max(0, n - lay.window):] = True
+        # the window: the last sinks + window tokens past block 0 (later blocks ring over the sink slots too),
+        # and before them block 0's last `window` (its own ring)
+        exact[max(0, n - lay.sinks - lay.window, min(n, lay.block_size) - lay.window):] = True  # (and the chunk)
         kk, vv = torch.where(exact[:, None, None], k, khat), torch.where(exact[:, None, None], v, vhat)
         g = self.hq // self.hkv
         kk, vv = kk.repeat_interleave(g, dim=1), vv.repeat_interleave(g, dim=1)  # [L, H_q, D]
@@ -125,9 +127,9 @@ VQC = qjl.CodecSpec("turboquant_vq", {"bits": 2, "correct_norm": True, "norm_dty
 @pytest.mark.parametrize("kv,sinks,window", [((TQ, TQV), 0, 0), ((TQ, TQV), 2, 5), ((TQ, TQV), 4, 16),
                                              ((TQ, UNI), 2, 5), ((VQK, VQV), 0, 0), ((VQK, TQV), 2, 5),
                                              ((TQ, VQV), 2, 5), ((TQ, TQC), 2, 5), ((VQK, VQC), 0, 0),
-                                             ((VQK, VQC), 4, 16)],
+                                             ((VQK, VQC), 4, 16), ((TQ, TQV), 4, 0), ((VQK, VQC), 4, 0)],
                          ids=["tq-none", "tq-2+5", "tq-4+16", "uniform-2+5", "vq-none", "vq-keys-2+5", "vq-values-2+5",
-                              "tq-cycled-2+5", "vq-cycled-none", "vq-cycled-4+16"])
+                              "tq-cycled-2+5", "vq-cycled-none", "vq-cycled-4+16", "tq-4+0", "vq-cycled-4+0"])
 def test_mixed_batches_match_dense_attention(kv, sinks, window):
     sim = Sim(*kv, sinks=sinks, window=window)
     steps = [{"a": 20, "b": 1}, {"a": 17, "b": 1, "c": 16}, {"a": 1, "b": 1, "c": 1}, {"c": 3, "a": 1},
@@ -155,6 +157,16 @@ def test_sliding_window_layers_match_dense_attention(sliding, window):
             for i, o in outs.items():
                 ref = sim.dense(i, qs[i])
                 assert torch.allclose(o, ref, atol=2e-5, rtol=1e-4), (chunks, i, (o - ref).abs().max())
+
+
+def test_blocks_no_longer_than_the_sinks_keep_sinks_and_window_apart():
+    """Blocks of 4 tokens with 4 sinks and 2 window slots: the sinks fill block 0, and every later block rings its
+    last 6 tokens over all 6 slots (none lands on a sink's cell): attention equals the dense reference."""
+    sim = Sim(TQ, TQV, block_size=4, sinks=4, window=2, num_blocks=40)
+    for chunks in ({"a": 9, "b": 3}, {"a": 1, "b": 1}, {"a": 6, "b": 5}, {"a": 1, "b": 1}, {"a": 1, "b": 1}):
+        outs, qs = sim.step(chunks)
+        for i, o in outs.items():
+            assert torch.allclose(o, sim.dense(i, qs[i]), atol=2e-5, rtol=1e-4), (chunks, i)
 
 
 @pytest.mark.parametrize("kv", [(TQ, TQV), (VQK, VQC)], ids=["tq", "vq-cycled"])
@@ -265,12 +277,25 @@ def test_layers_sharing_one_storage_address_their_own_bytes():
                                  torch.tensor([[6]]), 16, torch.tensor([0]), torch.tensor([4]), backend="torch")
 
 
-def test_exact_slots_ring():
+@pytest.mark.parametrize("sinks,window", [(4, 7), (4, 0), (0, 5), (2, 30)])
+def test_exact_slots_ring(sinks, window):
+    """Block 0 holds the sinks at their slots and its ring after them; later blocks ring over all E slots: the
+    exact window of every history (window_start) has distinct cells (block, slot), none of them a sink's, all
+    within E, and it holds min(n - sinks, sinks + window) tokens once past block 0 (the sink slots' free ring)."""
+    from qjl.integrations.vllm.layout import window_start
+
+    bs, e = 16, sinks + window
     pos = torch.arange(0, 200)
-    sl = exact_slot(pos, 4, 7)
-    assert torch.equal(sl[:4], torch.arange(4)) and bool((sl[4:] >= 4).all()) and bool((sl < 11).all())
-    for n in range(5, 200):  # the last `window` tokens have distinct slots
-        assert len(set(sl[max(4, n - 7):n].tolist())) == min(7, n - 4)
+    sl = exact_slot(pos, sinks, window, block_size=bs)
+    assert torch.equal(sl[:sinks], torch.arange(sinks)) and bool((sl[bs:] < e).all())
+    if window:  # block 0's ring after its sinks (without one, block 0 keeps only its sinks exact)
+        assert bool((sl[sinks:bs] >= sinks).all()) and bool((sl[sinks:bs] < e).all())
+    for n in range(0, 200):
+        w0 = max(sinks, window_start(n, sinks, window, block_size=bs))
+        cells = [(p // bs, int(sl[p])) for p in range(min(sinks, n))] + [(p // bs, int(sl[p])) for p in range(w0, n)]
+        assert len(set(cells)) == len(cells), n
+        if n >= bs + e:
+            assert n - w0 == e
 
 
 def test_layout_fields_fit_and_do_not_overlap():

@@ -9,7 +9,7 @@ in one call of :func:`.decode.decode_function`'s choice (the paged kernel of :mo
 codes in between, the current token exact from ``forward``'s own key/value), prefill and chunk rows
 over their decoded history and their own tokens (attended exactly and causally) through vLLM's CPU attention
 kernel on the CPU (:class:`.prefill.VLLMPrefill`), else :func:`.paged.paged_attention_reference` -- then
-writes the exact copies of the sinks and of the last ``window`` tokens (after the attention, so a
+writes the exact copies of the sinks and of the exact window (:func:`.layout.window_start`; after the attention, so a
 chunk never overwrites ring slots it still reads).  The step's indices are a :class:`.step.StepPlan`
 built once per step and cached on the metadata, which every layer shares.
 """

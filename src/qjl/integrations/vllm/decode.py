@@ -5,8 +5,10 @@ The backend's decode contract (:func:`.paged.paged_decode_reference`: a history 
 ``forward``'s arguments) maps onto the kernel's (a coded range per sequence plus exact tokens merged into
 the same softmax) like this, for all decode rows of the batch at once:
 
-* coded range ``[start, end)`` with ``start = min(sinks, n)`` and ``end = max(start, n - window)``;
-* exact tokens ``[B, H_kv, sinks + window + 1, D]`` as two segments: the sink slots and the ring-window slots,
+* coded range ``[start, end)`` with ``start = min(sinks, n)`` and ``end = max(start, w0)``, ``w0`` the exact
+  window's start (:func:`.layout.window_start`: the last ``sinks + window`` tokens past block 0, whose blocks ring
+  over the sink slots too);
+* exact tokens ``[B, H_kv, 2 sinks + window + 1, D]`` as two segments: the sink slots and the ring-window slots,
   read in place from the pages (:class:`qjl.kernels.paged.PagedRows`; the torch and Triton paths gather them),
   and the current token; slots a short sequence does not have yet are masked with ``-inf`` in ``xbias``
   (with a sliding window W: no sinks, the codes from position ``n + 1 - W``);
@@ -28,7 +30,7 @@ import torch
 from ...kernels import pick_backend
 from ...kernels.cpu.launch import DecodeStep, paged_decode_step
 from ...kernels.paged import PagedRows, extent_bytes, field_geometry, kernel_readable, paged_decode
-from .layout import check_sliding_window, exact_slot
+from .layout import check_sliding_window, exact_slot, window_start
 from .paged import check_output
 
 _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # written in place by the C kernel
@@ -36,23 +38,25 @@ _OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # written in place
 __all__ = ["DecodeRows", "decode_rows", "code_ranges", "exact_tokens", "paged_decode_kernel", "decode_function"]
 
 
-def code_ranges(seq_lens: torch.Tensor, sinks: int, window: int,
-                sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def code_ranges(seq_lens: torch.Tensor, sinks: int, window: int, sliding_window: int | None = None, *,
+                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(start, end) [B] int64 of the coded tokens of histories of ``seq_lens`` [B] tokens (the current token at
-    position ``seq_lens``; with a sliding window W it sees history from position ``seq_lens + 1 - W`` on)."""
+    position ``seq_lens``; with a sliding window W it sees history from position ``seq_lens + 1 - W`` on); the
+    exact window after ``end`` (:func:`.layout.window_start`)."""
     n = seq_lens.long()
     start = n.clamp(max=sinks)
     if check_sliding_window(sliding_window) is not None:
         start = torch.maximum(start, (n + 1 - sliding_window).clamp(min=0))
-    return start, torch.maximum(start, n - window)
+    return start, torch.maximum(start, window_start(n, sinks, window, block_size=block_size))
 
 
 @dataclass
 class DecodeRows:
     """The decode rows' indices every layer of a step shares (see the module docstring).
 
-    start, end: [B] int64, the coded range; blocks, slots: [B, 1, E] int64 (``E = sinks + window``), where
-    each exact slot lives (absent slots point at block 0, slot 0 and are masked); valid: [B, E] bool.
+    start, end: [B] int64, the coded range; blocks, slots: [B, 1, E] int64 (``E = 2 sinks + window`` rows: the
+    sinks, then the window's at most ``sinks + window`` tokens), where each exact row lives (absent rows point at
+    block 0, slot 0 and are masked); valid: [B, E] bool.
     ``memo`` holds byte addresses per field geometry (layers with the same layout share them).
     """
 
@@ -118,13 +122,14 @@ def decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
                          f"sinks={sinks}, window={window}")
     dev = block_table.device
     n = seq_lens.long().to(dev)
-    start, end = code_ranges(n, sinks, window, sliding_window)
-    j = torch.arange(sinks + window, device=dev)
+    start, end = code_ranges(n, sinks, window, sliding_window, block_size=block_size)
+    j = torch.arange(2 * sinks + window if sinks + window else 0, device=dev)
     pos = torch.where(j < sinks, j, end[:, None] + (j - sinks))  # [B, E]
     ok = torch.where(j < sinks, j < start[:, None], pos < n[:, None])
     pos = torch.where(ok, pos, torch.zeros_like(pos))  # an address every sequence has (block 0, slot 0)
     blocks = block_table.long().gather(1, pos // block_size)[:, None, :]
-    return DecodeRows(block_table, block_size, start, end, blocks, exact_slot(pos, sinks, window)[:, None, :], ok)
+    slots = exact_slot(pos, sinks, window, block_size=block_size)[:, None, :]
+    return DecodeRows(block_table, block_size, start, end, blocks, slots, ok)
 
 
 def exact_tokens(exact, rows: DecodeRows, num_kv_heads: int, current=None):

@@ -16,9 +16,12 @@ Every field ``f`` of token ``t`` of a sequence, KV head ``h``, is at the byte ad
 (``stride_token = 0`` for per-block shared fields), which is the paged contract of
 :mod:`qjl.integrations.vllm.paged`; transformers' contiguous cache is the case of one block per
 sequence.  Exact copies (the model's keys and values in ``exact_dtype``) sit in ``E = sinks +
-window`` slots per head region; token ``t`` uses slot ``t`` if ``t < sinks`` (block 0 only),
-else ``sinks + t % window`` (a ring: the last ``window`` tokens of a sequence always sit in the
-rings of its last one or two blocks).  With key smoothing, ``smooth.key`` [D] (``exact_dtype``) is a per-block
+window`` slots per head region.  A sequence's block 0 holds its sinks (token ``t < sinks`` at slot ``t``) and a
+ring of ``window`` slots (token ``t`` at ``sinks + t % window``); every later block holds only ring slots, all
+``E`` of them (token ``t`` at ``t % E``: the sink slots, which only block 0 needs, serve as ring there).  So the
+exact window of a history of ``n`` tokens is its last ``sinks + window`` tokens where they lie past block 0, with
+block 0's last ``window`` before them (:func:`window_start`): at no bytes, a preset with 4 sinks and no window
+slots keeps the last 4 tokens exact once a sequence is past its first block.  With key smoothing, ``smooth.key`` [D] (``exact_dtype``) is a per-block
 field of which each sequence uses its block 0's (:mod:`.smoothing`); value smoothing's ``smooth.value`` likewise.
 ``C`` is rounded up to an even number of bytes (vLLM views pages in the model dtype) and padded to the widest
 layer, so every layer has one size.
@@ -31,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FieldSpec", "PageLayout", "exact_slot", "codec_fields", "content_bytes", "layer_layout"]
+__all__ = ["FieldSpec", "PageLayout", "exact_slot", "window_start", "codec_fields", "content_bytes", "layer_layout"]
 
 _ALIGN = 8  # every field's array starts on an 8-byte boundary
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -72,10 +75,22 @@ def check_sliding_window(sliding_window):
     return sliding_window
 
 
-def exact_slot(pos: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
-    """Exact-area slot of absolute token positions ``pos`` (any shape, int64)."""
-    ring = sinks + torch.remainder(pos, max(window, 1))
-    return torch.where(pos < sinks, pos, ring)
+def exact_slot(pos: torch.Tensor, sinks: int, window: int, *, block_size: int) -> torch.Tensor:
+    """Exact-area slot of absolute token positions ``pos`` (any shape, int64) in their blocks (module docstring):
+    ``t`` for a sink, ``sinks + t % window`` in block 0, ``t % (sinks + window)`` in later blocks.  Only the
+    positions :func:`window_start` keeps exact (and the sinks) are stored or read."""
+    first = torch.where(pos < sinks, pos, sinks + torch.remainder(pos, max(window, 1)))
+    return torch.where(pos < block_size, first, torch.remainder(pos, max(sinks + window, 1)))
+
+
+def window_start(n, sinks: int, window: int, *, block_size: int):
+    """The first position of the exact window of a history of ``n`` tokens (int, or an int64 tensor of them): its
+    last ``sinks + window`` tokens where they lie past block 0 (later blocks ring over all ``E`` slots), block 0's
+    last ``window`` before them (its ring), i.e. ``max(n - sinks - window, min(n, block_size) - window)``; not
+    clamped below (callers clamp to their coded range's start)."""
+    if isinstance(n, torch.Tensor):
+        return torch.maximum(n - sinks - window, n.clamp(max=block_size) - window)
+    return max(n - sinks - window, min(n, block_size) - window)
 
 
 class PageLayout:
@@ -87,7 +102,8 @@ class PageLayout:
         head_dim: D.
         block_size: tokens per page.
         exact_dtype: dtype of the exact copies (sinks and window).
-        sinks, window: exact slots per head region: E = sinks + window.
+        sinks, window: exact slots per head region: E = sinks + window (block 0: the sinks and a ring of
+            ``window``; later blocks: a ring of all E, module docstring).
         content_bytes: C to use (>= what this layer needs), or None for the minimum.
         sliding_window: None, or the layer's sliding window W (a query at position p sees the keys at p - W + 1
             ... p, as vLLM and transformers define it): such a layer keeps no sinks (the model never sees a token

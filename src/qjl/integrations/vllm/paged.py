@@ -21,9 +21,10 @@ PAGED CONTRACT (shared with the paged kernels of issue #13)::
   block per sequence, ``block_table = arange(B)[:, None]``) are both this addressing.
 * ``block_table``: [B, max_blocks] int; ``seq_lens``: [B] tokens of history in the cache
   (the current token excluded when it is passed in ``current``).
-* Tokens ``[sinks, n - window)`` of a sequence of ``n`` are scored from codes; the first
-  ``sinks`` and last ``window`` come exactly from ``exact = (key PagedField, value PagedField)``
-  at slot :func:`.layout.exact_slot` instead of ``t % block_size``.
+* Tokens ``[sinks, w0)`` of a sequence of ``n`` are scored from codes; the first ``sinks`` and the exact window
+  ``[w0, n)`` (:func:`.layout.window_start`: the last ``sinks + window`` past block 0, whose later blocks ring over
+  the sink slots too) come exactly from ``exact = (key PagedField, value PagedField)`` at slot
+  :func:`.layout.exact_slot` instead of ``t % block_size``.
 * ``current``: None or (k, v) [B, H_kv, D], the current token's exact key and value.
 * ``sliding_window``: None, or W for a sliding-window layer: the current token sees the W - 1 tokens before it
   (codes from position ``n + 1 - W``; such a layer keeps no sinks and ``window < W``).
@@ -41,7 +42,7 @@ from ...cache.attention import masked_sdpa
 from ...codecs.base import Codes
 from ...kernels.paged import FieldMap, extent_bytes, mix_view, role_fields
 from ...kernels.paged import PagedField as KernelPagedField
-from .layout import PageLayout, check_sliding_window, exact_slot
+from .layout import PageLayout, check_sliding_window, exact_slot, window_start
 
 __all__ = ["PagedField", "page_fields", "paged_decode_reference", "check_output", "paged_attention_reference",
            "chunk_sequences", "sequence_kv", "gather_history", "history_codes", "rotated_basis"]
@@ -192,17 +193,18 @@ def _dequantized(codec, fields: dict, block_row, start: int, end: int, block_siz
 
 def _exact(exact, block_row, pos, block_size, sinks, window, heads):
     """Exact keys and values [H, n, D] float32 of positions ``pos`` [n] of one sequence."""
-    blocks, slots = block_row[pos // block_size], exact_slot(pos, sinks, window)
+    blocks, slots = block_row[pos // block_size], exact_slot(pos, sinks, window, block_size=block_size)
     ek, ev = exact
     return (ek.gather(blocks, heads[:, None], slots).float(), ev.gather(blocks, heads[:, None], slots).float())
 
 
-def _split(n: int, sinks: int, window: int, sliding_window: int | None = None):
+def _split(n: int, sinks: int, window: int, block_size: int, sliding_window: int | None = None):
     """(exact sink positions, code range, exact window positions) of a history of n tokens that a token at
-    position n sees (with a sliding window W: from position n + 1 - W on; then no sinks, window < W)."""
+    position n sees (with a sliding window W: from position n + 1 - W on; then no sinks, window < W); the exact
+    window from :func:`.layout.window_start`."""
     s = min(sinks, n)
     c0 = s if sliding_window is None else max(s, n + 1 - sliding_window)
-    w0 = max(c0, n - window)
+    w0 = max(c0, window_start(n, sinks, window, block_size=block_size))
     return torch.arange(0, s), (c0, w0), torch.arange(w0, n)
 
 
@@ -237,7 +239,7 @@ def paged_decode_reference(q, key_fields, value_fields, block_table, seq_lens, b
     out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     for i in range(b):
         row = block_table[i].long()
-        sink_pos, (c0, c1), win_pos = _split(int(seq_lens[i]), sinks, window, sliding_window)
+        sink_pos, (c0, c1), win_pos = _split(int(seq_lens[i]), sinks, window, block_size, sliding_window)
         qi = q[i].float().reshape(num_kv_heads, g, d)
         logits, vs = [], []
         xpos = torch.cat([sink_pos, win_pos])
@@ -297,7 +299,7 @@ def sequence_kv(k, v, fields: dict, row, c: int, n: int, layout: PageLayout, hea
     -- the codes decoded in their codecs' own basis without the inverse rotation, the exact tokens rotated -- so
     that a query rotated by ``R_k`` scores them as the model's basis would, and an output mixed from them maps back
     by ``R_v.T`` (:class:`.prefill.VLLMPrefill`)."""
-    sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window, layout.sliding_window)
+    sink_pos, (c0, c1), win_pos = _split(n, layout.sinks, layout.window, layout.block_size, layout.sliding_window)
     ns, nw = len(sink_pos), len(win_pos)
     length = ns + (c1 - c0) + nw + c
     kk = torch.empty(length, len(heads), k.shape[-1], dtype=dtype, device=k.device)

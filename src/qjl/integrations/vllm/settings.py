@@ -16,8 +16,10 @@ When enabled, vLLM's ``additional_config={"qjl": {...}}`` (same keys) overrides 
 * ``smooth_keys``, ``smooth_values``: true / false (or 1 / 0): key / value smoothing (:mod:`.smoothing`);
   default: the preset's (value smoothing: off for ``tq-k3v2`` and ``tqv-k3v2``, :data:`PRESET_VALUE_SMOOTHING`);
 * ``sinks``: exact attention-sink tokens (default: the preset's ``sink_tokens``);
-* ``window``: exact most-recent tokens kept beside the codes (default :data:`DEFAULT_WINDOW`, 0 for
-  ``tq-k3v2`` and ``tqv-k3v2``; docs/vllm.md measures what it costs and buys);
+* ``window``: ring slots for exact most-recent tokens beside the sinks' slots in every page (default
+  :data:`DEFAULT_WINDOW`, 0 for ``tq-k3v2`` and ``tqv-k3v2``); past a sequence's first block the sink slots ring
+  too, so the last ``sinks + window`` tokens are exact there (:mod:`.layout`; docs/vllm.md measures what it costs
+  and buys);
 * ``seed``: base seed (layer ``l`` uses ``seed + 1000 l`` for keys, ``+ 1`` for values, as
   :class:`qjl.QJLCache` does);
 * ``decode``: "auto" (a paged kernel where :mod:`qjl.kernels` provides one, else the reference; on the CPU a

@@ -10,7 +10,7 @@ import torch
 
 from ...codecs.base import Codes
 from ...kernels.paged import FieldMap, fit_field, role_fields
-from .layout import PageLayout, exact_slot
+from .layout import PageLayout, exact_slot, window_start
 
 __all__ = ["write_codes", "c_store_jobs", "exact_writes", "write_exact"]
 
@@ -160,22 +160,23 @@ def write_codes(layout: PageLayout, fields: dict, key: torch.Tensor, value: torc
 
 def exact_writes(positions, seq_ends, slots, block_size: int, sinks: int, window: int):
     """(rows, blocks, exact slots) [M] of the tokens whose exact copies are stored: the sinks, each
-    sequence's last ``window`` tokens and each block's last ``window`` (so a block reused through the
-    prefix cache holds the window a request starting right after it reads).  positions, seq_ends (the
-    sequence's length after the step) and slots [N] per token; when two tokens of one step map to one
-    cell, the later position wins."""
+    sequence's exact window (:func:`.layout.window_start`) and each block's last ring of tokens (``window`` in
+    block 0, ``sinks + window`` later: so a block reused through the prefix cache holds the window a request
+    starting right after it reads).  positions, seq_ends (the sequence's length after the step) and slots [N] per
+    token; when two tokens of one step map to one cell, the later position wins."""
     empty = torch.empty(0, dtype=torch.long)
     if sinks + window == 0:
         return empty, empty, empty
-    need = positions < sinks
-    if window:
-        need |= (positions >= seq_ends - window) | (positions % block_size >= block_size - window)
+    ring = torch.where(positions < block_size, window, sinks + window)  # ring slots of each token's block
+    need = (positions < sinks) | ((positions >= sinks) & (
+        (positions >= window_start(seq_ends, sinks, window, block_size=block_size))
+        | (positions % block_size >= block_size - ring)))
     need &= slots >= 0
     rows = need.nonzero().flatten()
     if not len(rows):
         return empty, empty, empty
     pos, blocks = positions[rows], slots[rows] // block_size
-    ex = exact_slot(pos, sinks, window)
+    ex = exact_slot(pos, sinks, window, block_size=block_size)
     cell = blocks * (sinks + window) + ex
     uniq, inv = torch.unique(cell, return_inverse=True)
     latest = torch.full((len(uniq),), -1, dtype=torch.long).scatter_reduce(0, inv, pos, "amax")
