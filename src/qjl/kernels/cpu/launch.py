@@ -616,6 +616,34 @@ def paged_decode_step(q, key_codec, key_fields, value_codec, value_fields, step:
     return out
 
 
+def _fill_segments(ffi, xseg, segments: tuple, bhd: tuple) -> tuple:
+    """Fill the C exact segments ``xseg`` from a call's (k, v) pairs (each checked by :func:`_tensor_segment`, which
+    converts what the kernel does not read in place; empty ones skipped) -> (segments filled, their tokens, the
+    tensors read: the caller keeps them alive through the call)."""
+    n_seg = ne = 0
+    segs = [_tensor_segment(i, kv, bhd) for i, kv in enumerate(segments)]
+    for k, v, n in segs:
+        if n:
+            _tensor_fill(ffi, xseg[n_seg], k, v)
+            n_seg, ne = n_seg + 1, ne + n
+    return n_seg, ne, segs
+
+
+def _check_call(q, q_scale, out, qshape, qdtype, whose: str) -> None:
+    """A kept call's arguments: q contiguous of the build's shape and dtype, a finite ``q_scale``, out a contiguous
+    fp32/fp16/bf16 CPU tensor of q's shape (ValueError naming the argument)."""
+    if not isinstance(q, torch.Tensor) or q.shape != qshape or q.dtype != qdtype or not q.is_contiguous():
+        raise ValueError(f"q must be a contiguous {qdtype} tensor {tuple(qshape)} ({whose}), "
+                         f"got {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not abs(q_scale) < float("inf"):
+        raise ValueError(f"q_scale must be a finite float, got {q_scale!r}")
+    if (not isinstance(out, torch.Tensor) or out.shape != qshape or out.dtype not in X_DTYPES
+            or not out.is_contiguous() or out.device.type != "cpu"):
+        b, h, r, d = qshape
+        raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+
+
 class DecodeCall:
     """:func:`paged_decode_step` of one layer with everything but the query, the exact segments and the output
     filled once (a transformers cache layer between two flushes: its codes, fields and ranges do not change), and
@@ -671,16 +699,8 @@ class DecodeCall:
         segments: the step's ``segments`` (k, v) pairs of exact tokens [B, H_kv, n, D] (as
         :func:`paged_decode_step`'s); out: a contiguous fp32/fp16/bf16 [B, H_kv, R, D] tensor, written and
         returned."""
-        if not isinstance(q, torch.Tensor) or q.shape != self.qshape or q.dtype != self.qdtype or not q.is_contiguous():
-            raise ValueError(f"q must be a contiguous {self.qdtype} tensor {tuple(self.qshape)} (this DecodeCall's), "
-                             f"got {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
-        if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not abs(q_scale) < float("inf"):
-            raise ValueError(f"q_scale must be a finite float, got {q_scale!r}")
+        _check_call(q, q_scale, out, self.qshape, self.qdtype, "this DecodeCall's")
         b, h, r, d = self.qshape
-        if (not isinstance(out, torch.Tensor) or out.shape != self.qshape or out.dtype not in X_DTYPES
-                or not out.is_contiguous() or out.device.type != "cpu"):
-            raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
-                             f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
         step = self.step
         if not isinstance(segments, tuple) or len(segments) != step.segments:
             raise ValueError(f"segments must be a tuple of the step's {step.segments} (k, v) pairs")
@@ -688,15 +708,9 @@ class DecodeCall:
         if not self.prep.matches(vf, kc, vc):
             raise ValueError("a buffer this DecodeCall points into moved or changed shape since it was built: build "
                              "another")
-        segs = [_tensor_segment(i, kv, (b, h, d)) for i, kv in enumerate(segments)]
         mod, c = self.mod, self.c
         ffi = mod.ffi
-        n_seg = ne = 0
-        for k, v, n in segs:
-            if n:
-                _tensor_fill(ffi, c.xseg[n_seg], k, v)
-                n_seg, ne = n_seg + 1, ne + n
-        c.ne, c.n_xseg = ne, n_seg
+        c.n_xseg, c.ne, segs = _fill_segments(ffi, c.xseg, segments, (b, h, d))  # (segs: alive through the call)
         c.q_raw, c.q_scale = ffi.cast("const uint8_t *", q.data_ptr()), float(q_scale)
         c.threads = torch.get_num_threads()
         c.simd = _SIMD[_impl_code(step.impl)]
@@ -708,6 +722,7 @@ class DecodeCall:
         else:
             _set_out(ffi, c, out)
             rc = mod.lib.qjl_paged_decode(c)
+        del segs  # (read by the call)
         _decode_status(rc, q, kc, kf, vc, vf, step)
         return out
 
@@ -763,16 +778,8 @@ class DecodeHeads:
         """q [B, H_kv, R, D] contiguous of every KV head (the runs' query dtype), multiplied by ``q_scale`` in the
         call; segments: the runs' ``segments`` (k, v) pairs of exact tokens [B, H_kv, n, D] of every head; out: a
         contiguous fp32/fp16/bf16 [B, H_kv, R, D] tensor, written and returned."""
-        if not isinstance(q, torch.Tensor) or q.shape != self.qshape or q.dtype != self.qdtype or not q.is_contiguous():
-            raise ValueError(f"q must be a contiguous {self.qdtype} tensor {tuple(self.qshape)} (this DecodeHeads'), "
-                             f"got {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
-        if isinstance(q_scale, bool) or not isinstance(q_scale, (int, float)) or not abs(q_scale) < float("inf"):
-            raise ValueError(f"q_scale must be a finite float, got {q_scale!r}")
+        _check_call(q, q_scale, out, self.qshape, self.qdtype, "this DecodeHeads'")
         b, h, r, d = self.qshape
-        if (not isinstance(out, torch.Tensor) or out.shape != self.qshape or out.dtype not in X_DTYPES
-                or not out.is_contiguous() or out.device.type != "cpu"):
-            raise ValueError(f"out must be a contiguous fp32/fp16/bf16 CPU tensor [{b}, {h}, {r}, {d}], got "
-                             f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
         if not isinstance(segments, tuple) or len(segments) != self.segments:
             raise ValueError(f"segments must be a tuple of the runs' {self.segments} (k, v) pairs")
         for call in self.calls:
@@ -780,14 +787,9 @@ class DecodeHeads:
             if not call.prep.matches(vf, kc, vc):
                 raise ValueError("a buffer a run's DecodeCall points into moved or changed shape since it was built: "
                                  "build another")
-        segs = [_tensor_segment(i, kv, (b, h, d)) for i, kv in enumerate(segments)]
         mod = self.mod
         ffi = mod.ffi
-        n_seg = ne = 0
-        for k, v, n in segs:
-            if n:
-                _tensor_fill(ffi, self.xseg[n_seg], k, v)
-                n_seg, ne = n_seg + 1, ne + n
+        n_seg, ne, segs = _fill_segments(ffi, self.xseg, segments, (b, h, d))  # (segs: alive through the call)
         mean = self.mean
         rc = mod.lib.qjl_decode_heads(
             self.args, len(self.calls), self.head0, h, self.xseg, n_seg, ne,
@@ -795,6 +797,7 @@ class DecodeHeads:
             ffi.NULL if mean is None else ffi.cast("const float *", mean.data_ptr()),
             ffi.cast("uint8_t *", out.data_ptr()), X_DTYPES[out.dtype], torch.get_num_threads(),
             _SIMD[_impl_code(self.calls[0].step.impl)], self.failed)
+        del segs  # (read by the call)
         if rc:
             call = self.calls[int(self.failed[0])]
             kc, kf, vc, vf = call.objects
