@@ -192,4 +192,5 @@ def write_exact(plan, fields: dict, key: torch.Tensor, value: torch.Tensor) -> N
     rows = plan.exact_rows.to(key.device)
     for name, x in (("exact.key", key), ("exact.value", value)):
         f = fields[name]
-        f.write(plan.addresses(name, f, x.shape[1], plan.exact_blocks, plan.exact_slots), x[rows])
+        # (index_select, not x[rows]: advanced indexing opens an OpenMP region; see PagedField.read)
+        f.write(plan.addresses(name, f, x.shape[1], plan.exact_blocks, plan.exact_slots), x.index_select(0, rows))
