@@ -40,6 +40,12 @@ def _joined(*parts) -> torch.Tensor:
     return torch.cat([x.float() for x in parts if x is not None], dim=-2)
 
 
+def _exact_parts(store) -> tuple:
+    """(keys, values): the store's exact sinks and window, each a tuple of the [B, H_kv, n, D] parts it holds."""
+    return (tuple(x for x in (store.sink_k, store.keys) if x is not None),
+            tuple(x for x in (store.sink_v, store.values) if x is not None))
+
+
 def _check_mask(store, attention_mask) -> None:
     if attention_mask is None:  # (a decode step's usual case: nothing to compare, no lengths read)
         return
@@ -55,15 +61,15 @@ def attend(store, query: torch.Tensor, attention_mask, scaling: float, softcap=N
     With value smoothing the store holds ``v - mu_v``; ``mu_v`` is added back here, after any path.  A store whose
     KV heads are coded in groups of their own widths (``store.groups``) is attended group by group, each group's
     query heads over that group's view (:class:`qjl.cache.storage.HeadGroupView`)."""
+    _check_mask(store, attention_mask)
+    if attention_mask is not None and attention_mask.device.type == "cpu" and plainly_visible(
+            attention_mask, attention_mask.shape[-1]):
+        attention_mask = None  # every row sees every key (a decode step's mask): the same attention without it
     if store.groups is not None:
         return _attend_groups(store, query, attention_mask, scaling, softcap)
     b, hq, t, d = query.shape
     hkv = store.heads
     g = hq // hkv
-    _check_mask(store, attention_mask)
-    if attention_mask is not None and attention_mask.device.type == "cpu" and plainly_visible(
-            attention_mask, attention_mask.shape[-1]):
-        attention_mask = None  # every row sees every key (a decode step's mask): the same attention without it
     if t == 1 and attention_mask is None and softcap is None and store.backend == "cpu" and store.kernel_ok:
         out = _attend_cpu_call(store, query, scaling)  # (value mean added, in query's dtype)
         if out is not None:
@@ -87,11 +93,7 @@ def _attend_groups(store, query: torch.Tensor, attention_mask, scaling: float, s
     group's query heads attend over the group alone -> [B, t, H_q, D_v] in query's dtype."""
     b, hq, t, _ = query.shape
     g = hq // store.heads
-    if (t == 1 and softcap is None and store.backend == "cpu" and query.dtype in _KERNEL_DTYPES
-            and (attention_mask is None or (attention_mask.device.type == "cpu"
-                                            and plainly_visible(attention_mask, attention_mask.shape[-1])))):
-        if attention_mask is not None:
-            _check_mask(store, attention_mask)
+    if t == 1 and attention_mask is None and softcap is None and store.backend == "cpu" and query.dtype in _KERNEL_DTYPES:
         out = _attend_cpu_heads(store, query, scaling)  # (every run in one C call)
         if out is not None:
             return out
@@ -170,8 +172,7 @@ def _attend_kernel(store, qg: torch.Tensor, attention_mask, scaling: float, hq: 
     b, hkv, rows, d = qg.shape
     n_sink, n_codes = store.n_sink, store.n_codes
     # sinks and window as two segments, read in place in their dtype by the CPU kernel (no copy per call)
-    keys = tuple(x for x in (store.sink_k, store.keys) if x is not None)
-    values = tuple(x for x in (store.sink_v, store.values) if x is not None)
+    keys, values = _exact_parts(store)
     ne = sum(x.shape[-2] for x in keys)
     bias = bias_x = None
     if attention_mask is not None:
@@ -211,8 +212,7 @@ def _attend_cpu_call(store, query: torch.Tensor, scaling: float):
         return None
     g = hq // hkv
     q = query.reshape(b, hkv, g, d).contiguous()  # query head h reads KV head h // g
-    keys = tuple(x for x in (store.sink_k, store.keys) if x is not None)
-    values = tuple(x for x in (store.sink_v, store.values) if x is not None)
+    keys, values = _exact_parts(store)
     key_fields, value_fields, capacity = store.kernel_fields()
     kc, vc = store.key_codec, store.value_codec
     params = (b, hkv, g, d, q.dtype, n_codes, capacity, len(keys), id(value_fields), id(kc), id(vc), id(mu_v))
@@ -265,8 +265,7 @@ def _attend_cpu_heads(store, query: torch.Tensor, scaling: float):
     call = _kept(fields[0][0], "attend_heads", params, build)
     if not call.served:
         return None
-    keys = tuple(x for x in (store.sink_k, store.keys) if x is not None)
-    values = tuple(x for x in (store.sink_v, store.values) if x is not None)
+    keys, values = _exact_parts(store)
     out = torch.empty(b, 1, hq, d, dtype=query.dtype)
     call(q, tuple(zip(keys, values)), q_scale=scaling, out=out.view(b, hkv, g, d))
     return out

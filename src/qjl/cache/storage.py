@@ -364,23 +364,27 @@ class LayerStore:
             return
         wk, wv = self._wk.view(), self._wv.view()
         at = self.n_codes  # the code position of the block's first token (codecs over rotations in turn read it)
-        if self._flush_stored(wk, wv, n, at):
-            pass
-        elif self.groups is not None:  # each run of heads through its own codecs (no per-sequence fits)
+        if not self._flush_stored(wk, wv, n, at):
+            self._flush_quantized(wk, wv, n, at)
+        self._wk.replace(wk[:, :, n:])
+        self._wv.replace(wv[:, :, n:])
+
+    def _flush_quantized(self, wk: torch.Tensor, wv: torch.Tensor, n: int, at: int) -> None:
+        """The window's first ``n`` tokens (code positions ``at ..``) coded by :meth:`_quantize` and appended to the
+        code buffers (the first block fits the key codec's per-sequence choice, if it has one)."""
+        if self.groups is not None:  # each run of heads through its own codecs (no per-sequence fits)
             coded = [(g, self._quantize(g.key_codec, wk[:, g.heads, :n], start=at),
                       self._quantize(g.value_codec, wv[:, g.heads, :n], start=at)) for g in self.groups]
             for g, kc, vc in coded:
                 g.kc.append(kc)
                 g.vc.append(vc)
-        else:
-            if self.key_fit is None:
-                self.key_fit = self._fit_keys(self._without_padding(wk[:, :, :n]))
-            key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit, start=at)
-            value_codes = self._quantize(self.value_codec, wv[:, :, :n], start=at)
-            self._kc.append(key_codes)
-            self._vc.append(value_codes)
-        self._wk.replace(wk[:, :, n:])
-        self._wv.replace(wv[:, :, n:])
+            return
+        if self.key_fit is None:
+            self.key_fit = self._fit_keys(self._without_padding(wk[:, :, :n]))
+        key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit, start=at)
+        value_codes = self._quantize(self.value_codec, wv[:, :, :n], start=at)
+        self._kc.append(key_codes)
+        self._vc.append(value_codes)
 
     def _flush_stored(self, wk: torch.Tensor, wv: torch.Tensor, n: int, at: int) -> bool:
         """A flush of the window's first ``n`` tokens (code positions ``at ..``) stored by the C encoder straight

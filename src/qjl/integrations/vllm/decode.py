@@ -123,7 +123,7 @@ def decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     dev = block_table.device
     n = seq_lens.long().to(dev)
     start, end = code_ranges(n, sinks, window, sliding_window, block_size=block_size)
-    j = torch.arange(2 * sinks + window if sinks + window else 0, device=dev)
+    j = torch.arange(2 * sinks + window, device=dev)
     pos = torch.where(j < sinks, j, end[:, None] + (j - sinks))  # [B, E]
     ok = torch.where(j < sinks, j < start[:, None], pos < n[:, None])
     pos = torch.where(ok, pos, torch.zeros_like(pos))  # an address every sequence has (block 0, slot 0)

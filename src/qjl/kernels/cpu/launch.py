@@ -25,6 +25,7 @@ build without SIMD).  The tests run every one the CPU has.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import weakref
 
@@ -768,8 +769,7 @@ class DecodeHeads:
         self.calls, self.mean, self.segments = tuple(calls), mean, segments
         self.served = all(c.served for c in calls)
         self.args = ffi.new("qjl_decode_args *[]", [c.c for c in calls])
-        starts = [sum(c.qshape[1] for c in calls[:i]) for i in range(len(calls))]
-        self.head0 = ffi.new("int64_t[]", starts)
+        self.head0 = ffi.new("int64_t[]", [0, *itertools.accumulate(c.qshape[1] for c in calls[:-1])])
         self.heads, self.qshape, self.qdtype = h, torch.Size((b, h, r, d)), dtype
         self.xseg = ffi.new("qjl_exact_seg[2]")
         self.failed = ffi.new("int32_t[1]")
