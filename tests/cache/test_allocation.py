@@ -335,3 +335,33 @@ def test_split_keys_are_measured_in_the_queries_metric():
                                     rel=1e-5)
     # the loud channels hold 89% of the energy at 5 bits, the rest at 2: the queries see ~0.64x the plain error
     assert d_split < 0.75 * _distortion(split, x, *fit)
+
+
+def test_a_budget_stated_at_a_length_holds_the_whole_caches_share():
+    """``AutoBits(budget_tokens=N0)``: past N0 the codes get the bits the exact tokens' shrinking share frees, so
+    the whole cache (codes + exact tokens) holds the same bits per token at the prompt's length as at N0; at or
+    below N0, and without ``budget_tokens``, the budget is ``bits_per_value`` itself."""
+    from qjl.cache.allocation import AutoBits
+
+    auto, plain = AutoBits(2.72, budget_tokens=4096), AutoBits(2.72)
+    exact, x = 140, 16.0
+    per_token = lambda b, n: (b * (n - exact) + x * exact) / n  # noqa: E731  the whole cache's bits per token
+    for n in (100, 1536, 4096):
+        assert auto.codes_budget(n, exact, x) == plain.codes_budget(n, exact, x) == 2.72
+    prev = 2.72
+    for n in (4097, 6000, 8192, 32768):
+        b = auto.codes_budget(n, exact, x)
+        assert plain.codes_budget(n, exact, x) == 2.72
+        assert per_token(b, n) == pytest.approx(per_token(2.72, 4096), rel=1e-12)
+        assert prev < b < x
+        prev = b
+    # 8k: 140 exact fp16 tokens free ~0.24 bits per value for the codes
+    assert auto.codes_budget(8192, exact, x) == pytest.approx(((2.72 * 3956 + 2240) * 2 - 2240) / 8052)
+    assert auto.codes_budget(8192, 5000, x) == 2.72  # N0 holds no compressed tokens: nothing to restate
+    for kw, name in ((dict(length=-1), "length"), (dict(exact=1.5), "exact"), (dict(exact_bits=0), "exact_bits")):
+        with pytest.raises(ValueError, match=name):
+            auto.codes_budget(**(dict(length=8192, exact=140, exact_bits=16.0) | kw))
+    for bad in (0, True, 2.5, "4096"):
+        with pytest.raises(ValueError, match="budget_tokens"):
+            AutoBits(3.0, budget_tokens=bad)
+    assert "from 4096 tokens" in auto.describe() and "tokens)" not in plain.describe()

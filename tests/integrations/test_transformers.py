@@ -550,6 +550,34 @@ def test_auto_holds_its_budget(prompt, new, heavy):
     assert max(held) > 2.7  # and it uses the budget
 
 
+@pytest.mark.parametrize("heavy", [0, 16])
+def test_auto_budget_stated_at_a_length(heavy):
+    """#14: ``QJLConfig.auto(..., budget_tokens=N0)`` (the 5x preset's rule): a prompt of N0 tokens chooses what the
+    plain budget chooses; a prompt of 2 N0 gives its codes the bits the exact tokens' smaller share frees (more than
+    the plain budget), while the whole cache (codes, means, exact sinks and window) holds no more bits per value
+    than the plain budget's cache holds at N0."""
+    model = _patched("llama")
+    kw = dict(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0, sink_tokens=4, heavy_tokens=heavy)
+    n0 = 200
+
+    def report(n, **extra):
+        cache = QJLCache(model, QJLConfig.auto(**kw, **extra))
+        model(_prompt(n), **cache_kwargs(cache))
+        model(_prompt(1), **cache_kwargs(cache))  # the first decode step flushes the prompt to codes
+        return cache.memory_report()
+
+    short, short_plain = report(n0, budget_tokens=n0), report(n0)
+    assert short["widths"] == short_plain["widths"]
+    held, plain = report(2 * n0, budget_tokens=n0), report(2 * n0)
+    assert plain["compressed_bits"] <= 3.0 < held["compressed_bits"]
+    assert held["bits_per_value"] > plain["bits_per_value"]
+    # the nominal budget's whole-cache share at n0 (sinks, heavy tokens and window exact at 16 bits); held within
+    # it (up to the window's pending flush) and near it (the widths are discrete)
+    exact = 12 + heavy
+    share = (3.0 * (n0 - exact) + 16.0 * exact) / n0
+    assert share - 0.25 <= held["bits_per_value"] <= share + 16.0 * 3 / (2 * n0), (held["bits_per_value"], share)
+
+
 def test_auto_warns_when_a_short_prompt_cannot_hold_the_budget():
     model = _patched("llama")
     cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0)

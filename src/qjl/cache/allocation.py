@@ -116,6 +116,12 @@ class AutoBits:
             (the tuning text; three seeds, four windows) vector keys lowered KL by 12% (0.0056 -> 0.0049) with the
             perplexity change level (+0.35% -> +0.34%), and vector values on top held KL (0.0048) but raised the
             perplexity change at each seed (+0.62% on average) (docs/cache.md, "Vector codebooks").
+        budget_tokens: None (default), or the context length at which ``bits_per_value`` is stated for the whole
+            cache: a prompt longer than this gives its codes also the bits that the exact tokens' shrinking share
+            frees (:meth:`codes_budget`), so that the cache holds at the prompt's length the bits per value, exact
+            sinks, heavy tokens and window included, that it holds at ``budget_tokens`` tokens (and fewer as the
+            sequence grows).  A prompt of at most this length gets ``bits_per_value``.  The preset ``tqa-5x`` states
+            its 5x at 4,096 tokens this way (docs/cache.md, "A budget stated at a length").
         per_head: choose widths per KV head of each layer (the units of the allocation are (layer, KV head) pairs
             with each head's own ``S_K``, ``S_V`` and the layer's distortions; a layer whose heads differ codes each
             run of adjacent heads with its own codecs, :meth:`qjl.cache.storage.LayerStore.assign_heads`) rather than
@@ -141,11 +147,15 @@ class AutoBits:
     vector_keys: bool = True
     vector_values: bool = False
     per_head: bool = True
+    budget_tokens: int | None = None
 
     def __post_init__(self):
         b = self.bits_per_value
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 16:
             raise ValueError(f"bits_per_value must be a number in (0, 16], got {b!r}")
+        t = self.budget_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"budget_tokens must be None or an int >= 1, got {t!r}")
         if self.key_candidates is None:
             # 2-bit keys only below 3 bits per value: the proxy (additive per-layer output error) ranks 2-bit keys
             # in the early half like k4v2, but they measure worse than k3v2 (KL 0.027 vs 0.017 on GPL-3,
@@ -177,12 +187,34 @@ class AutoBits:
                 if s.name in ("turboquant_mse", "turboquant_vq") and "cycles" not in s.params else s
                 for s in self.value_candidates))
 
+    def codes_budget(self, length: int, exact: int, exact_bits: float) -> float:
+        """Bits per value the codes may use for a prompt of ``length`` tokens of which ``exact`` are held exact at
+        ``exact_bits`` (sinks, heavy tokens, window): ``bits_per_value``, or with ``budget_tokens`` = N0 < ``length``
+        = L the width that keeps the whole cache's bits per token at L what they are at N0 with ``bits_per_value``:
+
+            (b (L - E) + X E) / L = (bits_per_value (N0 - E) + X E) / N0,  E = exact, X = exact_bits,
+
+        i.e. ``b = ((bits_per_value (N0 - E) + X E) L / N0 - X E) / (L - E)``, which only grows with L (for
+        ``bits_per_value`` < X).  Where N0 leaves no compressed tokens (N0 <= E) the budget stays
+        ``bits_per_value``."""
+        for name, v, lo in (("length", length, 0), ("exact", exact, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if isinstance(exact_bits, bool) or not isinstance(exact_bits, (int, float)) or not exact_bits > 0:
+            raise ValueError(f"exact_bits must be a positive number, got {exact_bits!r}")
+        n0, b = self.budget_tokens, self.bits_per_value
+        if n0 is None or length <= n0 or n0 <= exact or exact >= length:
+            return float(b)
+        per_token = (b * (n0 - exact) + exact_bits * exact) / n0
+        return max(float(b), (per_token * length - exact_bits * exact) / (length - exact))
+
     def describe(self) -> str:
         cyc = f" over {self.value_cycles} rotations in turn" if self.value_cycles > 1 else ""
         vec = [r for r in ("keys", "values") if getattr(self, f"vector_{r}")]
         cyc += f", vector codebooks for {' and '.join(vec)}" if vec else ""
         cyc += ", per KV head" if self.per_head else ", per layer"
-        return (f"auto widths within {self.bits_per_value:g} bits/value ({len(self.key_candidates)} key, "
+        at = f" (the whole cache's share held from {self.budget_tokens} tokens)" if self.budget_tokens else ""
+        return (f"auto widths within {self.bits_per_value:g} bits/value{at} ({len(self.key_candidates)} key, "
                 f"{len(self.value_candidates)} value candidates{cyc}, last {self.queries} queries)")
 
 
@@ -454,9 +486,10 @@ class Allocator:
     def __init__(self, config, stores: list):
         self.config, self.auto, self.stores = config, config.allocation, stores
         self.choices = None
+        self.budget = None  # the codes' bits per value at the last allocation (AutoBits.codes_budget)
 
     def reset(self) -> None:
-        self.choices = None
+        self.choices = self.budget = None
 
     def observe(self, store, query, mask, scaling: float) -> None:
         """Measure one layer in its prefill attention call (window = the prompt, in position order)."""
@@ -490,7 +523,7 @@ class Allocator:
             if heads is None:  # (per head: s_k, s_v already summed over every rank's heads)
                 s_k, s_v = flat[0], flat[1]
             kd, vd = pairs[:len(kd)], pairs[len(kd):]
-        store.auto_stats = {"s_k": s_k, "s_v": s_v, "tokens": n,
+        store.auto_stats = {"s_k": s_k, "s_v": s_v, "tokens": n, "length": keys.shape[2],
                             "keys": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(kc, kd)],
                             "values": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(vc, vd)]}
         if heads is not None:  # (with the layer's distortions: the codecs are the same)
@@ -518,7 +551,10 @@ class Allocator:
         stats = [s.auto_stats for s in live]
         nominal = self.auto.bits_per_value
         tokens = min(st["tokens"] for st in stats)
-        budget = planned_budget(nominal, tokens, self.config.flush_block, self.config.smooth_keys,
+        length = max(st["length"] for st in stats)
+        heavy = min(self.config.heavy_tokens, tokens)  # held exact among the compressible tokens
+        self.budget = self.auto.codes_budget(length, length - tokens + heavy, exact_bits)
+        budget = planned_budget(self.budget, tokens, self.config.flush_block, self.config.smooth_keys,
                                 live[0].key_dim, live[0].value_dim, self.config.smooth_values,
                                 self.config.heavy_tokens, live[0].heads)
         cheapest = sum(min(b for b, _ in st["keys"]) + min(b for b, _ in st["values"]) for st in stats) / (2 * len(stats))

@@ -74,9 +74,12 @@ PRESETS = {
     # value: vector codebooks for keys at 2-6 bits and values at 2-4 bits, values over 8 rotations in turn; tq-k3v2's
     # window, flush and exact dtype; 2026-11-29): 5.06-5.09x at 4k; per KV head (fourth session) held out at 1.5k
     # worst KL 0.0070 and perplexity change +0.92% against +1.28% per layer, KL lower on all seven text-lengths
-    # (docs/runs/tqa5x-perhead-scratch-20261129); transformers only (vLLM serves fixed widths: tqv-k3v2)
+    # (docs/runs/tqa5x-perhead-scratch-20261129); the 5x stated at 4,096 tokens (budget_tokens, seventh session):
+    # a longer prompt's codes get the bits its exact tokens' smaller share frees, so the cache holds 5x at the
+    # prompt's length rather than ~5.4x at 8k (docs/cache.md, "A budget stated at a length"); transformers only
+    # (vLLM serves fixed widths: tqv-k3v2)
     "tqa-5x": QJLConfig.auto(bits_per_value=2.72, vector_values=True, residual_length=120, flush_block=8,
-                             exact_dtype="fp16"),
+                             exact_dtype="fp16", budget_tokens=4096),
     "tq-k2v2": _fixed(_tq(2), _tq(2)),  # the lowest budget measured (2.25 bits)
     # --- the papers' methods as published, for comparison ---
     # QJL: m = 2d sign bits (256 at d = 128), 8 outlier channels with their own sketch, 2-bit token-wise values
