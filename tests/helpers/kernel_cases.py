@@ -24,6 +24,12 @@ from qjl.kernels.reference import paged_decode_reference
 TRITON_DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 
 
+def _n_split(d: int) -> int:
+    """A quarter of the channels split off, a multiple of 8 as SplitTurboQuant asks (at least 8: d = 24 and 80
+    too, the head dims of the integer path's tests)."""
+    return max(8, d // 32 * 8)
+
+
 def codec_pair(name: str, d: int):
     """(key codec, value codec) by a short name."""
     if name == "tq3-tq2":
@@ -43,7 +49,7 @@ def codec_pair(name: str, d: int):
     if name == "qjl-outliers-uni2":
         return OutlierQJL(d, 2 * d, n_outliers=8, outlier_sketch_dim=d // 2, seed=3), TokenwiseQuantizer(d, 2)
     if name == "tqsplit-tq3":  # two TurboQuant key terms whose query maps read the per-sequence split_idx
-        return SplitTurboQuant(d, 2, 4, d // 4, seed=1, norm_dtype="fp8", correct_norm=True), TurboQuantMSE(d, 3, seed=2)
+        return SplitTurboQuant(d, 2, 4, _n_split(d), seed=1, norm_dtype="fp8", correct_norm=True), TurboQuantMSE(d, 3, seed=2)
     if name == "qjl-hadamard-tq2":
         return QJLSketch(d, 2 * d, "hadamard", seed=3), TurboQuantMSE(d, 2, seed=2)
     if name == "tq3-tq2c8":  # values over 8 rotations in turn (one accumulator per rotation)
@@ -52,7 +58,7 @@ def codec_pair(name: str, d: int):
     if name == "tq4-tq3c3":  # 3 rotations: cycles that do not divide a block of 16 slots
         return TurboQuantMSE(d, 4, seed=1), TurboQuantMSE(d, 3, seed=2, cycles=3)
     if name == "tqsplit-tq3c3":  # per-sequence key maps (read per page) with values over 3 rotations in turn
-        return (SplitTurboQuant(d, 2, 4, d // 4, seed=1, norm_dtype="fp8", correct_norm=True),
+        return (SplitTurboQuant(d, 2, 4, _n_split(d), seed=1, norm_dtype="fp8", correct_norm=True),
                 TurboQuantMSE(d, 3, seed=2, cycles=3))
     if name == "vq3-vq2c8":  # vector codebooks: keys 3 bits in pairs, values 2 bits in fours over 8 rotations
         return (TurboQuantVQ(d, 3, seed=1, correct_norm=True),
