@@ -364,4 +364,4 @@ def test_a_budget_stated_at_a_length_holds_the_whole_caches_share():
     for bad in (0, True, 2.5, "4096"):
         with pytest.raises(ValueError, match="budget_tokens"):
             AutoBits(3.0, budget_tokens=bad)
-    assert "from 4096 tokens" in auto.describe() and "tokens)" not in plain.describe()
+    assert "whole cache at 4096 tokens" in auto.describe() and "whole cache" not in plain.describe()

@@ -213,7 +213,7 @@ class AutoBits:
         vec = [r for r in ("keys", "values") if getattr(self, f"vector_{r}")]
         cyc += f", vector codebooks for {' and '.join(vec)}" if vec else ""
         cyc += ", per KV head" if self.per_head else ", per layer"
-        at = f" (the whole cache's share held from {self.budget_tokens} tokens)" if self.budget_tokens else ""
+        at = f" (stated for the whole cache at {self.budget_tokens} tokens)" if self.budget_tokens else ""
         return (f"auto widths within {self.bits_per_value:g} bits/value{at} ({len(self.key_candidates)} key, "
                 f"{len(self.value_candidates)} value candidates{cyc}, last {self.queries} queries)")
 
