@@ -192,6 +192,20 @@ def test_decode_store_checks_what_changes_per_step():
                               exact_fields=ex)
         with pytest.raises(ValueError, match="block 0 outside"):
             cramped(qr, k, v, step, bounds)
+    # exact copies written by the call (the backend's write_exact): refused without write_fields, by shape and dtype,
+    # and (checked in C before anything is stored) outside their buffer or of a row not in the step
+    rows, offs = torch.tensor([0, 1]), torch.zeros(2, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="without write_fields"):
+        one(qr, k, v, step, bounds, writes=(rows, offs, offs))
+    writer = DecodeStore(qr, lay.key_codec, kf, lay.value_codec, vf, step, store, mu_field=fields["smooth.key"],
+                         exact_fields=ex, write_fields=ex)
+    with pytest.raises(ValueError, match="k_off must be"):
+        writer(qr, k, v, step, bounds, writes=(rows, offs.int(), offs))
+    room = ex[0].buffer.numel()
+    for bad_rows, bad_off in ((rows, torch.full((2, 2), room - 1)), (rows, torch.full((2, 2), -2)),
+                              (torch.tensor([0, 2]), offs)):
+        with pytest.raises(ValueError, match="writes: an exact copy"):
+            writer(qr, k, v, step, bounds, writes=(bad_rows, bad_off, offs))
     assert torch.equal(twin.pages[0].view(torch.uint8), before.view(torch.uint8))
     assert one.unmoved()
     buf = fields["key.codes"].buffer  # (every field's buffer: the layer's bytes) swapped for a copy in place

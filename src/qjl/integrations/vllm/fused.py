@@ -18,7 +18,7 @@ import torch
 from ...kernels.paged import FieldMap
 from .layout import PageLayout
 from .step import StepPlan
-from .writes import c_store_jobs, write_exact
+from .writes import c_store_jobs
 
 __all__ = ["fused_decode"]
 
@@ -61,14 +61,29 @@ def fused_decode(layout: PageLayout, fields, plan: StepPlan, query: torch.Tensor
         return None
     rc, job, _, k, v = one(query.reshape(t, h, hq // h, d), key, value, step, plan.store_bounds(), q_scale=scale,
                            out=out.view(t, h, hq // h, d), checked=True,  # (unmoved: asked just above)
-                           positions=plan.write_positions if one.store.positional else None)
+                           positions=plan.write_positions if one.store.positional else None,
+                           writes=_writes(plan, ex, h) if ex is not None else None)
     if rc:
         from ...kernels.encode import encode_store, raise_store_error
 
         jobs = c_store_jobs(layout, fields, key, value)
         raise_store_error(rc, jobs[job][0], (k, v)[job], encode_store(jobs, memo)[1][job])
-    write_exact(plan, fields, k, v)  # (the smoothed tokens, as the general path stores them)
     return out
+
+
+def _writes(plan: StepPlan, ex: tuple, h: int):
+    """The step's exact copies (:func:`.writes.write_exact`'s rows and byte offsets in the exact fields ``ex``), as
+    the one call writes them (in the call, after the attention: the smoothed tokens, as the general path stores
+    them); None where the step writes none.  Once per step and geometry of the exact fields."""
+    if not len(plan.exact_rows):
+        return None
+    key = ("fused_writes", h) + tuple((f.offset, f.stride_block, f.stride_head, f.stride_token) for f in ex)
+    hit = plan.memo.get(key)
+    if hit is None:
+        offs = [plan.addresses(name, f, h, plan.exact_blocks, plan.exact_slots)[..., 0].contiguous()
+                for name, f in (("exact.key", ex[0]), ("exact.value", ex[1]))]
+        hit = plan.memo[key] = (plan.exact_rows.long().contiguous(), *offs)
+    return hit
 
 
 def _build(layout: PageLayout, fields, step, ex, query, key, value):
@@ -91,5 +106,5 @@ def _build(layout: PageLayout, fields, step, ex, query, key, value):
                       layout.value_codec, role_fields(fields, "value"), step, encode_store(jobs, fields.memo)[0],
                       mu_field=fields["smooth.key"] if layout.smooth_keys else None,
                       mu_v_field=fields["smooth.value"] if layout.smooth_values else None,
-                      exact_fields=None if step.rows is None else ex)
+                      exact_fields=None if step.rows is None else ex, write_fields=ex)
     return one if one.served else None

@@ -154,6 +154,14 @@ typedef struct {          /* one decode step of a layer in one call (step.c): B 
     int32_t stage, failed; /* out: where a call failed (0 the arguments, 1 the store: `failed` its job, 2 the
                               decode) */
     qjl_decode_args decode; /* its last exact segment reads k_out / v_out (the current tokens) */
+    uint8_t *wk, *wv;       /* exact copies written after the attention (NULL: none): the layer's exact key / value
+                               field buffers, wk_room / wv_room bytes, entries of dim elements in wk_dtype / wv_dtype
+                               (0 fp32, 1 fp16, 2 bf16; rounded as .to()) */
+    int64_t wk_room, wv_room;
+    int32_t wk_dtype, wv_dtype;
+    int64_t n_writes;       /* write i: token w_rows[i]'s k_out / v_out rows of head h to byte offsets
+                               wk_off[i * H + h] / wv_off[i * H + h] of wk / wv (checked before anything is done) */
+    const int64_t *w_rows, *wk_off, *wv_off;
 } qjl_step_args;
 typedef struct {          /* what every layer's call of one decode step shares (step.c's qjl_decode_store_at): the
                              step's block table, coded ranges, exact-token bias and exact rows' offsets, threads and

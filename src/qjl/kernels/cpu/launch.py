@@ -821,14 +821,16 @@ class DecodeStore:
     its codecs and (key, value) fields (FieldMaps), ``store`` (the :class:`EncodeStore` of a key job then a value
     job, :func:`qjl.kernels.encode.encode_store`), ``mu_field`` (None: no smoothing; or a PagedField of [D] means,
     fp32/fp16/bf16, at each sequence's block 0, slot 0), ``mu_v_field`` (the same for value means, or None) and
-    ``exact_fields`` (the (key, value) PagedFields the steps' exact rows are read in, when ``step.rows`` is set).
+    ``exact_fields`` (the (key, value) PagedFields the steps' exact rows are read in, when ``step.rows`` is set) and
+    ``write_fields`` (the (key, value) PagedFields of [D] fp32/fp16/bf16 entries the calls' ``writes`` store the
+    stored keys and values into, after the attention: the vLLM backend's exact copies; None: no writes).
     :meth:`holds` tells whether a call's objects are these, their buffers unmoved (a call refuses moved buffers:
     build another); the key codec's query maps must be the kernel's own (:attr:`served`; else the general launcher
     serves the layer).  Either role may be a vector codebook's and the values may be coded over rotations in turn
     (each call then gives the tokens' ``positions``).  One caller at a time."""
 
     def __init__(self, q, key_codec, key_fields, value_codec, value_fields, step: DecodeStep, store: "EncodeStore",
-                 *, mu_field=None, mu_v_field=None, exact_fields=None):
+                 *, mu_field=None, mu_v_field=None, exact_fields=None, write_fields=None):
         from qjl.kernels.paged import FieldMap, extent_bytes, mix_view
 
         view = mix_view(value_codec)
@@ -891,6 +893,19 @@ class DecodeStore:
             a.field(getattr(t, dst), f, True)
             setattr(t, dst + "_max_block", room // f.stride_block if f.stride_block > 0 else 2**62)
             buffers.append(f.buffer)
+        self.writes = write_fields is not None
+        if self.writes:
+            if not isinstance(write_fields, tuple) or len(write_fields) != 2:
+                raise ValueError("write_fields must be a (key, value) pair of PagedFields")
+            for name, f, dst in (("key", write_fields[0], "wk"), ("value", write_fields[1], "wv")):
+                if (f.dtype not in X_DTYPES or tuple(f.shape) != (d,) or f.buffer.device.type != "cpu"
+                        or f.buffer.dtype != torch.uint8 or not f.buffer.is_contiguous()):
+                    raise ValueError(f"write_fields ({name}) must hold [{d}] fp32/fp16/bf16 entries in a contiguous "
+                                     f"uint8 CPU buffer, got {f.dtype} {tuple(f.shape)}")
+                setattr(t, dst, ffi.cast("uint8_t *", f.buffer.data_ptr()))
+                setattr(t, dst + "_room", f.buffer.numel())
+                setattr(t, dst + "_dtype", X_DTYPES[f.dtype])
+                buffers.append(f.buffer)
         if mu_v_field is not None:  # the smoothed values: stored from v_out
             j1 = self.jobs[1]
             j1.x_dtype, j1.x_st, j1.x_sh = 0, h * d * 4, d * 4
@@ -914,14 +929,18 @@ class DecodeStore:
 
     def __call__(self, q, key, value, step: DecodeStep, bounds: tuple, *, q_scale: float = 1.0,
                  out: torch.Tensor | None = None, threads: int | None = None, checked: bool = False,
-                 positions: torch.Tensor | None = None) -> tuple:
+                 positions: torch.Tensor | None = None, writes: tuple | None = None) -> tuple:
         """One step: q [B, H_kv, R, D] float (scaled by ``q_scale`` in the call), key / value [B, H_kv, D]
         fp32/fp16/bf16 with contiguous rows (one new token per sequence), ``step`` the step's :class:`DecodeStep`
         (``segments=1``; its exact rows of the geometry this was built for), ``bounds`` :func:`store_bounds` of
         the tokens' blocks and slots (sequence b's codes at entry b), out None or a contiguous [B, H_kv, R, D]
         fp32/fp16/bf16 tensor the attention is written into; ``checked``: the caller has just found
         :meth:`unmoved` true (it is not asked again); ``positions`` [B] int: each new token's position in its
-        sequence (needed where the store codes values over rotations in turn, :attr:`EncodeStore.positional`).
+        sequence (needed where the store codes values over rotations in turn, :attr:`EncodeStore.positional`);
+        ``writes`` None, or (rows [N], k_off [N, H_kv], v_off [N, H_kv]) contiguous int64 CPU tensors: after the
+        attention, sequence rows[i]'s stored key and value of head h are written in the ``write_fields``' dtypes at
+        byte offsets k_off[i, h], v_off[i, h] of their buffers (every write checked first; one outside its buffer:
+        ValueError, nothing stored).
 
         Returns (status, job, out, k, v): status 0, or the store's status of its failing ``job`` (nothing stored,
         nothing attended; :func:`qjl.kernels.encode.raise_store_error` names it); k, v [B, H_kv, D] float32 the keys
@@ -963,6 +982,18 @@ class DecodeStore:
         xb, ne = step.xbias, step.n_rows + 1
         if xb is not None and (xb.shape[1] not in (1, h) or xb.shape[2] not in (1, r) or xb.shape[3] != ne):
             raise ValueError(f"the step's xbias {tuple(xb.shape)} does not broadcast over [B, {h}, {r}, {ne}]")
+        n_w, w_ptrs = 0, (0, 0, 0)
+        if writes is not None:
+            if not self.writes:
+                raise ValueError("writes given to a DecodeStore built without write_fields (nothing stored)")
+            w_rows, wk_off, wv_off = writes
+            n_w = w_rows.shape[0] if isinstance(w_rows, torch.Tensor) else -1
+            for name, x, shape in (("rows", w_rows, (n_w,)), ("k_off", wk_off, (n_w, h)), ("v_off", wv_off, (n_w, h))):
+                if (not isinstance(x, torch.Tensor) or x.dtype != torch.int64 or tuple(x.shape) != shape
+                        or not x.is_contiguous() or x.device.type != "cpu"):
+                    raise ValueError(f"writes: {name} must be a contiguous int64 CPU tensor {list(shape)}, got "
+                                     f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+            w_ptrs = (w_rows.data_ptr(), wk_off.data_ptr(), wv_off.data_ptr())
         k_out, v_out, mixed = step.scratch((b, h, d), (b, h, d), (b, h, r, d) if self.smooth_values else (0,))
         ks, vs, st = key.element_size(), value.element_size(), self.status
         # one crossing: the template copied and this call's addresses filled in C (q, key, value, out, the scratch
@@ -972,10 +1003,13 @@ class DecodeStore:
             key.stride(0) * ks, key.stride(1) * ks, X_DTYPES[key.dtype], value.data_ptr(), value.stride(0) * vs,
             value.stride(1) * vs, X_DTYPES[value.dtype], out.data_ptr(), X_DTYPES[out.dtype], k_out.data_ptr(),
             v_out.data_ptr(), mixed.data_ptr(), blk.data_ptr(), slt.data_ptr(), 0 if pos is None else pos.data_ptr(),
-            int(threads or 0), st)
+            int(threads or 0), n_w, *w_ptrs, st)
         if rc == 0 or st[0] == 1:  # (1: the store refused a job: its status, for the caller to name)
             return rc, int(st[1]), out, k_out, v_out
         if st[0] == 0:
+            if rc == -7:
+                raise ValueError("writes: an exact copy outside its field's buffer, or of a row not in the step "
+                                 "(nothing stored)")
             raise ValueError("the C step refused its arguments (a sequence's block 0 outside the means' buffer, or "
                              "widths and dtypes it does not read): nothing stored")
         key_codec, key_fields, value_codec, value_fields = self.objects[:4]

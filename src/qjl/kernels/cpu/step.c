@@ -9,9 +9,28 @@
  * encode job's cycles > 1, reading each token's position from the job's pos, as the decode's accumulators do).
  * Returns 0, or a status with `stage` where it arose: 0 the arguments (-1; -6 a mean's block outside its field;
  * nothing read or stored), 1 qjl_encode_store's (with `failed` its job; nothing stored: -2 a non-finite entry,
- * -3 / -4 a norm beyond its dtype, -1 arguments), 2 qjl_paged_decode's (after the store, as in the Python path). */
+ * -3 / -4 a norm beyond its dtype, -1 arguments), 2 qjl_paged_decode's (after the store, as in the Python path).
+ * Last, the exact copies the step keeps (n_writes, the backend's write_exact): k_out / v_out rows written into the
+ * exact fields in their dtype (-7 at stage 0 for a write outside its buffer or of a token not in the step). */
 static void add_value_mean(const qjl_decode_args *a, const qjl_field *mu_v, int by_block, uint8_t *out_final,
                            int32_t dtype);
+
+/* the step's exact copies: token w_rows[i]'s stored key / value rows (k_out / v_out, float32) of every head, in
+ * the exact fields' dtypes (fp16 / bf16 rounded as torch's .to()), at their checked byte offsets */
+static void write_exact_rows(const qjl_step_args *s) {
+    const int64_t H = s->decode.heads, D = s->dim;
+    for (int64_t i = 0; i < s->n_writes; i++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t row = (s->w_rows[i] * H + h) * D;
+            const float *src[2] = {s->k_out + row, s->v_out + row};
+            uint8_t *dst[2] = {s->wk + s->wk_off[i * H + h], s->wv + s->wv_off[i * H + h]};
+            const int32_t dt[2] = {s->wk_dtype, s->wv_dtype};
+            for (int r = 0; r < 2; r++) {
+                if (dt[r] == 0) memcpy(dst[r], src[r], sizeof(float) * (size_t)D);
+                else store_half_row(src[r], D, dt[r], dst[r]);
+            }
+        }
+}
 
 QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
     const qjl_decode_args *a = &s->decode;
@@ -30,6 +49,18 @@ QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
         if ((s->mu.base && (blk < 0 || blk > s->mu_max_block)) ||
             (s->mu_v.base && (blk < 0 || blk > s->mu_v_max_block)))
             return -6;
+    }
+    if (s->n_writes < 0 || (s->n_writes && (!s->wk || !s->wv || !s->w_rows || !s->wk_off || !s->wv_off ||
+                                            s->wk_dtype < 0 || s->wk_dtype > 2 || s->wv_dtype < 0 || s->wv_dtype > 2)))
+        return -1;
+    for (int64_t i = 0; i < s->n_writes; i++) { /* every write inside its buffer, of a token of the step */
+        if (s->w_rows[i] < 0 || s->w_rows[i] >= B) return -7;
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t ko = s->wk_off[i * H + h], vo = s->wv_off[i * H + h];
+            if (ko < 0 || ko > s->wk_room - D * dtype_bytes(s->wk_dtype) || vo < 0 ||
+                vo > s->wv_room - D * dtype_bytes(s->wv_dtype))
+                return -7;
+        }
     }
     float mu[D];
     for (int64_t b = 0; b < B; b++)
@@ -54,8 +85,9 @@ QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
     if (rc) return rc;
     s->stage = 2;
     const int drc = qjl_paged_decode(a);
-    if (drc || !s->mu_v.base) return drc;
-    add_value_mean(a, &s->mu_v, 1, s->out_final, s->out_final_dtype);
+    if (drc) return drc;
+    if (s->mu_v.base) add_value_mean(a, &s->mu_v, 1, s->out_final, s->out_final_dtype);
+    write_exact_rows(s);
     return 0;
 }
 
@@ -64,7 +96,8 @@ QJL_EXPORT int qjl_decode_store(qjl_step_args *s) {
  * tensors given as addresses and strides (bytes): the query q [B, H, R, D] in q_dtype times q_scale, the new keys /
  * values k, v (token b, head h at k + b * k_st + h * k_sh), out [B, H, R, D] in out_dtype, the float32 scratch
  * k_out, v_out [B, H, D] and mixed [B, H, R, D] (with value means), the codes' blocks and slots [B], the tokens'
- * positions [B] (int64, read by jobs over rotations in turn; 0: none), threads (0: the step's).  The template is
+ * positions [B] (int64, read by jobs over rotations in turn; 0: none), threads (0: the step's), the step's exact
+ * copies to write (n_writes, w_rows [n_writes], wk_off / wv_off [n_writes, H] int64; 0: none).  The template is
  * copied, never written; `jobs` (the template's two encode jobs) get this call's rows.
  * status[0] / status[1]: qjl_decode_store's stage and failed job.  The same call as filling the struct field by
  * field from Python (launch.DecodeStore before stop 36), in one crossing. */
@@ -73,7 +106,8 @@ QJL_EXPORT int qjl_decode_store_at(const qjl_step_args *tpl, qjl_encode_job *job
                                    int64_t k_sh, int32_t k_dtype, intptr_t v, int64_t v_st, int64_t v_sh,
                                    int32_t v_dtype, intptr_t out, int32_t out_dtype, intptr_t k_out,
                                    intptr_t v_out, intptr_t mixed, intptr_t blocks, intptr_t slots,
-                                   intptr_t positions, int32_t threads, int32_t *status) {
+                                   intptr_t positions, int32_t threads, int64_t n_writes, intptr_t w_rows,
+                                   intptr_t wk_off, intptr_t wv_off, int32_t *status) {
     qjl_step_args s = *tpl;
     qjl_decode_args *c = &s.decode;
     c->q_raw = (const uint8_t *)q;
@@ -132,6 +166,10 @@ QJL_EXPORT int qjl_decode_store_at(const qjl_step_args *tpl, qjl_encode_job *job
         jobs[1].x_dtype = v_dtype;
     }
     jobs[0].pos = jobs[1].pos = (const int64_t *)positions;
+    s.n_writes = n_writes; /* (the write fields are the template's) */
+    s.w_rows = (const int64_t *)w_rows;
+    s.wk_off = (const int64_t *)wk_off;
+    s.wv_off = (const int64_t *)wv_off;
     s.jobs = jobs;
     s.blocks = (const int64_t *)blocks;
     s.slots = (const int64_t *)slots;
