@@ -203,7 +203,7 @@ class AutoBits:
         if isinstance(exact_bits, bool) or not isinstance(exact_bits, (int, float)) or not exact_bits > 0:
             raise ValueError(f"exact_bits must be a positive number, got {exact_bits!r}")
         n0, b = self.budget_tokens, self.bits_per_value
-        if n0 is None or length <= n0 or n0 <= exact or exact >= length:
+        if n0 is None or length <= n0 or n0 <= exact:  # (length > n0 > exact: codes at both lengths)
             return float(b)
         per_token = (b * (n0 - exact) + exact_bits * exact) / n0
         return max(float(b), (per_token * length - exact_bits * exact) / (length - exact))
@@ -486,10 +486,9 @@ class Allocator:
     def __init__(self, config, stores: list):
         self.config, self.auto, self.stores = config, config.allocation, stores
         self.choices = None
-        self.budget = None  # the codes' bits per value at the last allocation (AutoBits.codes_budget)
 
     def reset(self) -> None:
-        self.choices = self.budget = None
+        self.choices = None
 
     def observe(self, store, query, mask, scaling: float) -> None:
         """Measure one layer in its prefill attention call (window = the prompt, in position order)."""
@@ -553,8 +552,8 @@ class Allocator:
         tokens = min(st["tokens"] for st in stats)
         length = max(st["length"] for st in stats)
         heavy = min(self.config.heavy_tokens, tokens)  # held exact among the compressible tokens
-        self.budget = self.auto.codes_budget(length, length - tokens + heavy, exact_bits)
-        budget = planned_budget(self.budget, tokens, self.config.flush_block, self.config.smooth_keys,
+        codes = self.auto.codes_budget(length, length - tokens + heavy, exact_bits)  # (budget_tokens: past N0, more)
+        budget = planned_budget(codes, tokens, self.config.flush_block, self.config.smooth_keys,
                                 live[0].key_dim, live[0].value_dim, self.config.smooth_values,
                                 self.config.heavy_tokens, live[0].heads)
         cheapest = sum(min(b for b, _ in st["keys"]) + min(b for b, _ in st["values"]) for st in stats) / (2 * len(stats))
