@@ -2,7 +2,7 @@
 not a test (the tests run natively with ``TRITON_INTERPRET=0 pytest tests/kernels/test_triton*.py``).
 
     python benchmarks/gpu_kernels.py [--contexts 4096 16384 65536 131072] [--parts bw attention quantize e2e]
-                                     [--out DIR]
+                                     [--presets P ...] [--out DIR]
 
 Parts (each independent; a failing part is reported and the others still run):
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from qjl.integrations.transformers.names import cache_kwargs
 HQ, HKV, D = 32, 8, 128
-PRESETS = ("tq-k3v2", "tq-k45v3", "qjl-paper")
+PRESETS = ["tq-k3v2", "tq-k45v3", "tqv-k3v2", "qjl-paper"]  # --presets replaces it
 
 
 def _bench(fn, device) -> float:
@@ -322,9 +322,11 @@ def main(argv=None):
     p.add_argument("--e2e-context", type=int, default=32768)
     p.add_argument("--e2e-layers", type=int, default=8)
     p.add_argument("--e2e-tokens", type=int, default=24)
+    p.add_argument("--presets", nargs="+", default=PRESETS, help="fixed presets timed by attention and quantize")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="runs")
     args = p.parse_args(argv)
+    PRESETS[:] = args.presets
     device = torch.device(args.device)
     torch.set_grad_enabled(False)
     lines = []

@@ -137,6 +137,22 @@ def test_bad_arguments():
         TurboQuantVQ(D, 2).quantize(torch.full((2, D), float("nan")))
 
 
+def test_the_reference_search_does_not_depend_on_its_chunk():
+    """``nearest_reference`` scores ``chunk`` groups at a time (16,384 on a CPU, 2^25 / k on a GPU): every chunk,
+    ragged last ones included, gives the same indices, and they are the nearest codewords by brute force."""
+    from qjl.core.vq_codebook import nearest_reference
+
+    for bits in (2, 3):
+        codec = TurboQuantVQ(D, bits)
+        t, sq = codec.table, codec.table.double().square().sum(-1).float()
+        y = torch.randn(3001, codec.group, generator=torch.Generator().manual_seed(bits)) / D ** 0.5
+        want = nearest_reference(y, t, sq)
+        brute = torch.cdist(y.double(), t.double()).argmin(-1)
+        assert (want == brute).float().mean() > 0.999  # float32 scores: a near tie may go either way
+        for chunk in (1, 7, 1000, 3001, 1 << 20):
+            assert torch.equal(nearest_reference(y, t, sq, chunk=chunk), want)
+
+
 def test_the_c_nearest_codeword_search_equals_the_reference():
     """The C search (used for 1,024 groups and more on a CPU) returns the reference's indices, ties included (a
     codeword itself, equidistant points between two codewords), for every table; so codes do not depend on the path."""
