@@ -5,7 +5,7 @@ The torch model is the reference itself (``paged_decode_reference``) over codecs
 path computes: key queries rounded to int8 per row (scale max|q| / 127), key and value centroids rounded to int8
 (scale max|c| / 127), for codes of <= 5 bits (wider codes and value groups that do not cover whole 32-coordinate
 chunks go through the fp32 path, as in the kernel; so do a vector codebook's grouped codes, ``PackedCodes.group >
-1``).  What the model leaves out is the rounding of the softmax weights to int16 (|dw| <= W / 65534 per token, W the
+1``, except keys in pairs of 3-bit codes, whose 128 codeword coordinates the integer path rounds to one int8 grid).  What the model leaves out is the rounding of the softmax weights to int16 (|dw| <= W / 65534 per token, W the
 pass's largest weight) and float sums in another order."""
 
 from dataclasses import replace
@@ -34,8 +34,14 @@ def _int8_grid(x: torch.Tensor) -> torch.Tensor:
 
 
 def _int(packed) -> bool:
-    """Codes the integer path reads: scalar ones (group 1) of <= MAX_BITS bits (grouped codes: the fp32 loops)."""
+    """Value codes the integer path mixes: scalar ones (group 1) of <= MAX_BITS bits (grouped codes: the fp32 loops)."""
     return packed.bits <= MAX_BITS and packed.group == 1
+
+
+def _int_key(packed) -> bool:
+    """Key codes the integer path scores: as values, and pairs of 3-bit codes (a vector codebook's joint 6-bit codes,
+    through a 128-entry int8 pair table on the int8 grid of all 128 coordinates); other grouped keys: fp32."""
+    return _int(packed) or (packed.group == 2 and packed.bits == 3)
 
 
 class IntKeys:
@@ -47,13 +53,13 @@ class IntKeys:
     def score_view(self):
         v = self.codec.score_view()
         terms = tuple(KeyTerm(replace(t.codes, centroids=_int8_grid(t.codes.centroids)), t.norm)
-                      if _int(t.codes) else t for t in v.terms)
+                      if _int_key(t.codes) else t for t in v.terms)
         return replace(v, terms=terms)
 
     def score_queries(self, q, shared=None):
         qts = self.codec.score_queries(q) if shared is None else self.codec.score_queries(q, shared)
         terms = self.codec.score_view().terms
-        return [_int8_grid(qt) if _int(t.codes) else qt for qt, t in zip(qts, terms)]
+        return [_int8_grid(qt) if _int_key(t.codes) else qt for qt, t in zip(qts, terms)]
 
     def __getattr__(self, name):
         return getattr(self.codec, name)
@@ -91,10 +97,11 @@ def _within(got, want, tol, scale):
     assert torch.isfinite(got).all() and err <= tol * scale, (err, tol * scale)
 
 
-@pytest.mark.parametrize("name", PAIRS)
+@pytest.mark.parametrize("name", PAIRS + ["vq3-tq2"])
 @pytest.mark.parametrize("d,rows", [(64, 3), (128, 4), (24, 1), (80, 9), (256, 2)])
 def test_int_path_is_its_torch_model(name, d, rows):
-    """Every codec pair, head dims with a partial last chunk (24, 80) and GQA groups of 1-9 rows: the kernel equals
+    """Every codec pair (and keys in pairs of 3-bit codes), head dims with a partial last chunk (24, 80) and GQA
+    groups of 1-9 rows: the kernel equals
     the model within the int16 weights' rounding (1e-3 of the values' scale; the int8 rounding itself is ~20-60x
     that on these peaked logits, so a wrong constant, table or unpacking fails)."""
     if name == "qjl-outliers-uni2" and d == 24:
@@ -151,12 +158,13 @@ def test_int_path_cycled_values(name, block_size):
 
 @pytest.mark.parametrize("name", GROUPED_PAIRS)
 @pytest.mark.parametrize("block_size", [0, 7])  # 0: contiguous codes
-def test_int_path_leaves_grouped_codes_to_fp32(name, block_size):
-    """A vector codebook's grouped codes (``PackedCodes.group > 1``) never take the integer products (their int8
-    tables index scalar codes): grouped keys and values are scored and mixed by the fp32 AVX2 loops while the other
-    role's scalar codes keep the integer path (vq2-tq3: int16 value weights; tq5-vq4: int8 keys; vq3-vq2c8: all fp32),
-    contiguous and in shuffled blocks of 7, GQA rows past RW, splits: the model (grouped sides unrounded); "c-amx" (where
-    the CPU has tiles) gives "c-int"'s outputs bit for bit."""
+def test_int_path_grouped_codes(name, block_size):
+    """A vector codebook's grouped codes (``PackedCodes.group > 1``): keys in pairs of 3-bit codes take the integer
+    products through their 128-entry pair table (vq3-vq2c8's keys); other grouped keys and all grouped values are
+    scored and mixed by the fp32 AVX2 loops while the other role's scalar codes keep the integer path (vq2-tq3: int16
+    value weights; tq5-vq4: int8 keys; vq4-vq3: all fp32, bit for bit "c"'s result), contiguous and in shuffled
+    blocks of 7, GQA rows past RW, splits: the model (int8 grids where the integer path reads, else unrounded);
+    "c-amx" (where the CPU has tiles) gives "c-int"'s outputs bit for bit (pairs stay on vpdpbusd)."""
     from paged_pool import paged_pool
 
     c = Case(name, b=2, h=2, rows=6, n=301, n_exact=6, ragged=True, seed=11)
@@ -172,7 +180,8 @@ def test_int_path_leaves_grouped_codes_to_fp32(name, block_size):
     _within(got["c-int"], want, 1e-3, c.v.abs().max().item())
     if "c-amx" in got:
         assert torch.equal(got["c-amx"], got["c-int"])
-    if all(getattr(x, "group", 1) > 1 for x in (c.kc, c.vc)):  # nothing for the integer path: the fp32 result
+    keys_int = any(_int_key(t.codes) for t in c.kc.score_view().terms)
+    if not keys_int and not _int(c.vc.mix_view().codes):  # nothing for the integer path: the fp32 result
         assert torch.equal(got["c-int"], launch.paged_decode(c.q, c.kc, kf, c.vc, vf, table, bs, c.start, c.end,
                                                              exact=c.exact, code_bias=c.bias, impl="c",
                                                              split_tokens=100, threads=2))

@@ -18,6 +18,8 @@
  *   Measured against fp32: 0.3-0.75% of the values' scale at logits of std 2, far below the codecs' own error
  *   at these widths; the tests hold the kernel to a torch model of this arithmetic within 1e-3 of the values'
  *   scale (tests/kernels/test_cpu_int.py).
+ * Keys in pairs of 3-bit codes (a vector codebook's, g = 2) take the same sums: their 6-bit joint codes index one
+ * 128-byte table of the codewords' int8 coordinates (unpack_pairs32; the scale max|c| / 127 over all of them).
  * For values two tokens are unpacked together, 16 coordinates at a time: one vpermt2b spreads both tokens'
  * bytes, vpmultishiftqb interleaves their codes (c0[j], c1[j]) and the table maps them, ready to widen to the
  * int16 pairs vpdpwssd reads.  Zero points (KIVI) stay in float as in the other paths. */
@@ -40,6 +42,18 @@ static float int8_table(const float *cent, int bits, int bias, uint8_t *table) {
     for (int j = 0; j < (1 << bits); j++) cmax = fabsf(cent[j]) > cmax ? fabsf(cent[j]) : cmax;
     const float sc = cmax > 0.0f ? cmax / 127.0f : 1.0f;
     for (int j = 0; j < 32; j++) table[j] = (uint8_t)(int)(lrintf(cent[j & ((1 << bits) - 1)] / sc) + bias);
+    return sc;
+}
+
+/* int8 lookup table of a codebook of pairs of 3-bit codes (a vector codebook's keys, PackedCodes.group 2: 64
+ * codewords of 2 coordinates, cent [64][2]): entry e | o << 6 is coordinate o of codeword e, + `bias`; returns its
+ * scale max|c| / 127 over all 128 coordinates (int8_table's rounding) */
+static float int8_pair_table(const float *cent, int bias, uint8_t *table) {
+    float cmax = 0.0f;
+    for (int j = 0; j < 128; j++) cmax = fabsf(cent[j]) > cmax ? fabsf(cent[j]) : cmax;
+    const float sc = cmax > 0.0f ? cmax / 127.0f : 1.0f;
+    for (int e = 0; e < 64; e++)
+        for (int o = 0; o < 2; o++) table[e | o << 6] = (uint8_t)(int)(lrintf(cent[2 * e + o] / sc) + bias);
     return sc;
 }
 
@@ -100,6 +114,39 @@ QJL_VNNI static inline __attribute__((always_inline)) __m256i unpack32(const uin
     return _mm256_permutexvar_epi8(codes, u->table);
 }
 
+/* Pairs of 3-bit codes (a vector codebook's joint 6-bit codes e = code[2p] | code[2p + 1] << 3): the same spread as
+ * 3-bit scalar codes, but vpmultishiftqb moves pair p's 6 bits (bits 6p.. of the qword: a pair never straddles
+ * the qword's 3 bytes) to both its bytes 2p and 2p + 1; vpternlogd keeps the low 6 bits and sets bit 6 in odd
+ * bytes, and one vpermt2b over the 128-byte pair table (int8_pair_table: entry e | o << 6) gives each byte its
+ * coordinate of the codeword.  Five instructions per 32 codes against the scalar codes' four. */
+typedef struct {
+    __m256i spread, shifts, keep, odd;
+    __m512i lo, hi;
+} unpack_pairs32_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack_pairs32_t unpack_pairs32_setup(const uint8_t *table) {
+    uint8_t sp[32], sh[32];
+    unpack_indices(3, 4, sp, sh);
+    for (int i = 0; i < 32; i++) sh[i] = (uint8_t)(3 * ((i & 7) & ~1));
+    unpack_pairs32_t u;
+    u.spread = _mm256_loadu_si256((const __m256i *)sp);
+    u.shifts = _mm256_loadu_si256((const __m256i *)sh);
+    u.keep = _mm256_set1_epi8(0x3f);
+    u.odd = _mm256_set1_epi16(0x4000);
+    u.lo = _mm512_loadu_si512((const void *)table);
+    u.hi = _mm512_loadu_si512((const void *)(table + 64));
+    return u;
+}
+
+/* the int8 table entries of the 32 codes (16 pairs) at p (12 bytes; `mask` the bytes to read) */
+QJL_VNNI static inline __attribute__((always_inline)) __m256i unpack_pairs32(const uint8_t *p, __mmask32 mask,
+                                                                          const unpack_pairs32_t *u) {
+    const __m256i raw = _mm256_maskz_loadu_epi8(mask, p);
+    const __m256i codes = _mm256_multishift_epi64_epi8(u->shifts, _mm256_permutexvar_epi8(u->spread, raw));
+    const __m256i idx = _mm256_ternarylogic_epi32(codes, u->keep, u->odd, 0xEA); /* (codes & keep) | odd */
+    return _mm512_castsi512_si256(_mm512_permutex2var_epi8(u->lo, _mm512_castsi256_si512(idx), u->hi));
+}
+
 /* lane i of the result = the sum of the 8 lanes of a[i] */
 QJL_VNNI static inline __attribute__((always_inline)) __m256i hsum8x8_i32(const __m256i *a) {
     const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
@@ -154,12 +201,15 @@ QJL_VNNI static inline void add_dots(const int nr, int64_t count, const int32_t 
  * the 8 tokens' norms (one load) as they are added to the logits [RW][SUB].  `fixed`: the chunk count n32 / 32
  * as a constant (2 and 4, head dims 64 and 128: the chunk loop unrolled), or 0 (read from k->n). */
 QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int bits, const int nr, const int fixed,
-                                                                    const qjl_key_term *k,
+                                                                    const int pairs, const qjl_key_term *k,
                                                                     const uint8_t *codes, const float *norm,
                                                                     int64_t count, const int8_t *q8,
                                                                     const uint8_t *table, const float *mul,
                                                                     const int32_t *off, float *logits) {
-    const unpack32_t u = unpack32_setup(bits, table);
+    const unpack32_t u = unpack32_setup(pairs ? 3 : bits, table);
+    unpack_pairs32_t up; /* (pairs only: their table is 128 bytes) */
+    memset(&up, 0, sizeof(up));
+    if (pairs) up = unpack_pairs32_setup(table);
     const int64_t n = k->n, chunks = fixed ? fixed : (n + 31) / 32, cs = k->codes.stride_token;
     const __mmask32 last = chunk_mask(n, chunks - 1, bits);
     const int64_t n32 = 32 * chunks;
@@ -172,7 +222,8 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (int64_t c = 0; c < chunks; c++) {
             const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
-            const __m256i v0 = unpack32(r0 + c * 4 * bits, m, &u), v1 = unpack32(r1 + c * 4 * bits, m, &u);
+            const __m256i v0 = pairs ? unpack_pairs32(r0 + c * 4 * bits, m, &up) : unpack32(r0 + c * 4 * bits, m, &u);
+            const __m256i v1 = pairs ? unpack_pairs32(r1 + c * 4 * bits, m, &up) : unpack32(r1 + c * 4 * bits, m, &u);
 #define QJL_ROW(R)                                                                                                     \
     if (nr > R) {                                                                                                      \
         const __m256i qr = _mm256_loadu_si256((const __m256i *)(q##R + 32 * c));                                       \
@@ -196,11 +247,27 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
                                 const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
                                 float *logits) {
     const int bits = k->bits;
-    switch ((k->n + 31) / 32) { /* the usual head dims' chunk counts as constants: the chunk loop unrolled */
-    case 2: QJL_BY_ROWS5(score_vnni_, 2, k, codes, norm, count, q8, table, mul, off, logits) break;
-    case 4: QJL_BY_ROWS5(score_vnni_, 4, k, codes, norm, count, q8, table, mul, off, logits) break;
-    default: QJL_BY_ROWS5(score_vnni_, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
+    if (k->group == 2) { /* pairs of 3-bit codes (vnni_term), the 128-byte pair table */
+#define QJL_PAIRS3(F, NR, ...) F(3, NR, __VA_ARGS__);
+        switch ((k->n + 31) / 32) {
+        case 2: QJL_ROWS_OF(QJL_PAIRS3, score_vnni_, 2, 1, k, codes, norm, count, q8, table, mul, off, logits) break;
+        case 4: QJL_ROWS_OF(QJL_PAIRS3, score_vnni_, 4, 1, k, codes, norm, count, q8, table, mul, off, logits) break;
+        default: QJL_ROWS_OF(QJL_PAIRS3, score_vnni_, 0, 1, k, codes, norm, count, q8, table, mul, off, logits) break;
+        }
+#undef QJL_PAIRS3
+        return;
     }
+    switch ((k->n + 31) / 32) { /* the usual head dims' chunk counts as constants: the chunk loop unrolled */
+    case 2: QJL_BY_ROWS5(score_vnni_, 2, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
+    case 4: QJL_BY_ROWS5(score_vnni_, 4, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
+    default: QJL_BY_ROWS5(score_vnni_, 0, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
+    }
+}
+
+/* whether the integer path scores key term k: scalar codes of <= VNNI_MAX_BITS bits, or pairs of 3-bit codes (the
+ * other grouped codes: the AVX2 fp32 loops) */
+static int vnni_term(const qjl_key_term *k) {
+    return k->group == 1 ? k->bits <= VNNI_MAX_BITS : k->group == 2 && k->bits == 3;
 }
 
 /* one row's weights x [count] (floats) with their max mx -> dst int16 (zero at count, count + 1); returns the
