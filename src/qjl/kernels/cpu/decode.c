@@ -125,15 +125,19 @@ static void by_residue(const qjl_spans *s, int64_t t0, int64_t K, int64_t stride
         at += cnt;
     }
     if (!rows) return;
-    int64_t next[64], k = t0 % K;
-    memcpy(next, rz->base, sizeof(int64_t) * (size_t)K);
-    for (int si = 0; si < s->n; si++)
-        for (int64_t i = 0; i < s->cnt[si]; i++, k = k + 1 == K ? 0 : k + 1) {
-            const uint8_t *src = s->v[si] + i * stride;
-            uint8_t *to = rows + next[k]++ * row_bytes;
-            int64_t c = 0;
-            for (; c + 8 <= row_bytes; c += 8) memcpy(to + c, src + c, 8);
-            for (; c < row_bytes; c++) to[c] = src[c];
+    for (int64_t k = 0; k < K; k++) /* residue by residue, span by span (residue_spans' places) */
+        for (int si = 0; si < s->n; si++) {
+            const int64_t i0 = (k - (t0 + s->off[si]) % K + K) % K; /* the span's first token of residue k */
+            if (i0 >= s->cnt[si]) continue;
+            const int64_t cnt = (s->cnt[si] - i0 + K - 1) / K, step = K * stride;
+            const uint8_t *src = s->v[si] + i0 * stride;
+            uint8_t *to = rows + (rz->base[k] + (s->off[si] + i0 - rz->first[k]) / K) * row_bytes;
+            switch (row_bytes) { /* the usual rows (2-4 bits x 128) as fixed-size copies */
+            case 32: for (int64_t j = 0; j < cnt; j++, src += step, to += 32) memcpy(to, src, 32); break;
+            case 48: for (int64_t j = 0; j < cnt; j++, src += step, to += 48) memcpy(to, src, 48); break;
+            case 64: for (int64_t j = 0; j < cnt; j++, src += step, to += 64) memcpy(to, src, 64); break;
+            default: for (int64_t j = 0; j < cnt; j++, src += step, to += row_bytes) memcpy(to, src, (size_t)row_bytes);
+            }
         }
 }
 
