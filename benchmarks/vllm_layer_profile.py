@@ -59,6 +59,10 @@ def main(argv=None) -> dict:
                     "layers follow each other (0: no)")
     ap.add_argument("--flush-mib", type=int, default=0,
                     help="also time decode.kernel after writing this many MiB between calls (caches cold; 0: no)")
+    ap.add_argument("--kv-layout", default="LBHNC", choices=["LBHNC", "LHBNC"],
+                    help="the pages' physical order: vLLM's LBHNC (block by block) or LHBNC (KV head by KV head)")
+    ap.add_argument("--ordered-blocks", action="store_true",
+                    help="the sequence's blocks in pool order (as a fresh engine hands them out) instead of shuffled")
     ap.add_argument("--layer", type=int, default=20, help="layer index of 30 (the default preset's keys: 4 bits "
                     "below 15, 5 bits from 15 on)")
     args = ap.parse_args(argv)
@@ -78,11 +82,14 @@ def main(argv=None) -> dict:
     s = VLLMSettings(preset=args.preset)
     lay = layer_layout(s, args.layer, 30, d, bs, torch.bfloat16)
     nblocks = (n + args.chunk) // bs + 2
-    pages = torch.zeros(nblocks, hkv, bs, lay.content_bytes // 2, dtype=torch.bfloat16)
+    if args.kv_layout == "LBHNC":
+        pages = torch.zeros(nblocks, hkv, bs, lay.content_bytes // 2, dtype=torch.bfloat16)
+    else:  # [H, B, N, C] in memory, viewed [B, H, N, C] as vLLM hands it to the backend
+        pages = torch.zeros(hkv, nblocks, bs, lay.content_bytes // 2, dtype=torch.bfloat16).transpose(0, 1)
     fields = page_fields(lay, pages)
     g = torch.Generator().manual_seed(0)
     x = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
-    table = torch.randperm(nblocks, generator=g)[None, :]
+    table = (torch.arange(nblocks) if args.ordered_blocks else torch.randperm(nblocks, generator=g))[None, :]
     q, k, v = x(n, hq, d), x(n, hkv, d), x(n, hkv, d)
     qsl, lens = torch.tensor([0, n]), torch.tensor([n])
     plan = StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window)
@@ -113,7 +120,8 @@ def main(argv=None) -> dict:
             add_value_mean(torch.zeros(1, hq, d), mu)
 
     r = args.repeats
-    res = {"preset": args.preset, "layer": args.layer, "context": n, "block_size": bs, "threads": args.threads, "ms": {
+    res = {"preset": args.preset, "layer": args.layer, "context": n, "block_size": bs, "threads": args.threads,
+           "kv_layout": args.kv_layout, "ordered_blocks": args.ordered_blocks, "ms": {
         "plan": _median_ms(lambda: StepPlan.build(qsl, lens, table, bs, lay.sinks, lay.window), r),
         "smooth_keys": _median_ms(lambda: smooth(plan, k), r),
         "smooth_values": _median_ms(value_step, r),
