@@ -5,8 +5,9 @@ The torch model is the reference itself (``paged_decode_reference``) over codecs
 path computes: key queries rounded to int8 per row (scale max|q| / 127), key and value centroids rounded to int8
 (scale max|c| / 127), for codes of <= 5 bits (wider codes and value groups that do not cover whole 32-coordinate
 chunks go through the fp32 path, as in the kernel; so do a vector codebook's grouped codes, ``PackedCodes.group >
-1``, except keys in pairs of 3-bit codes, whose 128 codeword coordinates the integer path rounds to one int8 grid).  What the model leaves out is the rounding of the softmax weights to int16 (|dw| <= W / 65534 per token, W the
-pass's largest weight) and float sums in another order."""
+1``, except keys in pairs of 3-bit codes, whose 128 codeword coordinates the integer path rounds to one int8
+grid).  What the model leaves out is the rounding of the softmax weights to int16 (|dw| <= W / 65534 per token, W
+the pass's largest weight) and float sums in another order."""
 
 from dataclasses import replace
 

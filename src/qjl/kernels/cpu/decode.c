@@ -351,7 +351,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
          * token strides apart), which the hardware prefetchers do not follow, and each of the first residues would
          * wait on its lines from L2 / L3 (scalar 2-bit values over 8 rotations with 3-bit keys, d = 128, 64k tokens:
          * 8.59 -> 7.07 ms on one thread, 4.28 -> 3.59 ms on two, contiguous; 11.7 -> 9.8 ms in blocks of 16;
-         * "c-int", interleaved calls, 2026-11-29's Zen 5;  Vector-codebook values, whose fp32 mix is slower, and the
+         * "c-int", interleaved calls, 2026-11-29's Zen 5; vector-codebook values, whose fp32 mix is slower, and the
          * fp32 path did not move). */
         if (K > 1)
             for (int si = 0; si < ns; si++) {

@@ -18,9 +18,9 @@ grouped values to those AVX2 loops (the other role's scalar codes keep the integ
 ``impl``: "auto" (default; ``$QJL_CPU_IMPL`` when set): "c-amx" where the CPU has AMX tiles, else "c-int" where
 it has AVX-512 VBMI + VNNI, else "c"; "c" (fp32 sums: the AVX2 path where the CPU has it); "c-int" (integer
 products: int8 queries and centroids for keys, int16 softmax weights for values, at the error bound stated in
-``decode_vnni.c``, for scalar codes of <= 5 bits and keys in pairs of 3-bit codes; the rest as "c"); "c-amx" (the same integers summed on AMX tiles,
-``decode_amx.c``: "c-int"'s outputs bit for bit; "c-int" where the OS refuses the tiles); "c-portable" (the C
-build without SIMD).  The tests run every one the CPU has.
+``decode_vnni.c``, for scalar codes of <= 5 bits and keys in pairs of 3-bit codes; the rest as "c"); "c-amx" (the
+same integers summed on AMX tiles, ``decode_amx.c``: "c-int"'s outputs bit for bit; "c-int" where the OS refuses
+the tiles); "c-portable" (the C build without SIMD).  The tests run every one the CPU has.
 """
 
 from __future__ import annotations
