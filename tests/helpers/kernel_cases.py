@@ -65,6 +65,10 @@ def codec_pair(name: str, d: int):
                 TurboQuantVQ(d, 2, seed=2, norm_dtype="fp8", correct_norm=True, cycles=8))
     if name == "vq3-tq2":  # 3-bit pair keys (the integer path's pair table) with scalar values: all integer products
         return TurboQuantVQ(d, 3, seed=1, correct_norm=True), TurboQuantMSE(d, 2, seed=2)
+    if name == "vq4-tq2":  # 4-bit pair keys (8-bit joint codes: the integer path's 512-byte tables), scalar values
+        return TurboQuantVQ(d, 4, seed=1, correct_norm=True), TurboQuantMSE(d, 2, seed=2)
+    if name == "vq2-tq2":  # 2-bit keys in fours (8-bit joint codes: 1 KB of tables), scalar values
+        return TurboQuantVQ(d, 2, seed=1, correct_norm=True), TurboQuantMSE(d, 2, seed=2)
     if name == "vq4-vq3":  # 4-bit pairs (one byte) with 3-bit pairs (joint codes across byte boundaries)
         return TurboQuantVQ(d, 4, seed=1), TurboQuantVQ(d, 3, seed=2, correct_norm=True)
     if name == "vq2-tq3":  # 2-bit keys in fours (one byte per group) with scalar values

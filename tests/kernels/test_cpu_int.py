@@ -5,8 +5,8 @@ The torch model is the reference itself (``paged_decode_reference``) over codecs
 path computes: key queries rounded to int8 per row (scale max|q| / 127), key and value centroids rounded to int8
 (scale max|c| / 127), for codes of <= 5 bits (wider codes and value groups that do not cover whole 32-coordinate
 chunks go through the fp32 path, as in the kernel; so do a vector codebook's grouped codes, ``PackedCodes.group >
-1``, except keys in pairs of 3-bit codes, whose 128 codeword coordinates the integer path rounds to one int8
-grid).  What the model leaves out is the rounding of the softmax weights to int16 (|dw| <= W / 65534 per token, W
+1``, except keys in pairs of 3-bit codes and in 8-bit joint codes, whose codewords' coordinates the integer path
+rounds to one int8 grid).  What the model leaves out is the rounding of the softmax weights to int16 (|dw| <= W / 65534 per token, W
 the pass's largest weight) and float sums in another order."""
 
 from dataclasses import replace
@@ -40,9 +40,10 @@ def _int(packed) -> bool:
 
 
 def _int_key(packed) -> bool:
-    """Key codes the integer path scores: as values, and pairs of 3-bit codes (a vector codebook's joint 6-bit codes,
-    through a 128-entry int8 pair table on the int8 grid of all 128 coordinates); other grouped keys: fp32."""
-    return _int(packed) or (packed.group == 2 and packed.bits == 3)
+    """Key codes the integer path scores: as values, and a vector codebook's pairs of 3-bit codes (6-bit joint codes)
+    and 8-bit joint codes (pairs of 4-bit codes, fours of 2-bit codes), through int8 tables on the grid of all the
+    codewords' coordinates; other grouped keys: fp32."""
+    return _int(packed) or (packed.group, packed.bits) in ((2, 3), (2, 4), (4, 2))
 
 
 class IntKeys:
@@ -98,7 +99,7 @@ def _within(got, want, tol, scale):
     assert torch.isfinite(got).all() and err <= tol * scale, (err, tol * scale)
 
 
-@pytest.mark.parametrize("name", PAIRS + ["vq3-tq2"])
+@pytest.mark.parametrize("name", PAIRS + ["vq3-tq2", "vq4-tq2", "vq2-tq2"])
 @pytest.mark.parametrize("d,rows", [(64, 3), (128, 4), (24, 1), (80, 9), (256, 2)])
 def test_int_path_is_its_torch_model(name, d, rows):
     """Every codec pair (and keys in pairs of 3-bit codes), head dims with a partial last chunk (24, 80) and GQA
@@ -160,12 +161,13 @@ def test_int_path_cycled_values(name, block_size):
 @pytest.mark.parametrize("name", GROUPED_PAIRS)
 @pytest.mark.parametrize("block_size", [0, 7])  # 0: contiguous codes
 def test_int_path_grouped_codes(name, block_size):
-    """A vector codebook's grouped codes (``PackedCodes.group > 1``): keys in pairs of 3-bit codes take the integer
-    products through their 128-entry pair table (vq3-vq2c8's keys); other grouped keys and all grouped values are
-    scored and mixed by the fp32 AVX2 loops while the other role's scalar codes keep the integer path (vq2-tq3: int16
-    value weights; tq5-vq4: int8 keys; vq4-vq3: all fp32, bit for bit "c"'s result), contiguous and in shuffled
-    blocks of 7, GQA rows past RW, splits: the model (int8 grids where the integer path reads, else unrounded);
-    "c-amx" (where the CPU has tiles) gives "c-int"'s outputs bit for bit (pairs stay on vpdpbusd)."""
+    """A vector codebook's grouped codes (``PackedCodes.group > 1``): keys in pairs of 3-bit codes and in 8-bit joint
+    codes take the integer products through their int8 tables (the keys of vq3-vq2c8, vq4-vq3 and vq2-tq3); grouped
+    values are mixed by the fp32 AVX2 loops while the other role's scalar codes keep the integer path (vq2-tq3: int16
+    value weights; tq5-vq4: int8 keys), contiguous and in shuffled blocks of 7, GQA rows past RW, splits: the model
+    (int8 grids where the integer path reads, else unrounded); with nothing on the integer path the result is "c"'s
+    bit for bit; "c-amx" (where the CPU has tiles) gives "c-int"'s outputs bit for bit (grouped keys stay on
+    vpdpbusd)."""
     from paged_pool import paged_pool
 
     c = Case(name, b=2, h=2, rows=6, n=301, n_exact=6, ragged=True, seed=11)

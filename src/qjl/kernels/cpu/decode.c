@@ -20,9 +20,9 @@
  * path expands each row through the joint codes' table (unpack_row), the AVX2 path loads each joint code's g floats
  * from it inside its score and mix loops (score_avx2, mix_avx2: unpack8_grouped; keys in pairs of 2-3 bits, in items
  * of 256 tokens or more, through pair tables, score_pairs); run_item never hands a grouped term
- * or view to the lane-sliced loops or the AMX tiles, and of the integer path (VNNI) only keys in pairs of 3-bit codes
- * (one 128-entry int8 pair table: decode_vnni.c's unpack_pairs32) -- with "c-int" / "c-amx" the other grouped terms
- * and every grouped view take the AVX2 fp32 loops beside the other role's integer products. */
+ * or view to the lane-sliced loops or the AMX tiles, and to the integer path (VNNI) only keys in pairs of 3-bit codes
+ * or in 8-bit joint codes (int8 tables: decode_vnni.c's unpack_pairs32, unpack_joint) -- with "c-int" / "c-amx"
+ * grouped values take the AVX2 fp32 loops beside the other role's integer products. */
 
 typedef struct {
     int64_t b, h, rc, t0, t1;
@@ -191,13 +191,15 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     int8_t *q8[2] = {NULL, NULL};
     float sq[2][RW], kmul[2][RW], ksc[2] = {1.0f, 1.0f};
     int32_t qsum[2][RW], koff[2][RW];
-    uint8_t ktab[2][128], vtab[32]; /* (128: a pair table; scalar codes use 32) */
+    uint8_t ktab[2][1024], vtab[32]; /* (scalar codes use 32 bytes, pairs of 3-bit codes 128, 8-bit joint codes 256 g) */
     for (int k = 0; k < a->n_terms; k++) {
-        ik[k] = mode >= 2 && vnni_term(&a->key[k]); /* (other grouped codes: the AVX2 loops) */
+        ik[k] = mode >= 2 && vnni_term(&a->key[k]); /* (other codes: the AVX2 loops) */
         if (ik[k]) {
             q8[k] = malloc((size_t)RW * (size_t)((a->key[k].n + 31) / 32 * 32));
-            ksc[k] = a->key[k].group == 2 ? int8_pair_table(a->key[k].cent, 128, ktab[k])
-                                          : int8_table(a->key[k].cent, a->key[k].bits, 128, ktab[k]);
+            const int g = a->key[k].group;
+            ksc[k] = g == 1 ? int8_table(a->key[k].cent, a->key[k].bits, 128, ktab[k])
+                     : a->key[k].bits == 3 ? int8_pair_table(a->key[k].cent, 128, ktab[k])
+                     : int8_joint_table(a->key[k].cent, g, 128, ktab[k]);
         }
     }
     const int iv = mode >= 2 && v->bits <= VNNI_MAX_BITS && (G == 1 || v->group_size % 32 == 0) && v->group == 1;

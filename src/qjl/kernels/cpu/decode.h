@@ -13,7 +13,7 @@
  * e = sum_s field[g j + s] << (s b) -- the row's (g b)-bit code j -- and coordinate c stands for cent[e g + c % g]
  * (cent [2^(g b) g]).  The portable path and rows.c expand a row through that table; the AVX2 path loads each
  * joint code's g floats from it inside its loops (decode_avx2.c); the lane-sliced and AMX paths read scalar codes
- * only, the integer path scalar codes and keys in pairs of 3-bit codes (run_item routes the rest past them). */
+ * only, the integer path scalar codes and keys of 6- and 8-bit joint codes (run_item routes the rest past them). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

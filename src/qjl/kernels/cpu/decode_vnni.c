@@ -18,8 +18,9 @@
  *   Measured against fp32: 0.3-0.75% of the values' scale at logits of std 2, far below the codecs' own error
  *   at these widths; the tests hold the kernel to a torch model of this arithmetic within 1e-3 of the values'
  *   scale (tests/kernels/test_cpu_int.py).
- * Keys in pairs of 3-bit codes (a vector codebook's, g = 2) take the same sums: their 6-bit joint codes index one
- * 128-byte table of the codewords' int8 coordinates (unpack_pairs32; the scale max|c| / 127 over all of them).
+ * Keys of a vector codebook take the same sums: pairs of 3-bit codes through one 128-byte table of the codewords'
+ * int8 coordinates (unpack_pairs32), 8-bit joint codes (pairs of 4-bit codes, fours of 2-bit codes) through 2 g
+ * tables of 128 bytes (unpack_joint); the scale max|c| / 127 over all the codewords' coordinates.
  * For values two tokens are unpacked together, 16 coordinates at a time: one vpermt2b spreads both tokens'
  * bytes, vpmultishiftqb interleaves their codes (c0[j], c1[j]) and the table maps them, ready to widen to the
  * int16 pairs vpdpwssd reads.  Zero points (KIVI) stay in float as in the other paths. */
@@ -54,6 +55,20 @@ static float int8_pair_table(const float *cent, int bias, uint8_t *table) {
     const float sc = cmax > 0.0f ? cmax / 127.0f : 1.0f;
     for (int e = 0; e < 64; e++)
         for (int o = 0; o < 2; o++) table[e | o << 6] = (uint8_t)(int)(lrintf(cent[2 * e + o] / sc) + bias);
+    return sc;
+}
+
+/* int8 lookup tables of a codebook of 8-bit joint codes (a vector codebook's keys in groups of g = 2 codes of 4 bits
+ * or g = 4 of 2 bits: one byte per group, 256 codewords of g coordinates, cent [256][g]): table (s, h), 128 bytes
+ * at table + (2 s + h) 128, holds coordinate s of codewords h 128 + i, + `bias`; returns the scale max|c| / 127 over
+ * all 256 g coordinates (int8_table's rounding) */
+static float int8_joint_table(const float *cent, int g, int bias, uint8_t *table) {
+    float cmax = 0.0f;
+    for (int j = 0; j < 256 * g; j++) cmax = fabsf(cent[j]) > cmax ? fabsf(cent[j]) : cmax;
+    const float sc = cmax > 0.0f ? cmax / 127.0f : 1.0f;
+    for (int sl = 0; sl < g; sl++)
+        for (int e = 0; e < 256; e++)
+            table[(2 * sl + (e >> 7)) * 128 + (e & 127)] = (uint8_t)(int)(lrintf(cent[e * g + sl] / sc) + bias);
     return sc;
 }
 
@@ -147,6 +162,45 @@ QJL_VNNI static inline __attribute__((always_inline)) __m256i unpack_pairs32(con
     return _mm512_castsi512_si256(_mm512_permutex2var_epi8(u->lo, _mm512_castsi256_si512(idx), u->hi));
 }
 
+/* Two tokens' 32 codes of 8-bit joint codes (g = 2 at 4 bits, 4 at 2 bits; 32 / g bytes per token and chunk): one
+ * vpermt2b puts token t's group byte of coordinate c at byte 32 t + c of X; then for each coordinate slot s and
+ * half h (the byte's bit 7) one vpermt2b over table (s, h) (int8_joint_table) writes, under the mask of the bytes
+ * with that slot and half, the int8 coordinate into X -- the other bytes keep their code for the next lookups (the
+ * masks are disjoint) -- so 2 g lookups give both tokens' operands (token 0: the low 256 bits). */
+typedef struct {
+    __m512i spread, t[16]; /* t[2 i], t[2 i + 1]: the halves of table i = 2 s + h */
+    __mmask64 slot[4];
+} unpack_joint_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) void unpack_joint_setup(const int g, const uint8_t *table,
+                                                                           unpack_joint_t *u) {
+    uint8_t sp[64];
+    for (int c = 0; c < 64; c++) sp[c] = (uint8_t)(c < 32 ? c / g : 64 + (c - 32) / g);
+    u->spread = _mm512_loadu_si512((const void *)sp);
+    for (int i = 0; i < 4 * g; i++) u->t[i] = _mm512_loadu_si512((const void *)(table + 64 * i));
+    for (int sl = 0; sl < g; sl++) {
+        uint64_t m = 0;
+        for (int c = 0; c < 64; c++) m |= (uint64_t)(c % g == sl) << c;
+        u->slot[sl] = (__mmask64)m;
+    }
+}
+
+QJL_VNNI static inline __attribute__((always_inline)) void unpack_joint(const int g, const uint8_t *p0,
+                                                                     const uint8_t *p1, __mmask32 mask,
+                                                                     const unpack_joint_t *u, __m256i *v0,
+                                                                     __m256i *v1) {
+    const __m512i a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p0));
+    const __m512i b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p1));
+    __m512i x = _mm512_permutex2var_epi8(a, u->spread, b);
+    const __mmask64 hi = _mm512_movepi8_mask(x);
+    for (int sl = 0; sl < g; sl++) {
+        x = _mm512_mask2_permutex2var_epi8(u->t[4 * sl], x, u->slot[sl] & ~hi, u->t[4 * sl + 1]);
+        x = _mm512_mask2_permutex2var_epi8(u->t[4 * sl + 2], x, u->slot[sl] & hi, u->t[4 * sl + 3]);
+    }
+    *v0 = _mm512_castsi512_si256(x);
+    *v1 = _mm512_extracti64x4_epi64(x, 1);
+}
+
 /* lane i of the result = the sum of the 8 lanes of a[i] */
 QJL_VNNI static inline __attribute__((always_inline)) __m256i hsum8x8_i32(const __m256i *a) {
     const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
@@ -201,15 +255,19 @@ QJL_VNNI static inline void add_dots(const int nr, int64_t count, const int32_t 
  * the 8 tokens' norms (one load) as they are added to the logits [RW][SUB].  `fixed`: the chunk count n32 / 32
  * as a constant (2 and 4, head dims 64 and 128: the chunk loop unrolled), or 0 (read from k->n). */
 QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int bits, const int nr, const int fixed,
-                                                                    const int pairs, const qjl_key_term *k,
+                                                                    const int grp, const qjl_key_term *k,
                                                                     const uint8_t *codes, const float *norm,
                                                                     int64_t count, const int8_t *q8,
                                                                     const uint8_t *table, const float *mul,
                                                                     const int32_t *off, float *logits) {
-    const unpack32_t u = unpack32_setup(pairs ? 3 : bits, table);
-    unpack_pairs32_t up; /* (pairs only: their table is 128 bytes) */
+    /* grp: 0 scalar codes, 1 pairs of 3-bit codes (unpack_pairs32), 2 8-bit joint codes of 8 / bits codes
+     * (unpack_joint); their tables are 32, 128 and 256 g bytes */
+    const unpack32_t u = unpack32_setup(grp == 1 ? 3 : bits, table);
+    unpack_pairs32_t up;
+    unpack_joint_t uj;
     memset(&up, 0, sizeof(up));
-    if (pairs) up = unpack_pairs32_setup(table);
+    if (grp == 1) up = unpack_pairs32_setup(table);
+    if (grp == 2) unpack_joint_setup(8 / bits, table, &uj);
     const int64_t n = k->n, chunks = fixed ? fixed : (n + 31) / 32, cs = k->codes.stride_token;
     const __mmask32 last = chunk_mask(n, chunks - 1, bits);
     const int64_t n32 = 32 * chunks;
@@ -222,8 +280,13 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         for (int64_t c = 0; c < chunks; c++) {
             const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
-            const __m256i v0 = pairs ? unpack_pairs32(r0 + c * 4 * bits, m, &up) : unpack32(r0 + c * 4 * bits, m, &u);
-            const __m256i v1 = pairs ? unpack_pairs32(r1 + c * 4 * bits, m, &up) : unpack32(r1 + c * 4 * bits, m, &u);
+            __m256i v0, v1;
+            if (grp == 2)
+                unpack_joint(8 / bits, r0 + c * 4 * bits, r1 + c * 4 * bits, m, &uj, &v0, &v1);
+            else if (grp == 1)
+                v0 = unpack_pairs32(r0 + c * 4 * bits, m, &up), v1 = unpack_pairs32(r1 + c * 4 * bits, m, &up);
+            else
+                v0 = unpack32(r0 + c * 4 * bits, m, &u), v1 = unpack32(r1 + c * 4 * bits, m, &u);
 #define QJL_ROW(R)                                                                                                     \
     if (nr > R) {                                                                                                      \
         const __m256i qr = _mm256_loadu_si256((const __m256i *)(q##R + 32 * c));                                       \
@@ -247,7 +310,7 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
                                 const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
                                 float *logits) {
     const int bits = k->bits;
-    if (k->group == 2) { /* pairs of 3-bit codes (vnni_term), the 128-byte pair table */
+    if (k->group == 2 && bits == 3) { /* pairs of 3-bit codes (vnni_term), the 128-byte pair table */
 #define QJL_PAIRS3(F, NR, ...) F(3, NR, __VA_ARGS__);
         switch ((k->n + 31) / 32) {
         case 2: QJL_ROWS_OF(QJL_PAIRS3, score_vnni_, 2, 1, k, codes, norm, count, q8, table, mul, off, logits) break;
@@ -257,6 +320,16 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
 #undef QJL_PAIRS3
         return;
     }
+    if (k->group > 1) { /* 8-bit joint codes (vnni_term): pairs of 4-bit codes or fours of 2-bit codes */
+#define QJL_JOINT8(F, NR, ...) if (bits == 4) F(4, NR, __VA_ARGS__); else F(2, NR, __VA_ARGS__);
+        switch ((k->n + 31) / 32) {
+        case 2: QJL_ROWS_OF(QJL_JOINT8, score_vnni_, 2, 2, k, codes, norm, count, q8, table, mul, off, logits) break;
+        case 4: QJL_ROWS_OF(QJL_JOINT8, score_vnni_, 4, 2, k, codes, norm, count, q8, table, mul, off, logits) break;
+        default: QJL_ROWS_OF(QJL_JOINT8, score_vnni_, 0, 2, k, codes, norm, count, q8, table, mul, off, logits) break;
+        }
+#undef QJL_JOINT8
+        return;
+    }
     switch ((k->n + 31) / 32) { /* the usual head dims' chunk counts as constants: the chunk loop unrolled */
     case 2: QJL_BY_ROWS5(score_vnni_, 2, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
     case 4: QJL_BY_ROWS5(score_vnni_, 4, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
@@ -264,10 +337,11 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
     }
 }
 
-/* whether the integer path scores key term k: scalar codes of <= VNNI_MAX_BITS bits, or pairs of 3-bit codes (the
- * other grouped codes: the AVX2 fp32 loops) */
+/* whether the integer path scores key term k: scalar codes of <= VNNI_MAX_BITS bits, pairs of 3-bit codes, and
+ * 8-bit joint codes (pairs of 4-bit codes, fours of 2-bit codes); other grouped codes: the AVX2 fp32 loops */
 static int vnni_term(const qjl_key_term *k) {
-    return k->group == 1 ? k->bits <= VNNI_MAX_BITS : k->group == 2 && k->bits == 3;
+    if (k->group == 1) return k->bits <= VNNI_MAX_BITS;
+    return (k->group == 2 && k->bits == 3) || (k->group == 2 && k->bits == 4) || (k->group == 4 && k->bits == 2);
 }
 
 /* one row's weights x [count] (floats) with their max mx -> dst int16 (zero at count, count + 1); returns the

@@ -13,14 +13,15 @@ values over rotations in turn too) are read as :meth:`qjl.codecs.views.PackedCod
 g fields one joint code e, coordinate c ``centroids[e g + c % g]`` (g 2, 4 or 8, joint codes of at most 8 bits:
 else ValueError); the portable path expands each row through that table, the AVX2 path loads each joint code's g
 floats from it inside its score and mix loops.  The integer paths ("c-int", "c-amx") score keys in pairs of 3-bit
-codes (64 codewords: one int8 table of their 128 coordinates, on vpdpbusd) and leave the other grouped terms and
-grouped values to those AVX2 loops (the other role's scalar codes keep the integer products).
+codes and in 8-bit joint codes (pairs of 4-bit codes, fours of 2-bit codes: int8 tables of their codewords'
+coordinates, on vpdpbusd) and leave grouped values to those AVX2 loops (the other role's scalar codes keep the
+integer products).
 ``impl``: "auto" (default; ``$QJL_CPU_IMPL`` when set): "c-amx" where the CPU has AMX tiles, else "c-int" where
 it has AVX-512 VBMI + VNNI, else "c"; "c" (fp32 sums: the AVX2 path where the CPU has it); "c-int" (integer
 products: int8 queries and centroids for keys, int16 softmax weights for values, at the error bound stated in
-``decode_vnni.c``, for scalar codes of <= 5 bits and keys in pairs of 3-bit codes; the rest as "c"); "c-amx" (the
-same integers summed on AMX tiles, ``decode_amx.c``: "c-int"'s outputs bit for bit; "c-int" where the OS refuses
-the tiles); "c-portable" (the C build without SIMD).  The tests run every one the CPU has.
+``decode_vnni.c``, for scalar codes of <= 5 bits and grouped keys of 6- and 8-bit joint codes; the rest as "c");
+"c-amx" (the same integers summed on AMX tiles, ``decode_amx.c``: "c-int"'s outputs bit for bit; "c-int" where the
+OS refuses the tiles); "c-portable" (the C build without SIMD).  The tests run every one the CPU has.
 """
 
 from __future__ import annotations
