@@ -151,6 +151,9 @@ def test_the_reference_search_does_not_depend_on_its_chunk():
         assert (want == brute).float().mean() > 0.999  # float32 scores: a near tie may go either way
         for chunk in (1, 7, 1000, 3001, 1 << 20):
             assert torch.equal(nearest_reference(y, t, sq, chunk=chunk), want)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="chunk"):
+            nearest_reference(y, t, sq, chunk=bad)
 
 
 def test_the_c_nearest_codeword_search_equals_the_reference():

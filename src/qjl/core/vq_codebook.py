@@ -85,6 +85,8 @@ def nearest_reference(y: torch.Tensor, table: torch.Tensor, sq: torch.Tensor, ch
     chunks made encoding launch-bound, 543 ms for a 64k-token layer of ``tqv-k3v2`` on an H200, 2026-11-29)."""
     if chunk is None:
         chunk = 1 << 14 if y.device.type == "cpu" else max(1, (1 << 25) // table.shape[0])
+    elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk: a positive number of groups per step, got {chunk!r}")
     out = torch.empty(y.shape[0], dtype=torch.int64, device=y.device)
     for i in range(0, y.shape[0], chunk):
         yc = y[i:i + chunk]
