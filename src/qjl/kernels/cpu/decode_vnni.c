@@ -310,31 +310,25 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
                                 const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
                                 float *logits) {
     const int bits = k->bits;
-    if (k->group == 2 && bits == 3) { /* pairs of 3-bit codes (vnni_term), the 128-byte pair table */
+/* the usual head dims' chunk counts as constants (the chunk loop unrolled), rows by QJL_ROWS_OF, widths by BY */
+#define QJL_BY_CHUNKS(BY, GRP)                                                                                         \
+    switch ((k->n + 31) / 32) {                                                                                        \
+    case 2: QJL_ROWS_OF(BY, score_vnni_, 2, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;            \
+    case 4: QJL_ROWS_OF(BY, score_vnni_, 4, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;            \
+    default: QJL_ROWS_OF(BY, score_vnni_, 0, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;           \
+    }
 #define QJL_PAIRS3(F, NR, ...) F(3, NR, __VA_ARGS__);
-        switch ((k->n + 31) / 32) {
-        case 2: QJL_ROWS_OF(QJL_PAIRS3, score_vnni_, 2, 1, k, codes, norm, count, q8, table, mul, off, logits) break;
-        case 4: QJL_ROWS_OF(QJL_PAIRS3, score_vnni_, 4, 1, k, codes, norm, count, q8, table, mul, off, logits) break;
-        default: QJL_ROWS_OF(QJL_PAIRS3, score_vnni_, 0, 1, k, codes, norm, count, q8, table, mul, off, logits) break;
-        }
-#undef QJL_PAIRS3
-        return;
-    }
-    if (k->group > 1) { /* 8-bit joint codes (vnni_term): pairs of 4-bit codes or fours of 2-bit codes */
 #define QJL_JOINT8(F, NR, ...) if (bits == 4) F(4, NR, __VA_ARGS__); else F(2, NR, __VA_ARGS__);
-        switch ((k->n + 31) / 32) {
-        case 2: QJL_ROWS_OF(QJL_JOINT8, score_vnni_, 2, 2, k, codes, norm, count, q8, table, mul, off, logits) break;
-        case 4: QJL_ROWS_OF(QJL_JOINT8, score_vnni_, 4, 2, k, codes, norm, count, q8, table, mul, off, logits) break;
-        default: QJL_ROWS_OF(QJL_JOINT8, score_vnni_, 0, 2, k, codes, norm, count, q8, table, mul, off, logits) break;
-        }
+    if (k->group == 1) {
+        QJL_BY_CHUNKS(QJL_BY_BITS5, 0) /* scalar codes, the 32-byte table */
+    } else if (bits == 3) {
+        QJL_BY_CHUNKS(QJL_PAIRS3, 1) /* pairs of 3-bit codes (vnni_term), the 128-byte pair table */
+    } else {
+        QJL_BY_CHUNKS(QJL_JOINT8, 2) /* 8-bit joint codes (vnni_term): pairs of 4-bit codes, fours of 2-bit codes */
+    }
 #undef QJL_JOINT8
-        return;
-    }
-    switch ((k->n + 31) / 32) { /* the usual head dims' chunk counts as constants: the chunk loop unrolled */
-    case 2: QJL_BY_ROWS5(score_vnni_, 2, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
-    case 4: QJL_BY_ROWS5(score_vnni_, 4, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
-    default: QJL_BY_ROWS5(score_vnni_, 0, 0, k, codes, norm, count, q8, table, mul, off, logits) break;
-    }
+#undef QJL_PAIRS3
+#undef QJL_BY_CHUNKS
 }
 
 /* whether the integer path scores key term k: scalar codes of <= VNNI_MAX_BITS bits, pairs of 3-bit codes, and
