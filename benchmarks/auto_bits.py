@@ -7,7 +7,12 @@ tokens, score 512 in chunks of 32 against the full-precision cache):
    candidate's distortion).  For a set of fixed configurations inside the candidate set (uniform widths
    and half-model splits) the proxy predicts a total error; each is then measured (KL).  Prints Spearman's
    rank correlation between predicted error and KL.
-2. cost: the time spent building the candidates, measuring and allocating (``candidate_codecs``,
+2. per layer (``--per-layer keys|values``): one layer at a time coded at the lowest candidate width for that role
+   (the others at the highest), the measured KL increase against the proxy's prediction for that layer, unweighted
+   (errors at the attention output) and weighted (AutoBits ``residual_weights``: errors in the residual stream).
+   Prints the spread (standard deviation of log(measured / predicted) over the layers) of both, and the slope of
+   log(measured / unweighted prediction) against log(weight) (the first-order theory says 1).
+3. cost: the time spent building the candidates, measuring and allocating (``candidate_codecs``,
    ``Allocator.observe``, ``Allocator.allocate``) against the whole prefill of the same prompt, at
    ``--cost-contexts`` (median of ``--repeats`` runs), beside the prefill times of a fixed preset (``tq-k3v3``) and
    of ``auto`` with scalar key codebooks (the default's keys use vector codebooks: their nearest-codeword search
@@ -15,6 +20,7 @@ tokens, score 512 in chunks of 32 against the full-precision cache):
 
     python benchmarks/auto_bits.py --rank --cost-contexts 1536,8192
     python benchmarks/auto_bits.py --smooth --cost-contexts 1536 --preset tqa-5x   # a preset with an allocation
+    python benchmarks/auto_bits.py --per-layer keys --preset tqa-5x               # layers one at a time (~4 min)
 
 Writes ``<out>/auto-bits-<time>/{config.json,metrics.json}``.
 """
@@ -87,6 +93,59 @@ def rank(model, tok, text, context, score, smooth) -> dict:
     return {"rows": rows, "spearman": rho, "auto_kl": m["kl"], "auto_bits": m["compressed_bits"]}
 
 
+def per_layer(model, tok, text, context, score, role, preset) -> dict:
+    """Each layer alone at the lowest ``role`` width: measured KL increase against the proxy's prediction."""
+    import math
+    from dataclasses import replace
+
+    from qjl import QJLCache, QJLConfig
+    from qjl.tools.evaluate import EvalSetup, evaluate_method, load_text_ids
+
+    setup = EvalSetup(context=context, score=score)
+    ids, _ = load_text_ids(tok, text, setup.tokens)
+    auto_cfg = QJLConfig.preset(preset) if preset else QJLConfig.auto(bits_per_value=3.0)
+    if auto_cfg.allocation is None or not auto_cfg.allocation.residual_weights:
+        raise SystemExit("--per-layer needs an auto configuration with residual_weights (e.g. --preset tqa-5x)")
+    cache = QJLCache(model, auto_cfg)
+    model(ids[:context].unsqueeze(0), **cache_kwargs(cache))
+    stats = [layer.store.auto_stats for layer in cache.layers if hasattr(layer, "store")]
+    if not all(st["weighed"] for st in stats):
+        raise SystemExit("the model's residual stream could not be read: no weights to compare")
+    al = auto_cfg.allocation
+    order = lambda specs: sorted(range(len(specs)), key=lambda i: (specs[i].params["bits"],  # noqa: E731
+                                                                   specs[i].params.get("norm_dtype") != "fp8"))
+    ko, vo = order(al.key_candidates), order(al.value_candidates)
+    hi_k, hi_v = ko[-1], vo[-1]
+    lo_k, lo_v = (ko[0], hi_v) if role == "keys" else (hi_k, vo[0])
+    base = replace(auto_cfg, allocation=None, key=al.key_candidates[hi_k], value=al.value_candidates[hi_v],
+                   late_key=None)
+    ref_m, ref = evaluate_method(model, ids, setup, None)
+    base_kl = evaluate_method(model, ids, setup, base, ref)[0]["kl"]
+
+    def pred(st):
+        return (st["s_k"] * (st["keys"][lo_k][1] - st["keys"][hi_k][1])
+                + st["s_v"] * (st["values"][lo_v][1] - st["values"][hi_v][1]))
+
+    rows = []
+    for i, st in enumerate(stats):
+        cfg = replace(base, layer_overrides={i: {"key": al.key_candidates[lo_k], "value": al.value_candidates[lo_v]}})
+        m, _ = evaluate_method(model, ids, setup, cfg, ref)
+        rows.append({"layer": i, "dkl": m["kl"] - base_kl, "weighted": pred(st), "unweighted": pred(st["unweighed"])})
+        print(f"  layer {i:2d}: KL +{rows[-1]['dkl']:.5f}  predicted {rows[-1]['unweighted']:10.4g} unweighted, "
+              f"{rows[-1]['weighted']:10.4g} weighted", flush=True)
+    live = [r for r in rows if r["dkl"] > 0 and r["weighted"] > 0 and r["unweighted"] > 0]
+    x = torch.tensor([math.log(r["weighted"] / r["unweighted"]) for r in live], dtype=torch.float64)
+    yu = torch.tensor([math.log(r["dkl"] / r["unweighted"]) for r in live], dtype=torch.float64)
+    yw = torch.tensor([math.log(r["dkl"] / r["weighted"]) for r in live], dtype=torch.float64)
+    slope = float(((x - x.mean()) * (yu - yu.mean())).sum() / ((x - x.mean()) ** 2).sum())
+    out = {"role": role, "preset": preset, "base_kl": base_kl, "rows": rows, "layers_fitted": len(live),
+           "spread_unweighted": float(yu.std()), "spread_weighted": float(yw.std()), "slope": slope}
+    print(f"{role}, {len(live)} layers: spread of log(measured / predicted) {out['spread_unweighted']:.2f} "
+          f"unweighted, {out['spread_weighted']:.2f} weighted; slope of log(measured / unweighted) on log(weight) "
+          f"{slope:.2f}")
+    return out
+
+
 def cost(model, tok, text, context, repeats, smooth, preset=None) -> dict:
     """Prefill times and the allocation's share; ``preset``: a preset with an allocation (e.g. ``tqa-5x``) timed in
     place of ``auto(3.0)`` with vector keys."""
@@ -154,7 +213,9 @@ def main(argv=None) -> int:
     p.add_argument("--smooth", action="store_true", help="key smoothing on (QJLConfig(smooth_keys=True))")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--preset", default=None, help="with --cost-contexts: time this preset with an allocation (e.g. "
-                   "tqa-5x) in place of auto(3.0)")
+                   "tqa-5x) in place of auto(3.0); with --per-layer: the allocation measured")
+    p.add_argument("--per-layer", choices=("keys", "values"), default=None,
+                   help="one layer at a time at the lowest width of this role: measured KL against the proxy")
     p.add_argument("--out", default="runs")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -167,6 +228,9 @@ def main(argv=None) -> int:
     metrics = {}
     if a.rank:
         metrics["rank"] = rank(model, tok, a.text, a.context, a.score, a.smooth)
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    if a.per_layer:
+        metrics["per_layer"] = per_layer(model, tok, a.text, a.context, a.score, a.per_layer, a.preset)
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1))
     if a.cost_contexts:
         import argparse as stdlib_argparse

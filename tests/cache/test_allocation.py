@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from qjl.cache.allocation import choose_widths, layer_sensitivity, predicted_error
+from qjl.cache.allocation import (AutoBits, choose_widths, layer_sensitivity, predicted_error,
+                                  residual_head_weights)
 
 
 def _attention(q, k, v, scale):
@@ -93,6 +94,54 @@ def test_sensitivity_per_kv_head_is_each_heads_own():
                                    0.25, tokens)
         assert (s_k[h], s_v[h]) == pytest.approx(want, rel=1e-5)
     assert (sum(s_k), sum(s_v)) == pytest.approx(layer_sensitivity(q, k, v, mask, 0.25, tokens), rel=1e-9)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_head_weights_weigh_each_query_heads_own_terms(per_head):
+    """``head_weights`` [H_q]: the terms are each query head's own (its rows alone, against its KV head) times its
+    weight, summed (per KV head: over its query group); uniform weights scale both sums; a weight on the wrong head
+    would show."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 5, 16, generator=g)
+    k, v = torch.randn(2, 2, 40, 16, generator=g) * 2, torch.randn(2, 2, 40, 16, generator=g)
+    mask = torch.zeros(2, 6, 5, 40)
+    mask[..., 35:] = float("-inf")
+    tokens = slice(4, 30)
+    w = torch.tensor([0.5, 2.0, 3.0, 0.25, 1.5, 4.0], dtype=torch.float64)
+    own = [_sensitivity_direct(q[:, h:h + 1], k[:, h // 3:h // 3 + 1], v[:, h // 3:h // 3 + 1], mask[:, h:h + 1],
+                               0.25, tokens) for h in range(6)]
+    got = layer_sensitivity(q, k, v, mask, 0.25, tokens, per_head=per_head, head_weights=w)
+    want_k = [sum(float(w[h]) * own[h][0] for h in range(3 * j, 3 * j + 3)) for j in range(2)]
+    want_v = [sum(float(w[h]) * own[h][1] for h in range(3 * j, 3 * j + 3)) for j in range(2)]
+    if per_head:
+        assert got[0] == pytest.approx(want_k, rel=1e-5) and got[1] == pytest.approx(want_v, rel=1e-5)
+    else:
+        assert got == pytest.approx((sum(want_k), sum(want_v)), rel=1e-5)
+    plain = layer_sensitivity(q, k, v, mask, 0.25, tokens)
+    assert layer_sensitivity(q, k, v, mask, 0.25, tokens, head_weights=torch.full((6,), 3.0)) == pytest.approx(
+        (3 * plain[0], 3 * plain[1]), rel=1e-9)
+    for bad in (torch.ones(5), torch.ones(2, 3), torch.ones(0), torch.ones(12)):
+        with pytest.raises(ValueError, match="head_weights"):
+            layer_sensitivity(q, k, v, mask, 0.25, tokens, head_weights=bad)
+
+
+def test_residual_head_weights_and_their_switch_name_bad_input():
+    assert torch.equal(residual_head_weights(torch.tensor([2.0, 4.0]), 8.0),
+                       torch.tensor([0.25, 0.5], dtype=torch.float64))
+    for gain in (torch.tensor([1.0, -1.0]), torch.tensor([float("nan")]), torch.ones(2, 2)):
+        with pytest.raises(ValueError, match="gain"):
+            residual_head_weights(gain, 1.0)
+    for energy in (0.0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="energy"):
+            residual_head_weights(torch.ones(2), energy)
+    assert AutoBits(bits_per_value=3.0).residual_weights is True
+    with pytest.raises(ValueError, match="residual_weights"):
+        AutoBits(bits_per_value=3.0, residual_weights=1)
+    from qjl import QJLConfig
+
+    assert QJLConfig.named("auto-3.0u").allocation.residual_weights is False
+    assert QJLConfig.named("auto-3.0lu").allocation.per_head is False
+    assert "residual stream" in QJLConfig.named("auto-3.0").allocation.describe()
 
 
 def test_widths_per_kv_head():

@@ -315,15 +315,16 @@ class QJLConfig:
         turn, ``value_cycles``; a final ``s``: scalar codebooks for keys and values (the default before vector
         codebooks, e.g. ``"auto-3.0c8s"``), ``v``: vector codebooks for both (AutoBits ``vector_keys`` /
         ``vector_values``; the default: vector keys, scalar values); a last ``l``: widths per layer instead of per
-        KV head (AutoBits ``per_head=False``, e.g. ``"auto-3.0l"``)), with
-        fields replaced; the names ``qjl eval --methods`` and lm-eval's model take."""
+        KV head (AutoBits ``per_head=False``, e.g. ``"auto-3.0l"``); a last ``u``: each layer's error taken at its
+        attention output, unweighted (AutoBits ``residual_weights=False``, the default before 2026-11-29, e.g.
+        ``"auto-3.0u"``)), with fields replaced; the names ``qjl eval --methods`` and lm-eval's model take."""
         if isinstance(name, str) and name.startswith("auto-"):
             import re
 
-            m = re.fullmatch(r"auto-([0-9]*\.?[0-9]+)(?:c([0-9]+))?([sv])?(l)?", name)
+            m = re.fullmatch(r"auto-([0-9]*\.?[0-9]+)(?:c([0-9]+))?([sv])?(l)?(u)?", name)
             if m is None:
-                raise ValueError(f"{name!r}: write auto-<bits per value>[c<rotations>][s|v][l], e.g. auto-3.0, "
-                                 "auto-3.0c8, auto-3.0c8s or auto-3.0l")
+                raise ValueError(f"{name!r}: write auto-<bits per value>[c<rotations>][s|v][l][u], e.g. auto-3.0, "
+                                 "auto-3.0c8, auto-3.0c8s, auto-3.0l or auto-3.0u")
             bits = float(m[1])
             if not 1.0 <= bits <= 16.0:
                 raise ValueError(f"{name!r}: bits per value must be in [1, 16]")
@@ -333,6 +334,8 @@ class QJLConfig:
                 overrides = {"vector_keys": m[3] == "v", "vector_values": m[3] == "v", **overrides}
             if m[4] is not None:
                 overrides = {"per_head": False, **overrides}
+            if m[5] is not None:
+                overrides = {"residual_weights": False, **overrides}
             return QJLConfig.auto(bits_per_value=bits, **overrides)
         return QJLConfig.preset(name, **overrides)
 

@@ -34,10 +34,13 @@ class MemoryReport(Mapping):
     ``fp16_bytes``, ``compression_vs_baseline``, ``compression_vs_fp16``, ``key_bits`` / ``value_bits``
     (per coordinate of the compressed tokens), ``compressed_bits`` (bits per value of the compressed part with
     everything it holds: codes, key and value means, per-sequence fits), ``exact_bits``, ``bits_per_value`` (everything held per stored
-    coordinate of keys and values), ``tokens``, ``widths`` (per compressed layer: key and value codecs).
+    coordinate of keys and values), ``tokens``, ``widths`` (per compressed layer: key and value codecs),
+    ``allocation`` (widths chosen from the prompt: where its proxy took each layer's error, "errors in the residual
+    stream" or "errors at the attention output" (:class:`qjl.cache.allocation.AutoBits` ``residual_weights``);
+    else None).
     """
 
-    def __init__(self, layers: list):
+    def __init__(self, layers: list, allocation: str | None = None):
         self.layers = layers
         tot = lambda k: sum(layer.get(k, 0) for layer in layers)  # noqa: E731
         parts = {p: tot(p) for p in ("key_codes", "value_codes", "exact", "smoothing", "fit", "uncompressed")}
@@ -57,6 +60,7 @@ class MemoryReport(Mapping):
             "exact_bits": per(parts["exact"], 2 * exact_c), "bits_per_value": per(total, 2 * coords),
             "tokens": max((layer.get("tokens", 0) for layer in layers), default=0),
             "widths": {layer["layer"]: (layer["key"], layer["value"]) for layer in layers if "key" in layer},
+            "allocation": allocation,
         }
 
     def __getitem__(self, key):
@@ -91,6 +95,8 @@ class MemoryReport(Mapping):
             widths.setdefault(kv, []).append(layer)
         for (k, v), layers in widths.items():
             lines.append(f"  layers {_ranges(layers)}: keys {k}, values {v}")
+        if d["allocation"]:
+            lines.append(f"  widths chosen from the prompt, {d['allocation']}")
         return "\n".join(lines)
 
 

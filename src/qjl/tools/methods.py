@@ -6,7 +6,8 @@
 * ``"auto-<bits>"`` (e.g. ``auto-3.0``) -- ``QJLConfig.auto(bits_per_value=<bits>)``, where this version
   of the cache has it: codec widths chosen per KV head of each layer from the prompt; ``"auto-<bits>c<K>"`` (e.g.
   ``auto-3.0c1``): its value candidates over K rotations in turn (AutoBits ``value_cycles``; default 8); a final
-  ``l`` (``auto-3.0l``): widths per layer (AutoBits ``per_head=False``);
+  ``l`` (``auto-3.0l``): widths per layer (AutoBits ``per_head=False``); a last ``u`` (``auto-3.0u``): layers'
+  errors unweighted by the residual stream (AutoBits ``residual_weights=False``);
 * ``"hf-quanto-k4v4"``, ``"hf-quanto-k2v2"`` -- transformers' own ``QuantizedCache`` (quanto backend,
   per-channel groups of 64, residual 128), with ``pip install optimum-quanto``;
 * ``"<preset or auto-bits>@<seed>"`` (e.g. ``tq-k3v3@2``) -- the same configuration with another base seed
@@ -77,7 +78,7 @@ def method_names() -> list:
     """Every name ``--methods`` accepts (presets, peers, and ``auto-<bits>`` where available)."""
     from qjl.cache.presets import PRESETS
 
-    return [*PRESETS, *_PEERS] + (["auto-<bits>[c<rotations>][s|v][l]"] if _has_auto() else [])
+    return [*PRESETS, *_PEERS] + (["auto-<bits>[c<rotations>][s|v][l][u]"] if _has_auto() else [])
 
 
 def split_seed(name: str) -> tuple:

@@ -51,7 +51,7 @@ def qjl_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         raise ValueError("the qjl attention is for inference: attention dropout must be 0 (call model.eval())")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return layer.attend(query, attention_mask, scaling, kwargs.get("softcap")), None
+    return layer.attend(query, attention_mask, scaling, kwargs.get("softcap"), module=module), None
 
 
 def _softcapped_attention(query, key, value, attention_mask, scaling, softcap) -> torch.Tensor:
@@ -70,7 +70,10 @@ def _softcapped_attention(query, key, value, attention_mask, scaling, softcap) -
 
 
 def patch_attention(model) -> None:
-    """Register the "qjl" attention (and its mask) with transformers and switch ``model`` to it."""
+    """Register the "qjl" attention (and its mask) with transformers and switch ``model`` to it; hook its decoder
+    layers so that ``QJLConfig.auto`` can read the residual stream a layer's error enters
+    (:func:`qjl.integrations.transformers.residual.install`: a reference held while the layer runs, nothing
+    computed)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -79,3 +82,6 @@ def patch_attention(model) -> None:
     AttentionInterface.register(ATTN_NAME, qjl_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, eager_mask)  # an explicit additive mask, never skipped
     model.set_attn_implementation(ATTN_NAME)
+    from qjl.integrations.transformers.residual import install
+
+    install(model)  # (QJLConfig.auto weighs each layer's error by the residual stream it enters)

@@ -183,10 +183,17 @@ class QJLCache(Cache):
             self._restore(self.layers[i], snap)
         self.commit()
 
-    def observe(self, layer: QJLCacheLayer, query, attention_mask, scaling: float) -> None:
-        """Prefill of a config with ``auto`` widths: measure this layer (qjl.cache.allocation)."""
+    def observe(self, layer: QJLCacheLayer, query, attention_mask, scaling: float, module=None) -> None:
+        """Prefill of a config with ``auto`` widths: measure this layer (qjl.cache.allocation); ``module``: the
+        attention module calling, whose output projection and residual stream weigh the layer's error
+        (:mod:`qjl.integrations.transformers.residual`)."""
         try:
-            self._auto.observe(layer.store, query, attention_mask, scaling)
+            residual = None
+            if module is not None and self._auto.auto.residual_weights:
+                from qjl.integrations.transformers.residual import residual_terms
+
+                residual = residual_terms(module, query, min(self._auto.auto.queries, query.shape[2]))
+            self._auto.observe(layer.store, query, attention_mask, scaling, residual)
         except BaseException:
             self.rollback()
             raise
@@ -263,7 +270,9 @@ class QJLCache(Cache):
                 coords = layer.keys.numel()
                 layers.append(LayerMemory(layer=i, kind="exact", uncompressed=held, baseline=held, coords=coords,
                                           exact_coords=coords, tokens=layer.get_seq_length()))
-        return MemoryReport(layers)
+        weighed = None if self._auto is None else self._auto.weighed
+        return MemoryReport(layers, allocation=None if weighed is None else
+                            "errors in the residual stream" if weighed else "errors at the attention output")
 
     @staticmethod
     def _layer_memory(store, seen: set) -> LayerMemory:

@@ -87,8 +87,9 @@ class QJLCacheLayer(CacheLayerMixin):
         key_states._qjl_layer = self  # the attention function reads the compressed state from here
         return key_states, value_states
 
-    def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap=None) -> torch.Tensor:
-        """query: [B, H_q, t, D]; mask [B, 1|H, t, L] in position order -> [B, t, H_q, D_v]."""
+    def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap=None, module=None) -> torch.Tensor:
+        """query: [B, H_q, t, D]; mask [B, 1|H, t, L] in position order -> [B, t, H_q, D_v].  ``module``: the
+        attention module calling (read by ``QJLConfig.auto``'s measurement, :meth:`QJLCache.observe`)."""
         store = self.store
         if softcap is not None and store.config.smooth_keys:
             raise ValueError(f"key smoothing is not exact with attention logit softcapping (softcap={softcap}): "
@@ -98,7 +99,7 @@ class QJLCacheLayer(CacheLayerMixin):
             return query.new_zeros(b, 0, hq, store.value_dim)
         store.before_attention(attention_mask, query, scaling, softcap)
         if store.pending and self.owner is not None:
-            self.owner.observe(self, query, attention_mask, scaling)
+            self.owner.observe(self, query, attention_mask, scaling, module)
         out = attend(store, query, store.slot_mask(attention_mask), scaling, softcap)
         if self.owner is not None:
             self.owner.attended(self)
