@@ -1,0 +1,116 @@
+"""The residual stream ``QJLConfig.auto`` weighs each layer's error by (qjl.integrations.transformers.residual)."""
+
+import pytest
+import torch
+
+import qjl
+from qjl import QJLCache, QJLConfig
+from qjl.integrations.transformers import residual
+from qjl.integrations.transformers.names import cache_kwargs
+from tiny_models import tiny_model
+
+torch.set_grad_enabled(False)
+
+GENEROUS = QJLConfig(key=qjl.CodecSpec("turboquant_mse", {"bits": 8}), value=qjl.CodecSpec("uniform", {"bits": 8}),
+                     residual_length=8, flush_block=4)
+
+
+def _patched(arch, **kw):
+    model = tiny_model(arch, **kw)
+    qjl.patch_attention(model)
+    return model
+
+
+def _prompt(n=40, batch=1, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 96, (batch, n), generator=g)
+
+
+def test_auto_weighs_each_layer_by_the_residual_stream_it_enters(monkeypatch):
+    """#14: ``QJLConfig.auto``'s proxy (AutoBits ``residual_weights``, the default) reads in each layer's attention
+    call the residual stream entering that decoder layer -- ``E||h_l||^2`` over the last queries, the model's own
+    hidden state l (not l + 1) -- and the output projection's gain per query head ``||W_o^(h)||_F^2 / D``; the hooks
+    are installed once however often the model is patched and hold nothing after a forward."""
+    from qjl.cache import allocation
+
+    model = _patched("llama")
+    qjl.patch_attention(model)  # twice: still one pair of hooks per decoder layer
+    assert all(len(layer._forward_pre_hooks) == 1 and len(layer._forward_hooks) == 1 for layer in model.model.layers)
+    seen = {}
+    observe = allocation.Allocator.observe
+
+    def spy(self, store, query, mask, scaling, residual=None):
+        seen[store.layer_idx] = residual
+        return observe(self, store, query, mask, scaling, residual)
+
+    monkeypatch.setattr(allocation.Allocator, "observe", spy)
+    ids = _prompt(200, batch=2)
+    cfg = QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0)
+    cache = QJLCache(model, cfg)
+    hidden = model(ids, **cache_kwargs(cache), output_hidden_states=True).hidden_states
+    assert model._qjl_residual_slot["current"] is None
+    r = cfg.allocation.queries
+    d = model.config.head_dim
+    for i, layer in enumerate(model.model.layers):
+        gain, energy = seen[i]
+        assert energy == pytest.approx(float(hidden[i][:, -r:].double().square().sum(-1).mean()), rel=1e-9)
+        assert energy != pytest.approx(float(hidden[i + 1][:, -r:].double().square().sum(-1).mean()), rel=1e-3)
+        w = layer.self_attn.o_proj.weight.double()
+        want = torch.stack([w[:, h * d:(h + 1) * d].square().sum() / d for h in range(model.config.num_attention_heads)])
+        assert torch.allclose(gain, want, rtol=1e-12)
+        st = cache.layers[i].store.auto_stats
+        assert st["weighed"] and st["s_k"] != pytest.approx(st["unweighed"]["s_k"])
+    assert cache.memory_report()["allocation"] == "errors in the residual stream"
+
+
+def test_auto_without_a_readable_residual_stream_allocates_unweighted(monkeypatch):
+    """Where the output projection cannot be read (another attention layout), ``auto`` chooses exactly what
+    ``residual_weights=False`` chooses and says so in ``memory_report()``; a fixed preset reports no allocation."""
+    model = _patched("llama")
+    ids = _prompt(300)
+    kw = dict(bits_per_value=3.0, residual_length=8, flush_block=4, boundary_layers=0)
+    reports = {}
+    for name, weights in (("on", True), ("off", False)):
+        cache = QJLCache(model, QJLConfig.auto(**kw, residual_weights=weights))
+        model(ids, **cache_kwargs(cache))
+        model(_prompt(1), **cache_kwargs(cache))
+        reports[name] = cache.memory_report()
+    assert reports["on"]["allocation"] == "errors in the residual stream"
+    assert reports["off"]["allocation"] == "errors at the attention output"
+    assert reports["on"]["widths"] != reports["off"]["widths"]  # (the weights matter on this model)
+    real = residual.output_gain
+    for blind_layers in ({0, 1, 2}, {1}):  # every layer, or one layer without weights: none weighed
+        monkeypatch.setattr(residual, "output_gain",
+                            lambda m, *a, b=blind_layers: None if m.layer_idx in b else real(m, *a))
+        cache = QJLCache(model, QJLConfig.auto(**kw))
+        model(ids, **cache_kwargs(cache))
+        model(_prompt(1), **cache_kwargs(cache))
+        blind = cache.memory_report()
+        assert blind["allocation"] == "errors at the attention output" and blind["widths"] == reports["off"]["widths"]
+        assert "errors at the attention output" in str(blind)
+    fixed = QJLCache(model, GENEROUS)
+    model(ids, **cache_kwargs(fixed))
+    assert fixed.memory_report()["allocation"] is None
+
+
+
+def test_residual_terms_only_for_the_layer_now_running():
+    """Outside a forward, or with another layer's input held, or without hooks, there is nothing to read (None), and
+    a model without decoder layers of the usual layout is not hooked."""
+    model = _patched("llama")
+    attn = [layer.self_attn for layer in model.model.layers]
+    q = torch.zeros(1, model.config.num_attention_heads, 4, model.config.head_dim)
+    assert residual.residual_terms(attn[0], q, 4) is None  # no forward running
+    got = {}
+
+    def peek(module, args, kwargs):
+        got["other"] = residual.residual_terms(attn[1], q, 4)  # layer 0's input is held, not layer 1's
+        got["own"] = residual.residual_terms(attn[0], q, 4)
+
+    handle = attn[0].register_forward_pre_hook(peek, with_kwargs=True)
+    model(_prompt(12))
+    handle.remove()
+    assert got["other"] is None and got["own"] is not None and got["own"][1] > 0
+    assert residual.residual_terms(torch.nn.Linear(2, 2), q, 4) is None  # not hooked
+    assert residual.install(torch.nn.Sequential(torch.nn.Linear(2, 2))) is False
+    assert residual.output_gain(torch.nn.Module(), 2, 4) is None
