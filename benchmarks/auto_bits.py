@@ -130,7 +130,8 @@ def per_layer(model, tok, text, context, score, role, preset) -> dict:
     for i, st in enumerate(stats):
         cfg = replace(base, layer_overrides={i: {"key": al.key_candidates[lo_k], "value": al.value_candidates[lo_v]}})
         m, _ = evaluate_method(model, ids, setup, cfg, ref)
-        rows.append({"layer": i, "dkl": m["kl"] - base_kl, "weighted": pred(st), "unweighted": pred(st["unweighed"])})
+        rows.append({"layer": i, "dkl": m["kl"] - base_kl, "weighted": pred(st),
+                     "unweighted": pred(dict(st, **st["unweighed"]))})
         print(f"  layer {i:2d}: KL +{rows[-1]['dkl']:.5f}  predicted {rows[-1]['unweighted']:10.4g} unweighted, "
               f"{rows[-1]['weighted']:10.4g} weighted", flush=True)
     live = [r for r in rows if r["dkl"] > 0 and r["weighted"] > 0 and r["unweighted"] > 0]

@@ -76,7 +76,9 @@ PRESETS = {
     # worst KL 0.0070 and perplexity change +0.92% against +1.28% per layer, KL lower on all seven text-lengths
     # (docs/runs/tqa5x-perhead-scratch-20261129); the 5x stated at 4,096 tokens (budget_tokens, seventh session):
     # a longer prompt's codes get the bits its exact tokens' smaller share frees, so the cache holds 5x at the
-    # prompt's length rather than ~5.4x at 8k (docs/cache.md, "A budget stated at a length"); transformers only
+    # prompt's length rather than ~5.4x at 8k (docs/cache.md, "A budget stated at a length"); each layer's error
+    # taken in the residual stream (AutoBits residual_weights, every auto's default since the ninth session: on
+    # GPL-3 KL 0.0060 -> 0.0053 over three seeds; docs/cache.md, "Errors in the residual stream"); transformers only
     # (vLLM serves fixed widths: tqv-k3v2)
     "tqa-5x": QJLConfig.auto(bits_per_value=2.72, vector_values=True, residual_length=120, flush_block=8,
                              exact_dtype="fp16", budget_tokens=4096),
