@@ -148,7 +148,7 @@ class AutoBits:
             layer at a time at 2 bits, the measured KL over the unweighted proxy fell with depth by ~100x over the
             embedded model's 30 layers, and these weights explain it with a fitted slope of 0.9 (the first-order
             theory's 1); on GPL-3 (the tuning text; three seeds, four windows) KL fell at every seed for ``tqa-5x``
-            (0.0060 -> 0.0054) and ``auto(3.0)`` (0.0033 -> 0.0029) (docs/cache.md, "Errors in the residual
+            (0.0060 -> 0.0053) and ``auto(3.0)`` (0.0033 -> 0.0029) (docs/cache.md, "Errors in the residual
             stream").  Where the model's decoder layers or output projection cannot be read the layers stay
             unweighted (``memory_report()["allocation"]`` says which).
     """

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["install", "residual_terms", "output_gain"]
+__all__ = ["install", "holding", "residual_terms", "output_gain"]
 
 _FLAG = "_qjl_residual_slot"
 
@@ -64,6 +64,12 @@ def install(model) -> bool:
     return bool(layers)
 
 
+def holding(model) -> bool:
+    """Whether ``model``'s hooks hold a decoder layer's input now (only while that layer runs)."""
+    slot = getattr(model, _FLAG, None)
+    return slot is not None and slot["current"] is not None
+
+
 def output_gain(module, heads: int, head_dim: int) -> torch.Tensor | None:
     """``[heads]`` float64: ``||W_o^(h)||_F^2 / head_dim`` of the attention ``module``'s ``o_proj`` (columns of query
     head h), or None where there is no such projection of ``heads * head_dim`` inputs."""
@@ -74,7 +80,8 @@ def output_gain(module, heads: int, head_dim: int) -> torch.Tensor | None:
     w = w.to_local() if hasattr(w, "to_local") else w  # (a tensor-parallel shard: this rank's heads' columns)
     if w.ndim != 2 or w.shape[1] != heads * head_dim:
         return None
-    return w.detach().double().square().sum(0).view(heads, head_dim).sum(-1) / head_dim
+    cols = torch.linalg.vector_norm(w.detach(), dim=0, dtype=torch.float32)  # (no float64 copy of a large matrix)
+    return cols.double().square().view(heads, head_dim).sum(-1) / head_dim
 
 
 def residual_terms(module, query: torch.Tensor, rows: int) -> tuple | None:
@@ -92,7 +99,7 @@ def residual_terms(module, query: torch.Tensor, rows: int) -> tuple | None:
     gain = output_gain(module, query.shape[1], query.shape[-1])
     if gain is None:
         return None
-    energy = float(h[:, -rows:].double().square().sum(-1).mean())
+    energy = float(torch.linalg.vector_norm(h[:, -rows:], dim=-1, dtype=torch.float32).double().square().mean())
     if not (energy > 0 and energy < float("inf")):
         return None
     return gain.to(query.device), energy
