@@ -145,9 +145,9 @@ class AutoBits:
             it: query head h's terms weighed by ``gain_h / E||h_l||^2``, the output projection's mean squared gain
             over the squared norm of the residual stream entering the layer at the last queries
             (:mod:`qjl.integrations.transformers.residual`; the module doc, "Weighing layers").  Default True: one
-            layer at a time at 2 bits, the measured KL over the unweighted proxy fell with depth by ~100x over the
-            embedded model's 30 layers, and these weights explain it with a fitted slope of 0.9 (the first-order
-            theory's 1); on GPL-3 (the tuning text; three seeds, four windows) KL fell at every seed for ``tqa-5x``
+            layer at a time at 2 bits, the measured KL per unit of the unweighted proxy fell 100x from layer 1 to
+            the embedded model's last layers, and these weights explain it (fitted slope 0.92 for keys, 0.91 for
+            values, the first-order theory's 1; ``benchmarks/auto_bits.py --per-layer``); on GPL-3 (the tuning text; three seeds, four windows) KL fell at every seed for ``tqa-5x``
             (0.0060 -> 0.0053) and ``auto(3.0)`` (0.0033 -> 0.0029) (docs/cache.md, "Errors in the residual
             stream").  Where the model's decoder layers or output projection cannot be read the layers stay
             unweighted (``memory_report()["allocation"]`` says which).
