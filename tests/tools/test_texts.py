@@ -38,6 +38,11 @@ def test_files_and_bad_names(tmp_path):
         texts.resolve_texts(["nope"])
     with pytest.raises(TypeError, match="texts"):
         texts.resolve_texts("gpl-3")
+    for wrong in ("no such file", "a text passed in place of its name\n" * 200, str(tmp_path)):
+        with pytest.raises(FileNotFoundError, match="corpus name"):
+            texts.load_text(wrong)
+    with pytest.raises(TypeError, match="name_or_path"):
+        texts.load_text(3)
 
 
 def test_strip_troff():

@@ -46,9 +46,15 @@ class Text:
 
 
 def _read_file(path: Path) -> str:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"text source {path} does not exist on this machine")
+    try:
+        path = Path(path)
+        found = path.is_file()
+    except (OSError, ValueError):  # (a name too long for a path, a NUL: the text itself passed by mistake?)
+        found = False
+    if not found:
+        shown = str(path) if len(str(path)) <= 80 else str(path)[:77] + "..."
+        raise FileNotFoundError(f"text source {shown!r} is not a file on this machine (name_or_path takes a corpus "
+                                f"name, {', '.join(CORPUS)}, or a file's path; not the text itself)")
     raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     return raw.decode("utf-8", errors="replace")
 
@@ -108,6 +114,8 @@ def resolve_texts(names) -> list:
 
 def load_text(name_or_path: str) -> tuple:
     """-> (text, meta) where meta = {name, kind, source, role, chars, sha256}."""
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"name_or_path must be a corpus name or a file path (str), got {type(name_or_path).__name__}")
     if name_or_path in CORPUS:
         t = CORPUS[name_or_path]
         text, meta = t.read(), {"name": t.name, "kind": t.kind, "source": t.source,
