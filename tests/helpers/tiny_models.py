@@ -24,3 +24,18 @@ def tiny_model(arch: str, head_dim: int = 64, dtype=torch.float32, seed: int = 0
     else:
         raise ValueError(arch)
     return model.to(dtype).eval()
+
+
+def patched_model(arch: str, **kw):
+    """:func:`tiny_model` switched to the "qjl" attention (``qjl.patch_attention``)."""
+    import qjl
+
+    model = tiny_model(arch, **kw)
+    qjl.patch_attention(model)
+    return model
+
+
+def random_prompt(n: int = 40, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    """Token ids [batch, n] in 3..95 (inside every tiny model's vocabulary), reproducible by ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 96, (batch, n), generator=g)

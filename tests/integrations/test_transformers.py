@@ -9,7 +9,7 @@ from qjl import CodecSpec, QJLCache, QJLConfig
 from qjl.integrations.transformers.layer import QJLCacheLayer
 from qjl.integrations.transformers.names import cache_kwargs
 from cache_state import same, state
-from tiny_models import tiny_model
+from tiny_models import patched_model, random_prompt, tiny_model
 
 torch.set_grad_enabled(False)
 
@@ -17,15 +17,7 @@ GENEROUS = QJLConfig(key=CodecSpec("turboquant_mse", {"bits": 8}), value=CodecSp
                      residual_length=8, flush_block=4)
 
 
-def _patched(arch, **kw):
-    model = tiny_model(arch, **kw)
-    qjl.patch_attention(model)
-    return model
-
-
-def _prompt(n=40, batch=1, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 96, (batch, n), generator=g)
+_patched, _prompt = patched_model, random_prompt
 
 
 @pytest.mark.parametrize("arch,head_dim", [("llama", 64), ("qwen2", 64), ("mistral", 64), ("gemma3", 256),

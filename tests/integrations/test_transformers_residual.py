@@ -7,23 +7,11 @@ import qjl
 from qjl import QJLCache, QJLConfig
 from qjl.integrations.transformers import residual
 from qjl.integrations.transformers.names import cache_kwargs
-from tiny_models import tiny_model
+from tiny_models import patched_model, random_prompt
 
 torch.set_grad_enabled(False)
 
-GENEROUS = QJLConfig(key=qjl.CodecSpec("turboquant_mse", {"bits": 8}), value=qjl.CodecSpec("uniform", {"bits": 8}),
-                     residual_length=8, flush_block=4)
-
-
-def _patched(arch, **kw):
-    model = tiny_model(arch, **kw)
-    qjl.patch_attention(model)
-    return model
-
-
-def _prompt(n=40, batch=1, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 96, (batch, n), generator=g)
+_patched, _prompt = patched_model, random_prompt
 
 
 def test_auto_weighs_each_layer_by_the_residual_stream_it_enters(monkeypatch):
@@ -88,7 +76,7 @@ def test_auto_without_a_readable_residual_stream_allocates_unweighted(monkeypatc
         blind = cache.memory_report()
         assert blind["allocation"] == "errors at the attention output" and blind["widths"] == reports["off"]["widths"]
         assert "errors at the attention output" in str(blind)
-    fixed = QJLCache(model, GENEROUS)
+    fixed = QJLCache(model, QJLConfig(residual_length=8, flush_block=4))
     model(ids, **cache_kwargs(fixed))
     assert fixed.memory_report()["allocation"] is None
 
