@@ -530,6 +530,11 @@ def _gather_heads(store, heads: tuple, device) -> tuple:
     return full[0], full[1]
 
 
+def _head_stats(heads: tuple) -> list:
+    """(S_K list, S_V list) over the KV heads -> [{"s_k", "s_v"} per head] (the allocation's units)."""
+    return [{"s_k": a, "s_v": b} for a, b in zip(*heads)]
+
+
 def predicted_error(stats: list, picks: list) -> float:
     """The proxy's total for per-layer picks ``(key index, value index)`` (None: exact, 0 error)."""
     return sum(0.0 if pick is None else st["s_k"] * st["keys"][pick[0]][1] + st["s_v"] * st["values"][pick[1]][1]
@@ -562,17 +567,19 @@ class Allocator:
         weights = None
         if self.auto.residual_weights and residual is not None:
             weights = residual_head_weights(residual[0], residual[1])
-        per_head, heads, raw = self.per_head(store), None, None
-        for weighed in ((False, True) if weights is not None else (False,)):
-            terms = _sums(*rows, per_head, weights if weighed else None)
-            if per_head:  # each KV head's own S_K, S_V (the layer's: their sums)
-                if store.ranks is not None:  # every rank's heads, in the layer's head order
-                    terms = _gather_heads(store, terms, query.device)
-                heads, (s_k, s_v) = terms, (float(sum(terms[0])), float(sum(terms[1])))
-            else:
-                s_k, s_v = terms
-            if not weighed:
-                raw = (s_k, s_v, heads)
+        per_head = self.per_head(store)
+
+        def layer_terms(w) -> tuple:
+            """(S_K, S_V, per-head lists or None) with query-head weights ``w`` (None: unweighted)."""
+            if not per_head:
+                return (*_sums(*rows, False, w), None)
+            heads = _sums(*rows, True, w)  # each KV head's own S_K, S_V (the layer's: their sums)
+            if store.ranks is not None:  # every rank's heads, in the layer's head order
+                heads = _gather_heads(store, heads, query.device)
+            return float(sum(heads[0])), float(sum(heads[1])), heads
+
+        raw = layer_terms(None)
+        s_k, s_v, heads = raw if weights is None else layer_terms(weights)
         n = len(range(*tokens.indices(keys.shape[2])))
         pick = torch.linspace(tokens.start, tokens.start + max(n - 1, 0), min(n, self.auto.sample_tokens)).round().long()
         ks, vs = keys[:, :, pick], values[:, :, pick]
@@ -594,11 +601,11 @@ class Allocator:
                             "values": [(_bits(c), e / max(t, 1e-30)) for c, (e, t) in zip(vc, vd)],
                             "weighed": weights is not None}
         if heads is not None:  # (with the layer's distortions: the codecs are the same)
-            store.auto_stats["heads"] = [{"s_k": a, "s_v": b} for a, b in zip(*heads)]
+            store.auto_stats["heads"] = _head_stats(heads)
         if weights is not None:  # the unweighted terms, for a model where some layer has none (allocate)
             store.auto_stats["unweighed"] = {"s_k": raw[0], "s_v": raw[1]}
             if raw[2] is not None:
-                store.auto_stats["unweighed"]["heads"] = [{"s_k": a, "s_v": b} for a, b in zip(*raw[2])]
+                store.auto_stats["unweighed"]["heads"] = _head_stats(raw[2])
 
     def per_head(self, store) -> bool:
         """Whether widths are chosen per KV head for this store: AutoBits ``per_head``, more than one KV head in
