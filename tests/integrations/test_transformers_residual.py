@@ -104,3 +104,21 @@ def test_residual_terms_only_for_the_layer_now_running():
     assert residual.residual_terms(torch.nn.Linear(2, 2), q, 4) is None  # not hooked
     assert residual.install(torch.nn.Sequential(torch.nn.Linear(2, 2))) is False
     assert residual.output_gain(torch.nn.Module(), 2, 4) is None
+
+
+def test_residual_functions_name_bad_input():
+    model = _patched("llama")
+    attn = model.model.layers[0].self_attn
+    q = torch.zeros(1, model.config.num_attention_heads, 4, model.config.head_dim)
+    with pytest.raises(TypeError, match="model"):
+        residual.install("not a model")
+    for bad in (torch.zeros(2, 4), "q"):
+        with pytest.raises(ValueError, match="query"):
+            residual.residual_terms(attn, bad, 4)
+    for rows in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="rows"):
+            residual.residual_terms(attn, q, rows)
+    with pytest.raises(ValueError, match="heads"):
+        residual.output_gain(attn, 0, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        residual.output_gain(attn, 2, 1.5)

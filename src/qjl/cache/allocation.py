@@ -36,7 +36,7 @@ own codecs (:meth:`qjl.cache.storage.LayerStore.assign_heads`); the CPU kernel d
 **Weighing layers** (``AutoBits.residual_weights``, the default).  The terms above are in units of each layer's
 attention output, but layers do not weigh alike: the error enters the residual stream through the output projection
 and the model downstream sees it relative to the stream (each normalization divides by its RMS), whose norm grows
-~300x over the embedded model's layers.  So query head h's rows are weighed by ``gain_h / E||h_l||^2``
+with depth.  So query head h's rows are weighed by ``gain_h / E||h_l||^2``
 (:func:`residual_head_weights`; ``gain_h = ||W_o^(h)||_F^2 / d``, ``h_l`` the residual entering the layer at the last
 queries), read from the model in the layer's own attention call (:mod:`qjl.integrations.transformers.residual`).
 

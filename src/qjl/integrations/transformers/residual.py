@@ -41,6 +41,8 @@ def _decoder_layers(model) -> list:
 def install(model) -> bool:
     """Hook ``model``'s decoder layers so that a layer's attention call can read the residual stream entering it
     (once per model; later calls do nothing).  -> whether the decoder layers were found."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
     slot = getattr(model, _FLAG, None)
     if slot is not None:
         return bool(slot["layers"])
@@ -73,6 +75,9 @@ def holding(model) -> bool:
 def output_gain(module, heads: int, head_dim: int) -> torch.Tensor | None:
     """``[heads]`` float64: ``||W_o^(h)||_F^2 / head_dim`` of the attention ``module``'s ``o_proj`` (columns of query
     head h), or None where there is no such projection of ``heads * head_dim`` inputs."""
+    for name, v in (("heads", heads), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     proj = getattr(module, "o_proj", None)
     w = getattr(proj, "weight", None)
     if not isinstance(w, torch.Tensor):
@@ -89,6 +94,10 @@ def residual_terms(module, query: torch.Tensor, rows: int) -> tuple | None:
     projection's per-head gain (:func:`output_gain`) and ``E||h||^2`` of the residual stream entering its decoder
     layer over its last ``rows`` positions (batch rows and positions averaged); None where either is unknown (no
     hooks, another layer's input held, no ``o_proj``, a zero or non-finite stream)."""
+    if not isinstance(query, torch.Tensor) or query.ndim != 4:
+        raise ValueError(f"query must be a tensor [B, H_q, t, D], got {tuple(getattr(query, 'shape', ())) or query!r}")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
     slot = getattr(module, "_qjl_residual_slot", None)
     current = None if slot is None else slot["current"]
     if current is None or current[0] != getattr(module, "layer_idx", None):
