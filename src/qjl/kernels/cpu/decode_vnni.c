@@ -1,9 +1,12 @@
-/* Integer path of the CPU decode (simd = 2, impl "c-int"): AVX-512 VBMI + VNNI at 256-bit width (AMD Zen 4,
- * Intel Ice Lake and later), chosen at run time, for codes of b <= 5 bits.  Byte-granular unpacking: the 4b
- * bytes holding 32 codes are spread so that qword i holds codes 8i..8i+7 (vpermb), vpmultishiftqb moves code
- * j of each qword to the low bits of byte j, and vpermb looks the codes up in a 32-byte table of int8
+/* Integer path of the CPU decode (simd = 2, impl "c-int"): AVX-512 VBMI + VNNI (AMD Zen 4, Intel Ice Lake and
+ * later), chosen at run time, for codes of b <= 5 bits.  Byte-granular unpacking: the 4b bytes holding 32 codes
+ * are spread so that qword i holds codes 8i..8i+7 (vpermb; for keys two tokens' bytes at once, vpermt2b), vpmultishiftqb
+ * moves code j of each qword to the low bits of byte j, and vpermb looks the codes up in a table of int8
  * centroids (the table repeats every 2^b entries, so the neighbouring codes' bits left above need no mask).
- * Three instructions per 32 codes, where the AVX2 path needs twelve.
+ * Keys: two tokens per zmm (token 0 in the low half), each query row's 32 bytes in both halves, so one vpdpbusd
+ * per row and chunk serves both tokens; the sums reduced per token without vphaddd (hsum2x4_i32).  On the Zen 5
+ * of 2026-11-30 this took one thread 6% less time than two 256-bit lookups and vphaddd
+ * (`benchmarks/kernel_speed.py --tokens 65536 --codecs tq-k3v2 --threads 1`, 4.71-4.93 ms against 5.08-5.13).
  *
  *   Keys: the query rows are rounded to int8 per row (scale max|q| / 127), the centroids to int8 (scale
  *   max|c| / 127, stored + 128 as unsigned bytes), and vpdpbusd sums 4 products per lane in int32:
@@ -96,10 +99,6 @@ static int int8_rows(const float *q, int64_t n, int64_t n32, int8_t *q8, float *
     return 0;
 }
 
-typedef struct {
-    __m256i spread, shifts, table;
-} unpack32_t;
-
 /* the byte-granular unpacking's index vectors for `qwords` qwords: spread (vpermb: qword i <- the `bits` bytes
  * holding codes 8i .. 8i + 7) and shifts (vpmultishiftqb: code k of the qword to byte k) */
 static inline void unpack_indices(const int bits, int qwords, uint8_t *sp, uint8_t *sh) {
@@ -108,25 +107,6 @@ static inline void unpack_indices(const int bits, int qwords, uint8_t *sp, uint8
             sp[8 * i + k] = (uint8_t)(bits * i + (k < bits ? k : 0));
             sh[8 * i + k] = (uint8_t)(k * bits);
         }
-}
-
-QJL_VNNI static inline __attribute__((always_inline)) unpack32_t unpack32_setup(const int bits, const uint8_t *table) {
-    uint8_t sp[32], sh[32];
-    unpack_indices(bits, 4, sp, sh);
-    unpack32_t u;
-    u.spread = _mm256_loadu_si256((const __m256i *)sp);
-    u.shifts = _mm256_loadu_si256((const __m256i *)sh);
-    u.table = _mm256_loadu_si256((const __m256i *)table);
-    return u;
-}
-
-/* the int8 table entries of the 32 codes at p (4b bytes; `mask` the bytes to read, fewer in a row's last chunk) */
-QJL_VNNI static inline __attribute__((always_inline)) __m256i unpack32(const uint8_t *p, __mmask32 mask,
-                                                                    const unpack32_t *u) {
-    const __m256i raw = _mm256_maskz_loadu_epi8(mask, p);
-    const __m256i spread = _mm256_permutexvar_epi8(u->spread, raw);
-    const __m256i codes = _mm256_multishift_epi64_epi8(u->shifts, spread);
-    return _mm256_permutexvar_epi8(codes, u->table);
 }
 
 /* Pairs of 3-bit codes (a vector codebook's joint 6-bit codes e = code[2p] | code[2p + 1] << 3): the same spread as
@@ -201,12 +181,45 @@ QJL_VNNI static inline __attribute__((always_inline)) void unpack_joint(const in
     *v1 = _mm512_extracti64x4_epi64(x, 1);
 }
 
-/* lane i of the result = the sum of the 8 lanes of a[i] */
-QJL_VNNI static inline __attribute__((always_inline)) __m256i hsum8x8_i32(const __m256i *a) {
-    const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
-    const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
-    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+/* Two tokens' 32 scalar codes at once, in the two halves of a zmm: two masked loads, one vpermt2b spreads both
+ * tokens' bytes (qwords 0-3: token 0, 4-7: token 1), one vpmultishiftqb and one vpermb over a 64-byte table (the
+ * 32-byte table twice: it repeats every 2^b entries, so the neighbours' bits above need no mask). */
+typedef struct {
+    __m512i spread, shifts, table;
+} unpack2x32_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack2x32_t unpack2x32_setup(const int bits,
+                                                                                 const uint8_t *table) {
+    uint8_t sp[64], sh[64], tb[64];
+    unpack_indices(bits, 4, sp, sh);
+    for (int i = 0; i < 32; i++) sp[32 + i] = (uint8_t)(64 + sp[i]), sh[32 + i] = sh[i]; /* token 1: vpermt2b's b */
+    for (int j = 0; j < 64; j++) tb[j] = table[j & 31];
+    unpack2x32_t u;
+    u.spread = _mm512_loadu_si512((const void *)sp);
+    u.shifts = _mm512_loadu_si512((const void *)sh);
+    u.table = _mm512_loadu_si512((const void *)tb);
+    return u;
+}
+
+/* the int8 table entries of the 32 codes at p0 (low half) and p1 (high half), 4b bytes each under `mask` */
+QJL_VNNI static inline __attribute__((always_inline)) __m512i unpack2x32(const uint8_t *p0, const uint8_t *p1,
+                                                                      __mmask32 mask, const unpack2x32_t *u) {
+    const __m512i a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p0));
+    const __m512i b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p1));
+    const __m512i codes = _mm512_multishift_epi64_epi8(u->shifts, _mm512_permutex2var_epi8(a, u->spread, b));
+    return _mm512_permutexvar_epi8(codes, u->table);
+}
+
+/* [t0 r0..3, t1 r0..3] (int32): the sums over each 256-bit half (token 0 low, token 1 high) of the rows' four
+ * accumulators.  Two unpack-and-add steps leave each 128-bit lane's four sums per row, one lane shuffle adds each
+ * token's two lanes; no vphaddd (three uops each on these CPUs) */
+QJL_VNNI static inline __attribute__((always_inline)) __m256i hsum2x4_i32(__m512i a0, __m512i a1, __m512i a2,
+                                                                       __m512i a3) {
+    const __m512i b01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+    const __m512i b23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+    const __m512i c = _mm512_add_epi32(_mm512_unpacklo_epi64(b01, b23), _mm512_unpackhi_epi64(b01, b23));
+    const __m512i d = _mm512_add_epi32(c, _mm512_shuffle_i32x4(c, c, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castsi512_si256(_mm512_shuffle_i32x4(d, d, _MM_SHUFFLE(2, 0, 2, 0)));
 }
 
 static inline __mmask32 chunk_mask(int64_t n, int64_t c, int bits) { /* bytes of chunk c (32 codes from 32c) */
@@ -249,9 +262,9 @@ QJL_VNNI static inline void add_dots(const int nr, int64_t count, const int32_t 
 }
 
 /* logits[r * SUB + i] += norm[i] * mul[r] * (sum_c q8[r][c] (c8[code[i][c]] + 128) - off[r]), i < count;
- * q8 [RW][n32], mul[r] = sq[r] * sc, off[r] = 128 * qsum[r].  Two tokens x 4 rows accumulate in 8 registers (named,
- * so that they stay in registers), reduced by one horizontal-add tree into lanes [row + 4 * token] of the int32
- * `dots` [SUB][4]; then a 4 x 8 transpose per 8 tokens gives each row's 8 sums, offset, scaled and multiplied by
+ * q8 [RW][n32], mul[r] = sq[r] * sc, off[r] = 128 * qsum[r].  Two tokens x 4 rows accumulate in 4 zmm registers
+ * (token 0 in the low halves; named, so that they stay in registers), reduced by hsum2x4_i32 into lanes
+ * [row + 4 * token] of the int32 `dots` [SUB][4]; then a 4 x 8 transpose per 8 tokens gives each row's 8 sums, offset, scaled and multiplied by
  * the 8 tokens' norms (one load) as they are added to the logits [RW][SUB].  `fixed`: the chunk count n32 / 32
  * as a constant (2 and 4, head dims 64 and 128: the chunk loop unrolled), or 0 (read from k->n). */
 QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int bits, const int nr, const int fixed,
@@ -262,8 +275,10 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
                                                                     const int32_t *off, float *logits) {
     /* grp: 0 scalar codes, 1 pairs of 3-bit codes (unpack_pairs32), 2 8-bit joint codes of 8 / bits codes
      * (unpack_joint); their tables are 32, 128 and 256 g bytes */
-    const unpack32_t u = unpack32_setup(grp == 1 ? 3 : bits, table);
+    unpack2x32_t uw;
     unpack_pairs32_t up;
+    memset(&uw, 0, sizeof(uw));
+    if (grp == 0) uw = unpack2x32_setup(bits, table);
     unpack_joint_t uj;
     memset(&up, 0, sizeof(up));
     if (grp == 1) up = unpack_pairs32_setup(table);
@@ -277,30 +292,34 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
         _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0); /* 40 tokens ahead (a prefetch past the codes */
         _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0); /* never faults) */
-        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        if (grp == 0) { /* scalar codes: both tokens in one zmm, each row's 32 query bytes in both halves */
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < chunks; c++) {
+                const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
+                const __m512i v = unpack2x32(r0 + c * 4 * bits, r1 + c * 4 * bits, m, &uw);
+#define QJL_ROW(R)                                                                                                     \
+    if (nr > R) a##R = _mm512_dpbusd_epi32(a##R, v, _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q##R + 32 * c))));
+                QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
+#undef QJL_ROW
+            }
+            _mm256_store_si256((__m256i *)(dots + 4 * i), hsum2x4_i32(a0, a1, a2, a3));
+            continue;
+        }
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0; /* token 0 low, token 1 high (as above) */
         for (int64_t c = 0; c < chunks; c++) {
             const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
             __m256i v0, v1;
             if (grp == 2)
                 unpack_joint(8 / bits, r0 + c * 4 * bits, r1 + c * 4 * bits, m, &uj, &v0, &v1);
-            else if (grp == 1)
-                v0 = unpack_pairs32(r0 + c * 4 * bits, m, &up), v1 = unpack_pairs32(r1 + c * 4 * bits, m, &up);
             else
-                v0 = unpack32(r0 + c * 4 * bits, m, &u), v1 = unpack32(r1 + c * 4 * bits, m, &u);
+                v0 = unpack_pairs32(r0 + c * 4 * bits, m, &up), v1 = unpack_pairs32(r1 + c * 4 * bits, m, &up);
+            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
 #define QJL_ROW(R)                                                                                                     \
-    if (nr > R) {                                                                                                      \
-        const __m256i qr = _mm256_loadu_si256((const __m256i *)(q##R + 32 * c));                                       \
-        a##R = _mm256_dpbusd_epi32(a##R, v0, qr);                                                                      \
-        b##R = _mm256_dpbusd_epi32(b##R, v1, qr);                                                                      \
-    }
+    if (nr > R) a##R = _mm512_dpbusd_epi32(a##R, v, _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q##R + 32 * c))));
             QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
 #undef QJL_ROW
         }
-        const __m256i t0 = _mm256_hadd_epi32(a0, a1), t1 = _mm256_hadd_epi32(a2, a3);
-        const __m256i t2 = _mm256_hadd_epi32(b0, b1), t3 = _mm256_hadd_epi32(b2, b3);
-        const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-        _mm256_store_si256((__m256i *)(dots + 4 * i), _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                                                                       _mm256_permute2x128_si256(u0, u1, 0x31)));
+        _mm256_store_si256((__m256i *)(dots + 4 * i), hsum2x4_i32(a0, a1, a2, a3));
     }
     add_dots(nr, count, dots, norm, mul, off, logits);
 }
