@@ -106,6 +106,23 @@ def test_residual_terms_only_for_the_layer_now_running():
     assert residual.output_gain(torch.nn.Module(), 2, 4) is None
 
 
+def test_a_layer_that_raises_leaves_nothing_held():
+    """A decoder layer raising mid-forward (here its attention) still drops the input its hook held."""
+    model = _patched("llama")
+    attn = model.model.layers[1].self_attn
+
+    def fail(module, args, kwargs):
+        raise RuntimeError("boom")
+
+    handle = attn.register_forward_pre_hook(fail, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(_prompt(12))
+    handle.remove()
+    assert not residual.holding(model)
+    model(_prompt(12))  # and the model runs again
+    assert not residual.holding(model)
+
+
 def test_residual_functions_name_bad_input():
     model = _patched("llama")
     attn = model.model.layers[0].self_attn

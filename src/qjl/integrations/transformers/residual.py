@@ -60,7 +60,7 @@ def install(model) -> bool:
 
     for idx, module in layers:
         module.register_forward_pre_hook(enter(idx), with_kwargs=True)
-        module.register_forward_hook(leave, with_kwargs=True)
+        module.register_forward_hook(leave, with_kwargs=True, always_call=True)  # (also when the layer raises)
         module.self_attn._qjl_residual_slot = slot  # (read by residual_terms from the attention module)
     setattr(model, _FLAG, slot)
     return bool(layers)
