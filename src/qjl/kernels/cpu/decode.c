@@ -96,6 +96,37 @@ static int64_t pass_spans(const qjl_decode_args *a, const qjl_item *it, const qj
     return len;
 }
 
+/* the lines of [p, p + bytes) requested (`near`: towards L1, else L2).  In asm where it can be: GCC -O3 dropped a loop
+ * of nothing but __builtin_prefetch (the paged pass prefetch below compiled to no instruction at all) */
+static inline void prefetch_run(const uint8_t *p, int64_t bytes, int near) {
+    for (int64_t o = 0; o < bytes; o += 64) {
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (near) __asm__ volatile("prefetcht0 %0" : : "m"(*(const volatile uint8_t *)(p + o)));
+        else __asm__ volatile("prefetcht1 %0" : : "m"(*(const volatile uint8_t *)(p + o)));
+#else
+        if (near) __builtin_prefetch(p + o, 0, 3);
+        else __builtin_prefetch(p + o, 0, 2);
+#endif
+    }
+}
+
+/* A pass's codes and scalars requested ahead, every line of every span (keys' codes and norms, values' codes, scales
+ * and zero points): a pass of several spans reads blocks in shuffled order, which the hardware prefetchers do not
+ * follow, and each block's first lines would wait on memory */
+static void prefetch_pass(const qjl_decode_args *a, const qjl_item *it, const qjl_value_view *v, const qjl_spans *s) {
+    for (int si = 0; si < s->n; si++) {
+        const int64_t blk = s->blk[si], slot = s->slot[si], cnt = s->cnt[si];
+        for (int k = 0; k < a->n_terms; k++) {
+            const qjl_key_term *kt = &a->key[k];
+            prefetch_run(at(&kt->codes, blk, it->h, slot), cnt * kt->codes.stride_token, 0);
+            prefetch_run(at(&kt->norm, blk, it->h, slot), cnt * kt->norm.stride_token, 0);
+        }
+        prefetch_run(s->v[si], cnt * v->codes.stride_token, 0);
+        prefetch_run(at(&v->scale, blk, it->h, slot), cnt * v->scale.stride_token, 0);
+        if (v->has_zero) prefetch_run(at(&v->zero, blk, it->h, slot), cnt * v->zero.stride_token, 0);
+    }
+}
+
 /* A pass's tokens by residue (K > 1 cycles; pass token i at code position t0 + i goes into accumulator
  * (t0 + i) % K): residue k's tokens i = first[k], first[k] + K, ... are entries [base[k], base[k] + count[k]) of
  * the residue order, into which their weights p [RW][SUB] (nr live rows), scales and zero points [G][SUB] are
@@ -259,9 +290,15 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     for (int r = 0; r < RW; r++) { m[r] = -INFINITY; l[r] = 0.0f; }
     memset(acc, 0, sizeof(float) * RW * (size_t)(K * nv));
     int64_t loaded[2] = {-1, -1}; /* block-table column whose query rows each key term holds */
-    qjl_spans *cur = malloc(sizeof(qjl_spans));
+    qjl_spans *cur = malloc(sizeof(qjl_spans)), *nxt = malloc(sizeof(qjl_spans));
+    int64_t nlen = it->t0 < it->t1 ? pass_spans(a, it, v, it->t0, nxt) : 0;
     for (int64_t t = it->t0, len; t < it->t1; t += len) {
-        len = pass_spans(a, it, v, t, cur);
+        qjl_spans *was = cur;
+        cur = nxt, nxt = was, len = nlen;
+        if (t + len < it->t1) { /* the next pass's spans, and in a paged layout its lines requested now */
+            nlen = pass_spans(a, it, v, t + len, nxt);
+            if (nxt->n > 1) prefetch_pass(a, it, v, nxt);
+        }
         const int ns = cur->n;
         const int64_t *sp_j = cur->j, *sp_blk = cur->blk, *sp_slot = cur->slot, *sp_off = cur->off, *sp_cnt = cur->cnt;
         /* the nr live rows only (scores, softmax, weights): rows past them stay m = -inf, l = 0, o = 0 */
@@ -356,11 +393,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
          * "c-int", interleaved calls, 2026-11-29's Zen 5; vector-codebook values, whose fp32 mix is slower, and the
          * fp32 path did not move). */
         if (K > 1)
-            for (int si = 0; si < ns; si++) {
-                const uint8_t *v0 = cur->v[si];
-                const int64_t bytes = cur->cnt[si] * v->codes.stride_token;
-                for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(v0 + o, 0, 3);
-            }
+            for (int si = 0; si < ns; si++) prefetch_run(cur->v[si], cur->cnt[si] * v->codes.stride_token, 1);
         const int copied = K > 1 && len < 32 * K * ns;
         if (K > 1)
             by_residue(cur, t, K, v->codes.stride_token, nr, G, logits, vscale, vzero, copied ? rows : NULL, row_bytes,
@@ -426,7 +459,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
                                  pp + k_off[si], ok, zk, buf);
         }
     }
-    free(cur);
+    free(cur), free(nxt);
 #if QJL_HAVE_AVX2
     for (int64_t k = 0; k < K && vs; k++) unslice_rows(acc + k * RW * nv, nv, v->bits, buf);
     for (int k = 0; k < a->n_terms; k++) free(qsl[k]), free(ptab[k]);
