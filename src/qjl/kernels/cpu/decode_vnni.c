@@ -109,6 +109,33 @@ static inline void unpack_indices(const int bits, int qwords, uint8_t *sp, uint8
         }
 }
 
+/* The unpackings' index vectors and masks, built once (score_vnni calls vnni_tables; idempotent, so a race between
+ * threads writes the same bytes): the setups below run once per span, and blocks of 16 slots make a span of 16 tokens */
+static uint8_t U2_SP[6][64], U2_SH[6][64]; /* unpack2x32, widths 1-5 */
+static uint8_t UP_SP[32], UP_SH[32];       /* unpack_pairs32 */
+static uint8_t UJ_SP[5][64];               /* unpack_joint, g = 2, 4 */
+static uint64_t UJ_SLOT[5][4];
+static int vnni_ready = 0;
+
+static void vnni_tables(void) {
+    if (__atomic_load_n(&vnni_ready, __ATOMIC_ACQUIRE)) return;
+    for (int b = 1; b <= 5; b++) {
+        unpack_indices(b, 4, U2_SP[b], U2_SH[b]);
+        for (int i = 0; i < 32; i++) U2_SP[b][32 + i] = (uint8_t)(64 + U2_SP[b][i]), U2_SH[b][32 + i] = U2_SH[b][i];
+    }
+    unpack_indices(3, 4, UP_SP, UP_SH);
+    for (int i = 0; i < 32; i++) UP_SH[i] = (uint8_t)(3 * ((i & 7) & ~1));
+    for (int g = 2; g <= 4; g += 2) {
+        for (int c = 0; c < 64; c++) UJ_SP[g][c] = (uint8_t)(c < 32 ? c / g : 64 + (c - 32) / g);
+        for (int sl = 0; sl < g; sl++) {
+            uint64_t m = 0;
+            for (int c = 0; c < 64; c++) m |= (uint64_t)(c % g == sl) << c;
+            UJ_SLOT[g][sl] = m;
+        }
+    }
+    __atomic_store_n(&vnni_ready, 1, __ATOMIC_RELEASE);
+}
+
 /* Pairs of 3-bit codes (a vector codebook's joint 6-bit codes e = code[2p] | code[2p + 1] << 3): the same spread as
  * 3-bit scalar codes, but vpmultishiftqb moves pair p's 6 bits (bits 6p.. of the qword: a pair never straddles
  * the qword's 3 bytes) to both its bytes 2p and 2p + 1; vpternlogd keeps the low 6 bits and sets bit 6 in odd
@@ -120,12 +147,9 @@ typedef struct {
 } unpack_pairs32_t;
 
 QJL_VNNI static inline __attribute__((always_inline)) unpack_pairs32_t unpack_pairs32_setup(const uint8_t *table) {
-    uint8_t sp[32], sh[32];
-    unpack_indices(3, 4, sp, sh);
-    for (int i = 0; i < 32; i++) sh[i] = (uint8_t)(3 * ((i & 7) & ~1));
-    unpack_pairs32_t u;
-    u.spread = _mm256_loadu_si256((const __m256i *)sp);
-    u.shifts = _mm256_loadu_si256((const __m256i *)sh);
+    unpack_pairs32_t u; /* (index vectors from vnni_tables) */
+    u.spread = _mm256_loadu_si256((const __m256i *)UP_SP);
+    u.shifts = _mm256_loadu_si256((const __m256i *)UP_SH);
     u.keep = _mm256_set1_epi8(0x3f);
     u.odd = _mm256_set1_epi16(0x4000);
     u.lo = _mm512_loadu_si512((const void *)table);
@@ -154,15 +178,9 @@ typedef struct {
 
 QJL_VNNI static inline __attribute__((always_inline)) void unpack_joint_setup(const int g, const uint8_t *table,
                                                                            unpack_joint_t *u) {
-    uint8_t sp[64];
-    for (int c = 0; c < 64; c++) sp[c] = (uint8_t)(c < 32 ? c / g : 64 + (c - 32) / g);
-    u->spread = _mm512_loadu_si512((const void *)sp);
+    u->spread = _mm512_loadu_si512((const void *)UJ_SP[g]); /* (index vectors and masks from vnni_tables) */
     for (int i = 0; i < 4 * g; i++) u->t[i] = _mm512_loadu_si512((const void *)(table + 64 * i));
-    for (int sl = 0; sl < g; sl++) {
-        uint64_t m = 0;
-        for (int c = 0; c < 64; c++) m |= (uint64_t)(c % g == sl) << c;
-        u->slot[sl] = (__mmask64)m;
-    }
+    for (int sl = 0; sl < g; sl++) u->slot[sl] = (__mmask64)UJ_SLOT[g][sl];
 }
 
 QJL_VNNI static inline __attribute__((always_inline)) void unpack_joint(const int g, const uint8_t *p0,
@@ -190,14 +208,10 @@ typedef struct {
 
 QJL_VNNI static inline __attribute__((always_inline)) unpack2x32_t unpack2x32_setup(const int bits,
                                                                                  const uint8_t *table) {
-    uint8_t sp[64], sh[64], tb[64];
-    unpack_indices(bits, 4, sp, sh);
-    for (int i = 0; i < 32; i++) sp[32 + i] = (uint8_t)(64 + sp[i]), sh[32 + i] = sh[i]; /* token 1: vpermt2b's b */
-    for (int j = 0; j < 64; j++) tb[j] = table[j & 31];
-    unpack2x32_t u;
-    u.spread = _mm512_loadu_si512((const void *)sp);
-    u.shifts = _mm512_loadu_si512((const void *)sh);
-    u.table = _mm512_loadu_si512((const void *)tb);
+    unpack2x32_t u; /* (index vectors from vnni_tables; token 1's bytes are vpermt2b's b, indices + 64) */
+    u.spread = _mm512_loadu_si512((const void *)U2_SP[bits]);
+    u.shifts = _mm512_loadu_si512((const void *)U2_SH[bits]);
+    u.table = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)table)); /* the 32 bytes twice */
     return u;
 }
 
@@ -329,6 +343,7 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
                                 const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
                                 float *logits) {
     const int bits = k->bits;
+    vnni_tables();
 /* the usual head dims' chunk counts as constants (the chunk loop unrolled), rows by QJL_ROWS_OF, widths by BY */
 #define QJL_BY_CHUNKS(BY, GRP)                                                                                         \
     switch ((k->n + 31) / 32) {                                                                                        \
