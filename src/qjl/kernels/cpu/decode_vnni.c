@@ -306,28 +306,21 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
         _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0); /* 40 tokens ahead (a prefetch past the codes */
         _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0); /* never faults) */
-        if (grp == 0) { /* scalar codes: both tokens in one zmm, each row's 32 query bytes in both halves */
-            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t c = 0; c < chunks; c++) {
-                const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
-                const __m512i v = unpack2x32(r0 + c * 4 * bits, r1 + c * 4 * bits, m, &uw);
-#define QJL_ROW(R)                                                                                                     \
-    if (nr > R) a##R = _mm512_dpbusd_epi32(a##R, v, _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q##R + 32 * c))));
-                QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
-#undef QJL_ROW
-            }
-            _mm256_store_si256((__m256i *)(dots + 4 * i), hsum2x4_i32(a0, a1, a2, a3));
-            continue;
-        }
-        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0; /* token 0 low, token 1 high (as above) */
+        /* both tokens in one zmm (token 0 in the low half), each row's 32 query bytes in both halves */
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t c = 0; c < chunks; c++) {
             const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
-            __m256i v0, v1;
-            if (grp == 2)
-                unpack_joint(8 / bits, r0 + c * 4 * bits, r1 + c * 4 * bits, m, &uj, &v0, &v1);
-            else
-                v0 = unpack_pairs32(r0 + c * 4 * bits, m, &up), v1 = unpack_pairs32(r1 + c * 4 * bits, m, &up);
-            const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
+            __m512i v;
+            if (grp == 0) {
+                v = unpack2x32(r0 + c * 4 * bits, r1 + c * 4 * bits, m, &uw);
+            } else {
+                __m256i v0, v1;
+                if (grp == 2)
+                    unpack_joint(8 / bits, r0 + c * 4 * bits, r1 + c * 4 * bits, m, &uj, &v0, &v1);
+                else
+                    v0 = unpack_pairs32(r0 + c * 4 * bits, m, &up), v1 = unpack_pairs32(r1 + c * 4 * bits, m, &up);
+                v = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
+            }
 #define QJL_ROW(R)                                                                                                     \
     if (nr > R) a##R = _mm512_dpbusd_epi32(a##R, v, _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q##R + 32 * c))));
             QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
