@@ -1,0 +1,756 @@
+/* Integer path of the CPU decode (simd = 2, impl "c-int"): AVX-512 VBMI + VNNI at 256-bit width (AMD Zen 4,
+ * Intel Ice Lake and later), chosen at run time, for codes of b <= 5 bits.  Byte-granular unpacking: the 4b
+ * bytes holding 32 codes are spread so that qword i holds codes 8i..8i+7 (vpermb), vpmultishiftqb moves code
+ * j of each qword to the low bits of byte j, and vpermb looks the codes up in a 32-byte table of int8
+ * centroids (the table repeats every 2^b entries, so the neighbouring codes' bits left above need no mask).
+ * Three instructions per 32 codes, where the AVX2 path needs twelve.
+ *
+ *   Keys: the query rows are rounded to int8 per row (scale max|q| / 127), the centroids to int8 (scale
+ *   max|c| / 127, stored + 128 as unsigned bytes), and vpdpbusd sums 4 products per lane in int32:
+ *       s[t] = norm[t] * sq * sc * (sum_c q8[c] * (c8[code] + 128) - 128 * sum_c q8[c]).
+ *   Error against the fp32 sum: |q - sq q8| <= sq / 2 and |c - sc c8| <= sc / 2 per coordinate, so
+ *       |ds[t]| <= norm[t] * (||c[code[t]]||_1 * sq + ||q||_1 * sc) / 2        (exact int32 arithmetic).
+ *   Values: the pass's weights w = p * scale are rounded to int16 per (group, row) (scale W = max w / 32767)
+ *   and the centroids to int8 (sc as above); vpdpwssd sums two tokens' products per lane in int32
+ *   (|sum| <= 32767 * 512 * 127 = 2130640384 < 2^31 over a pass of SUB = 512 tokens: SUB may not grow), and
+ *   the pass ends with one float multiply-add per coordinate: o[c] += W * sc * acc[c].  Error: |dw| <= W / 2 = max w / 65534 per token,
+ *       |do[c]| <= (sum_t |dw_t|) * max|c| + (sum_t w_t) * sc / 2 .
+ *   Measured against fp32: 0.3-0.75% of the values' scale at logits of std 2, far below the codecs' own error
+ *   at these widths; the tests hold the kernel to a torch model of this arithmetic within 1e-3 of the values'
+ *   scale (tests/kernels/test_cpu_int.py).
+ * Keys of a vector codebook take the same sums: pairs of 3-bit codes through one 128-byte table of the codewords'
+ * int8 coordinates (unpack_pairs32), 8-bit joint codes (pairs of 4-bit codes, fours of 2-bit codes) through 2 g
+ * tables of 128 bytes (unpack_joint); the scale max|c| / 127 over all the codewords' coordinates.
+ * For values two tokens are unpacked together, 16 coordinates at a time: one vpermt2b spreads both tokens'
+ * bytes, vpmultishiftqb interleaves their codes (c0[j], c1[j]) and the table maps them, ready to widen to the
+ * int16 pairs vpdpwssd reads.  Zero points (KIVI) stay in float as in the other paths. */
+#if defined(__GNUC__) && defined(__x86_64__) && (__GNUC__ >= 9 || defined(__clang__))
+#define QJL_HAVE_VNNI 1
+#define QJL_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni")))
+
+static int qjl_wide_scoring(void) { static int w = -1; if (w < 0) { const char *e = getenv("QJL_WIDE"); w = !(e && e[0] == '0'); } return w; }
+
+static int cpu_has_vnni(void) { /* decode_avx2.c's check (it initializes the CPU model) and the AVX-512 parts */
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+#define VNNI_MAX_BITS 5
+
+/* int8 lookup table of b-bit centroids (repeated to 32 entries) and its scale max|c| / 127; `bias` 128 for the
+ * unsigned key table */
+static float int8_table(const float *cent, int bits, int bias, uint8_t *table) {
+    float cmax = 0.0f;
+    for (int j = 0; j < (1 << bits); j++) cmax = fabsf(cent[j]) > cmax ? fabsf(cent[j]) : cmax;
+    const float sc = cmax > 0.0f ? cmax / 127.0f : 1.0f;
+    for (int j = 0; j < 32; j++) table[j] = (uint8_t)(int)(lrintf(cent[j & ((1 << bits) - 1)] / sc) + bias);
+    return sc;
+}
+
+/* int8 lookup table of a codebook of pairs of 3-bit codes (a vector codebook's keys, PackedCodes.group 2: 64
+ * codewords of 2 coordinates, cent [64][2]): entry e | o << 6 is coordinate o of codeword e, + `bias`; returns its
+ * scale max|c| / 127 over all 128 coordinates (int8_table's rounding) */
+static float int8_pair_table(const float *cent, int bias, uint8_t *table) {
+    float cmax = 0.0f;
+    for (int j = 0; j < 128; j++) cmax = fabsf(cent[j]) > cmax ? fabsf(cent[j]) : cmax;
+    const float sc = cmax > 0.0f ? cmax / 127.0f : 1.0f;
+    for (int e = 0; e < 64; e++)
+        for (int o = 0; o < 2; o++) table[e | o << 6] = (uint8_t)(int)(lrintf(cent[2 * e + o] / sc) + bias);
+    return sc;
+}
+
+/* int8 lookup tables of a codebook of 8-bit joint codes (a vector codebook's keys in groups of g = 2 codes of 4 bits
+ * or g = 4 of 2 bits: one byte per group, 256 codewords of g coordinates, cent [256][g]): table (s, h), 128 bytes
+ * at table + (2 s + h) 128, holds coordinate s of codewords h 128 + i, + `bias`; returns the scale max|c| / 127 over
+ * all 256 g coordinates (int8_table's rounding) */
+static float int8_joint_table(const float *cent, int g, int bias, uint8_t *table) {
+    float cmax = 0.0f;
+    for (int j = 0; j < 256 * g; j++) cmax = fabsf(cent[j]) > cmax ? fabsf(cent[j]) : cmax;
+    const float sc = cmax > 0.0f ? cmax / 127.0f : 1.0f;
+    for (int sl = 0; sl < g; sl++)
+        for (int e = 0; e < 256; e++)
+            table[(2 * sl + (e >> 7)) * 128 + (e & 127)] = (uint8_t)(int)(lrintf(cent[e * g + sl] / sc) + bias);
+    return sc;
+}
+
+/* q [RW][n] float -> q8 [RW][n32] (zero past n), per-row scales and sums; 0, or -1 where a row is not finite */
+static int int8_rows(const float *q, int64_t n, int64_t n32, int8_t *q8, float *sq, int32_t *qsum) {
+    for (int r = 0; r < RW; r++) {
+        const float *x = q + r * n;
+        float mx = 0.0f;
+        for (int64_t c = 0; c < n; c++) {
+            const float ax = fabsf(x[c]);
+            if (!(ax <= 3.4e38f)) return -1; /* NaN or inf: the float path propagates it */
+            mx = ax > mx ? ax : mx;
+        }
+        const float s = mx > 0.0f ? mx / 127.0f : 1.0f, inv = 1.0f / s;
+        int32_t tot = 0;
+        for (int64_t c = 0; c < n32; c++) {
+            int v = c < n ? (int)lrintf(x[c] * inv) : 0;
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            q8[r * n32 + c] = (int8_t)v;
+            tot += v;
+        }
+        sq[r] = s;
+        qsum[r] = tot;
+    }
+    return 0;
+}
+
+typedef struct {
+    __m256i spread, shifts, table;
+} unpack32_t;
+
+/* the byte-granular unpacking's index vectors for `qwords` qwords: spread (vpermb: qword i <- the `bits` bytes
+ * holding codes 8i .. 8i + 7) and shifts (vpmultishiftqb: code k of the qword to byte k) */
+static inline void unpack_indices(const int bits, int qwords, uint8_t *sp, uint8_t *sh) {
+    for (int i = 0; i < qwords; i++)
+        for (int k = 0; k < 8; k++) {
+            sp[8 * i + k] = (uint8_t)(bits * i + (k < bits ? k : 0));
+            sh[8 * i + k] = (uint8_t)(k * bits);
+        }
+}
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack32_t unpack32_setup(const int bits, const uint8_t *table) {
+    uint8_t sp[32], sh[32];
+    unpack_indices(bits, 4, sp, sh);
+    unpack32_t u;
+    u.spread = _mm256_loadu_si256((const __m256i *)sp);
+    u.shifts = _mm256_loadu_si256((const __m256i *)sh);
+    u.table = _mm256_loadu_si256((const __m256i *)table);
+    return u;
+}
+
+/* the int8 table entries of the 32 codes at p (4b bytes; `mask` the bytes to read, fewer in a row's last chunk) */
+QJL_VNNI static inline __attribute__((always_inline)) __m256i unpack32(const uint8_t *p, __mmask32 mask,
+                                                                    const unpack32_t *u) {
+    const __m256i raw = _mm256_maskz_loadu_epi8(mask, p);
+    const __m256i spread = _mm256_permutexvar_epi8(u->spread, raw);
+    const __m256i codes = _mm256_multishift_epi64_epi8(u->shifts, spread);
+    return _mm256_permutexvar_epi8(codes, u->table);
+}
+
+/* Pairs of 3-bit codes (a vector codebook's joint 6-bit codes e = code[2p] | code[2p + 1] << 3): the same spread as
+ * 3-bit scalar codes, but vpmultishiftqb moves pair p's 6 bits (bits 6p.. of the qword: a pair never straddles
+ * the qword's 3 bytes) to both its bytes 2p and 2p + 1; vpternlogd keeps the low 6 bits and sets bit 6 in odd
+ * bytes, and one vpermt2b over the 128-byte pair table (int8_pair_table: entry e | o << 6) gives each byte its
+ * coordinate of the codeword.  Five instructions per 32 codes against the scalar codes' four. */
+typedef struct {
+    __m256i spread, shifts, keep, odd;
+    __m512i lo, hi;
+} unpack_pairs32_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack_pairs32_t unpack_pairs32_setup(const uint8_t *table) {
+    uint8_t sp[32], sh[32];
+    unpack_indices(3, 4, sp, sh);
+    for (int i = 0; i < 32; i++) sh[i] = (uint8_t)(3 * ((i & 7) & ~1));
+    unpack_pairs32_t u;
+    u.spread = _mm256_loadu_si256((const __m256i *)sp);
+    u.shifts = _mm256_loadu_si256((const __m256i *)sh);
+    u.keep = _mm256_set1_epi8(0x3f);
+    u.odd = _mm256_set1_epi16(0x4000);
+    u.lo = _mm512_loadu_si512((const void *)table);
+    u.hi = _mm512_loadu_si512((const void *)(table + 64));
+    return u;
+}
+
+/* the int8 table entries of the 32 codes (16 pairs) at p (12 bytes; `mask` the bytes to read) */
+QJL_VNNI static inline __attribute__((always_inline)) __m256i unpack_pairs32(const uint8_t *p, __mmask32 mask,
+                                                                          const unpack_pairs32_t *u) {
+    const __m256i raw = _mm256_maskz_loadu_epi8(mask, p);
+    const __m256i codes = _mm256_multishift_epi64_epi8(u->shifts, _mm256_permutexvar_epi8(u->spread, raw));
+    const __m256i idx = _mm256_ternarylogic_epi32(codes, u->keep, u->odd, 0xEA); /* (codes & keep) | odd */
+    return _mm512_castsi512_si256(_mm512_permutex2var_epi8(u->lo, _mm512_castsi256_si512(idx), u->hi));
+}
+
+/* Two tokens' 32 codes of 8-bit joint codes (g = 2 at 4 bits, 4 at 2 bits; 32 / g bytes per token and chunk): one
+ * vpermt2b puts token t's group byte of coordinate c at byte 32 t + c of X; then for each coordinate slot s and
+ * half h (the byte's bit 7) one vpermt2b over table (s, h) (int8_joint_table) writes, under the mask of the bytes
+ * with that slot and half, the int8 coordinate into X -- the other bytes keep their code for the next lookups (the
+ * masks are disjoint) -- so 2 g lookups give both tokens' operands (token 0: the low 256 bits). */
+typedef struct {
+    __m512i spread, t[16]; /* t[2 i], t[2 i + 1]: the halves of table i = 2 s + h */
+    __mmask64 slot[4];
+} unpack_joint_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) void unpack_joint_setup(const int g, const uint8_t *table,
+                                                                           unpack_joint_t *u) {
+    uint8_t sp[64];
+    for (int c = 0; c < 64; c++) sp[c] = (uint8_t)(c < 32 ? c / g : 64 + (c - 32) / g);
+    u->spread = _mm512_loadu_si512((const void *)sp);
+    for (int i = 0; i < 4 * g; i++) u->t[i] = _mm512_loadu_si512((const void *)(table + 64 * i));
+    for (int sl = 0; sl < g; sl++) {
+        uint64_t m = 0;
+        for (int c = 0; c < 64; c++) m |= (uint64_t)(c % g == sl) << c;
+        u->slot[sl] = (__mmask64)m;
+    }
+}
+
+QJL_VNNI static inline __attribute__((always_inline)) void unpack_joint(const int g, const uint8_t *p0,
+                                                                     const uint8_t *p1, __mmask32 mask,
+                                                                     const unpack_joint_t *u, __m256i *v0,
+                                                                     __m256i *v1) {
+    const __m512i a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p0));
+    const __m512i b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p1));
+    __m512i x = _mm512_permutex2var_epi8(a, u->spread, b);
+    const __mmask64 hi = _mm512_movepi8_mask(x);
+    for (int sl = 0; sl < g; sl++) {
+        x = _mm512_mask2_permutex2var_epi8(u->t[4 * sl], x, u->slot[sl] & ~hi, u->t[4 * sl + 1]);
+        x = _mm512_mask2_permutex2var_epi8(u->t[4 * sl + 2], x, u->slot[sl] & hi, u->t[4 * sl + 3]);
+    }
+    *v0 = _mm512_castsi512_si256(x);
+    *v1 = _mm512_extracti64x4_epi64(x, 1);
+}
+
+/* Two tokens' 32 scalar codes at once, in the two halves of a zmm: two masked loads, one vpermt2b spreads both
+ * tokens' bytes (qwords 0-3: token 0, 4-7: token 1), one vpmultishiftqb and one vpermb over a 64-byte table (the
+ * 32-byte table twice: it repeats every 2^b entries, so the neighbours' bits above need no mask).  Five
+ * instructions per two tokens' 32 codes where two unpack32 take eight; vpdpbusd then reads both tokens at once. */
+typedef struct {
+    __m512i spread, shifts, table;
+} unpack2x32_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack2x32_t unpack2x32_setup(const int bits,
+                                                                                 const uint8_t *table) {
+    uint8_t sp[64], sh[64], tb[64];
+    unpack_indices(bits, 4, sp, sh);
+    for (int i = 0; i < 32; i++) sp[32 + i] = (uint8_t)(64 + sp[i]), sh[32 + i] = sh[i]; /* token 1: vpermt2b's b */
+    for (int j = 0; j < 64; j++) tb[j] = table[j & 31];
+    unpack2x32_t u;
+    u.spread = _mm512_loadu_si512((const void *)sp);
+    u.shifts = _mm512_loadu_si512((const void *)sh);
+    u.table = _mm512_loadu_si512((const void *)tb);
+    return u;
+}
+
+/* the int8 table entries of the 32 codes at p0 (low half) and p1 (high half), 4b bytes each under `mask` */
+QJL_VNNI static inline __attribute__((always_inline)) __m512i unpack2x32(const uint8_t *p0, const uint8_t *p1,
+                                                                      __mmask32 mask, const unpack2x32_t *u) {
+    const __m512i a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p0));
+    const __m512i b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p1));
+    const __m512i codes = _mm512_multishift_epi64_epi8(u->shifts, _mm512_permutex2var_epi8(a, u->spread, b));
+    return _mm512_permutexvar_epi8(codes, u->table);
+}
+
+/* lane i of the result = the sum of the 8 lanes of a[i] */
+QJL_VNNI static inline __attribute__((always_inline)) __m256i hsum8x8_i32(const __m256i *a) {
+    const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+    const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+static inline __mmask32 chunk_mask(int64_t n, int64_t c, int bits) { /* bytes of chunk c (32 codes from 32c) */
+    const int64_t left = n - 32 * c, codes = left < 32 ? left : 32;
+    const int64_t bytes = codes * bits / 8;
+    return bytes >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << bytes) - 1u);
+}
+
+/* logits[r * SUB + i] += norm[i] * mul[r] * (dots[4 i + r] - off[r]), i < count, r < nr: the int32 sums
+ * [token][4 rows] transposed 8 tokens at a time, offset, scaled and multiplied by the tokens' norms (one load) */
+QJL_VNNI static inline void add_dots(const int nr, int64_t count, const int32_t *dots, const float *norm,
+                                     const float *mul, const int32_t *off, float *logits) {
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) { /* [8 tokens][4 rows] -> [4 rows][8 tokens], then scaled and added */
+        const __m256 x0 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i)));
+        const __m256 x1 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 8)));
+        const __m256 x2 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 16)));
+        const __m256 x3 = _mm256_castsi256_ps(_mm256_load_si256((const __m256i *)(dots + 4 * i + 24)));
+        /* x0 = t0r0..3 t1r0..3, x1 = t2.. t3.., x2 = t4 t5, x3 = t6 t7 */
+        const __m256 y0 = _mm256_permute2f128_ps(x0, x2, 0x20), y1 = _mm256_permute2f128_ps(x0, x2, 0x31);
+        const __m256 y2 = _mm256_permute2f128_ps(x1, x3, 0x20), y3 = _mm256_permute2f128_ps(x1, x3, 0x31);
+        /* y0 = t0 | t4, y1 = t1 | t5, y2 = t2 | t6, y3 = t3 | t7 (4 rows each) */
+        const __m256 z0 = _mm256_unpacklo_ps(y0, y1), z1 = _mm256_unpackhi_ps(y0, y1);
+        const __m256 z2 = _mm256_unpacklo_ps(y2, y3), z3 = _mm256_unpackhi_ps(y2, y3);
+        /* z0 = r0t0 r0t1 r1t0 r1t1 | (t4 t5), z1 = r2.. r3.., z2 = r0t2 r0t3 r1t2 r1t3, z3 = r2 r3 */
+        const __m256 w[4] = {_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z0), _mm256_castps_pd(z2))),
+                             _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3))),
+                             _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(z1), _mm256_castps_pd(z3)))};
+        /* w[r] = row r's sums of tokens i..i+7 */
+        const __m256 nv = _mm256_loadu_ps(norm + i);
+        for (int r = 0; r < nr; r++) {
+            const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_castps_si256(w[r]), _mm256_set1_epi32(off[r])));
+            float *lg = logits + r * SUB + i;
+            _mm256_storeu_ps(lg, _mm256_add_ps(_mm256_loadu_ps(lg), _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(mul[r])), nv)));
+        }
+    }
+    for (; i < count; i++)
+        for (int r = 0; r < nr; r++) logits[r * SUB + i] += (float)(dots[4 * i + r] - off[r]) * mul[r] * norm[i];
+}
+
+/* logits[r * SUB + i] += norm[i] * mul[r] * (sum_c q8[r][c] (c8[code[i][c]] + 128) - off[r]), i < count;
+ * q8 [RW][n32], mul[r] = sq[r] * sc, off[r] = 128 * qsum[r].  Two tokens x 4 rows accumulate in 8 registers (named,
+ * so that they stay in registers), reduced by one horizontal-add tree into lanes [row + 4 * token] of the int32
+ * `dots` [SUB][4]; then a 4 x 8 transpose per 8 tokens gives each row's 8 sums, offset, scaled and multiplied by
+ * the 8 tokens' norms (one load) as they are added to the logits [RW][SUB].  `fixed`: the chunk count n32 / 32
+ * as a constant (2 and 4, head dims 64 and 128: the chunk loop unrolled), or 0 (read from k->n). */
+QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int bits, const int nr, const int fixed,
+                                                                    const int grp, const qjl_key_term *k,
+                                                                    const uint8_t *codes, const float *norm,
+                                                                    int64_t count, const int8_t *q8,
+                                                                    const uint8_t *table, const float *mul,
+                                                                    const int32_t *off, float *logits) {
+    /* grp: 0 scalar codes, 1 pairs of 3-bit codes (unpack_pairs32), 2 8-bit joint codes of 8 / bits codes
+     * (unpack_joint); their tables are 32, 128 and 256 g bytes */
+    const unpack32_t u = unpack32_setup(grp == 1 ? 3 : bits, table);
+    unpack_pairs32_t up;
+    unpack_joint_t uj;
+    memset(&up, 0, sizeof(up));
+    if (grp == 1) up = unpack_pairs32_setup(table);
+    if (grp == 2) unpack_joint_setup(8 / bits, table, &uj);
+    const int64_t n = k->n, chunks = fixed ? fixed : (n + 31) / 32, cs = k->codes.stride_token;
+    const __mmask32 last = chunk_mask(n, chunks - 1, bits);
+    const int64_t n32 = 32 * chunks;
+    int32_t dots[(SUB + 8) * 4] __attribute__((aligned(32))); /* [token][4 rows]: the integer sums */
+    const int8_t *q0 = q8, *q1 = q8 + n32, *q2 = q8 + 2 * n32, *q3 = q8 + 3 * n32;
+    for (int64_t i = 0; i < count; i += 2) {
+        const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
+        _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0); /* 40 tokens ahead (a prefetch past the codes */
+        _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0); /* never faults) */
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t c = 0; c < chunks; c++) {
+            const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
+            __m256i v0, v1;
+            if (grp == 2)
+                unpack_joint(8 / bits, r0 + c * 4 * bits, r1 + c * 4 * bits, m, &uj, &v0, &v1);
+            else if (grp == 1)
+                v0 = unpack_pairs32(r0 + c * 4 * bits, m, &up), v1 = unpack_pairs32(r1 + c * 4 * bits, m, &up);
+            else
+                v0 = unpack32(r0 + c * 4 * bits, m, &u), v1 = unpack32(r1 + c * 4 * bits, m, &u);
+#define QJL_ROW(R)                                                                                                     \
+    if (nr > R) {                                                                                                      \
+        const __m256i qr = _mm256_loadu_si256((const __m256i *)(q##R + 32 * c));                                       \
+        a##R = _mm256_dpbusd_epi32(a##R, v0, qr);                                                                      \
+        b##R = _mm256_dpbusd_epi32(b##R, v1, qr);                                                                      \
+    }
+            QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
+#undef QJL_ROW
+        }
+        const __m256i t0 = _mm256_hadd_epi32(a0, a1), t1 = _mm256_hadd_epi32(a2, a3);
+        const __m256i t2 = _mm256_hadd_epi32(b0, b1), t3 = _mm256_hadd_epi32(b2, b3);
+        const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+        _mm256_store_si256((__m256i *)(dots + 4 * i), _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                                                       _mm256_permute2x128_si256(u0, u1, 0x31)));
+    }
+    add_dots(nr, count, dots, norm, mul, off, logits);
+}
+
+
+/* score_vnni_ for scalar codes at full width: each zmm accumulator holds one query row's sums for two tokens (token
+ * 0 in lanes 0-7, token 1 in 8-15), the row's 32 query bytes broadcast to both halves; the same int32 sums, so
+ * the same `dots` and logits as score_vnni_. */
+QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_wide_(const int bits, const int nr,
+                                                                         const int fixed, const int grp,
+                                                                         const qjl_key_term *k,
+                                                                         const uint8_t *codes, const float *norm,
+                                                                         int64_t count, const int8_t *q8,
+                                                                         const uint8_t *table, const float *mul,
+                                                                         const int32_t *off, float *logits) {
+    (void)grp;
+    const char *e_ = getenv("QJL_EXP"); const int exp_ = e_ ? atoi(e_) : 0;
+    const int xp = exp_;
+    const unpack2x32_t u = unpack2x32_setup(bits, table);
+    const int64_t n = k->n, chunks = fixed ? fixed : (n + 31) / 32, cs = k->codes.stride_token;
+    const __mmask32 last = chunk_mask(n, chunks - 1, bits);
+    const int64_t n32 = 32 * chunks;
+    int32_t dots[(SUB + 8) * 4] __attribute__((aligned(32))); /* [token][4 rows]: the integer sums */
+    const int8_t *q0 = q8, *q1 = q8 + n32, *q2 = q8 + 2 * n32, *q3 = q8 + 3 * n32;
+    for (int64_t i = 0; i < count; i += 2) {
+        const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
+        _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0);
+        _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0);
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t c = 0; c < chunks; c++) {
+            const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
+            const __m512i v = xp == 1 ? _mm512_set1_epi8((char)(c + i)) : unpack2x32(r0 + c * 4 * bits, r1 + c * 4 * bits, m, &u);
+#define QJL_ROW(R)                                                                                                     \
+    if (nr > R) a##R = xp == 2 ? _mm512_xor_si512(a##R, v) : _mm512_dpbusd_epi32(a##R, v, _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q##R + 32 * c))));
+            QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
+#undef QJL_ROW
+        }
+        if (xp == 4) { _mm256_store_si256((__m256i *)(dots + 4 * i), _mm512_castsi512_si256(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)))); }
+        else if (xp != 3) {
+        /* per 128-bit lane: rows 0-3's sums of its 4 lanes (two unpack-add steps), then the two lanes of each token
+         * added across (one shuffle), tokens 0 and 1 to the low 256 bits */
+        const __m512i b01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+        const __m512i b23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+        const __m512i cc = _mm512_add_epi32(_mm512_unpacklo_epi64(b01, b23), _mm512_unpackhi_epi64(b01, b23));
+        const __m512i dd = _mm512_add_epi32(cc, _mm512_shuffle_i32x4(cc, cc, _MM_SHUFFLE(2, 3, 0, 1)));
+        _mm256_store_si256((__m256i *)(dots + 4 * i),
+                           _mm512_castsi512_si256(_mm512_shuffle_i32x4(dd, dd, _MM_SHUFFLE(2, 0, 2, 0))));
+        } else {
+        const __m256i t0 = _mm256_hadd_epi32(_mm512_castsi512_si256(a0), _mm512_castsi512_si256(a1));
+        const __m256i t1 = _mm256_hadd_epi32(_mm512_castsi512_si256(a2), _mm512_castsi512_si256(a3));
+        const __m256i t2 = _mm256_hadd_epi32(_mm512_extracti64x4_epi64(a0, 1), _mm512_extracti64x4_epi64(a1, 1));
+        const __m256i t3 = _mm256_hadd_epi32(_mm512_extracti64x4_epi64(a2, 1), _mm512_extracti64x4_epi64(a3, 1));
+        const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+        _mm256_store_si256((__m256i *)(dots + 4 * i), _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                                                       _mm256_permute2x128_si256(u0, u1, 0x31)));
+        }
+    }
+    if (xp != 5) add_dots(nr, count, dots, norm, mul, off, logits);
+}
+
+QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *codes, const float *norm, int64_t count,
+                                const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
+                                float *logits) {
+    if (getenv("QJL_NOSCORE")) return;
+    const int bits = k->bits;
+/* the usual head dims' chunk counts as constants (the chunk loop unrolled), rows by QJL_ROWS_OF, widths by BY */
+#define QJL_BY_CHUNKS(BY, GRP)                                                                                         \
+    switch ((k->n + 31) / 32) {                                                                                        \
+    case 2: QJL_ROWS_OF(BY, score_vnni_, 2, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;            \
+    case 4: QJL_ROWS_OF(BY, score_vnni_, 4, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;            \
+    default: QJL_ROWS_OF(BY, score_vnni_, 0, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;           \
+    }
+#define QJL_PAIRS3(F, NR, ...) F(3, NR, __VA_ARGS__);
+#define QJL_JOINT8(F, NR, ...) if (bits == 4) F(4, NR, __VA_ARGS__); else F(2, NR, __VA_ARGS__);
+    if (k->group == 1) {
+        if (qjl_wide_scoring()) {
+#define QJL_WIDE5(F, NR, ...) QJL_BY_BITS5(score_vnni_wide_, NR, __VA_ARGS__)
+            QJL_BY_CHUNKS(QJL_WIDE5, 0)
+#undef QJL_WIDE5
+        } else {
+            QJL_BY_CHUNKS(QJL_BY_BITS5, 0) /* scalar codes, the 32-byte table */
+        }
+    } else if (bits == 3) {
+        QJL_BY_CHUNKS(QJL_PAIRS3, 1) /* pairs of 3-bit codes (vnni_term), the 128-byte pair table */
+    } else {
+        QJL_BY_CHUNKS(QJL_JOINT8, 2) /* 8-bit joint codes (vnni_term): pairs of 4-bit codes, fours of 2-bit codes */
+    }
+#undef QJL_JOINT8
+#undef QJL_PAIRS3
+#undef QJL_BY_CHUNKS
+}
+
+/* whether the integer path scores key term k: scalar codes of <= VNNI_MAX_BITS bits, pairs of 3-bit codes, and
+ * 8-bit joint codes (pairs of 4-bit codes, fours of 2-bit codes); other grouped codes: the AVX2 fp32 loops */
+static int vnni_term(const qjl_key_term *k) {
+    if (k->group == 1) return k->bits <= VNNI_MAX_BITS;
+    return (k->group == 2 && k->bits == 3) || (k->group == 2 && k->bits == 4) || (k->group == 4 && k->bits == 2);
+}
+
+/* one row's weights x [count] (floats) with their max mx -> dst int16 (zero at count, count + 1); returns the
+ * row's scale W / 32767 * sc (W = mx) */
+QJL_VNNI static float int16_row(const float *x, int64_t count, float mx, float sc, int16_t *dst) {
+    const float inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) /* round to nearest even, then narrow (values in [0, 32767]) */
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtepi32_epi16(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi))));
+    for (; i < count; i++) dst[i] = (int16_t)lrintf(x[i] * inv);
+    dst[count] = dst[count + 1] = 0;
+    return mx / 32767.0f * sc;
+}
+
+/* the pass's weights pw [G][RW][SUB] (floats) -> w16 [G][RW][SUB + 2] int16 (zero past count) and mul[g][r] =
+ * W / 32767 * sc, W = max_i pw[g][r][i] */
+QJL_VNNI static void int16_weights(int64_t G, int nr, int64_t count, const float *pw, float sc, int16_t *w16,
+                                   float *mul) {
+    for (int64_t g = 0; g < G; g++)
+        for (int r = 0; r < nr; r++) {
+            const float *x = pw + (g * RW + r) * SUB;
+            mul[g * RW + r] = int16_row(x, count, max_run(x, count, 0.0f), sc, w16 + (g * RW + r) * (SUB + 2));
+        }
+}
+
+/* A row's softmax weights in one pass (one scale group, no zero points): p = exp(x - m) as exp_sum computes it
+ * (returned: their sum, in exp_sum's order), pw = p * s, *pmax = max(0, pw[..]) as max_run(pw, len, 0.0f) gives
+ * it (a NaN weight ignored); x is left as it was.  Equal to exp_sum, then value_weights' product, then max_run. */
+QJL_VNNI static float exp_weights(const float *x, int64_t len, float m, const float *s, float *pw, float *pmax) {
+    v8f tot = {0, 0, 0, 0, 0, 0, 0, 0};
+    __m256 mx = _mm256_setzero_ps();
+    int64_t i = 0;
+#if QJL_HAVE_EXP16
+    __m512 mx16 = _mm512_setzero_ps();
+    for (; i + 16 <= len; i += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(m)));
+        tot = add16_as_exp8(tot, e);
+        const __m512 w = _mm512_mul_ps(e, _mm512_loadu_ps(s + i));
+        _mm512_storeu_ps(pw + i, w);
+        mx16 = _mm512_max_ps(w, mx16); /* `w > acc ? w : acc`: a NaN w keeps acc */
+    }
+    mx = _mm256_max_ps(_mm512_castps512_ps256(mx16), mx);
+    mx = _mm256_max_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(mx16), 1)), mx);
+#endif
+    for (; i + 8 <= len; i += 8) {
+        const v8f e = exp8(load8(x + i) - m);
+        tot += e;
+        __m256 ev;
+        memcpy(&ev, &e, 32);
+        const __m256 w = _mm256_mul_ps(ev, _mm256_loadu_ps(s + i));
+        _mm256_storeu_ps(pw + i, w);
+        mx = _mm256_max_ps(w, mx);
+    }
+    float sum = hsum8(tot), t[8], pm = 0.0f;
+    _mm256_storeu_ps(t, mx);
+    for (int j = 0; j < 8; j++) pm = t[j] > pm ? t[j] : pm;
+    if (i < len) {
+        float buf[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        memcpy(buf, x + i, sizeof(float) * (size_t)(len - i));
+        const v8f e = exp8(load8(buf) - m);
+        sum += hsum8(e);
+        for (int64_t j = 0; i + j < len; j++) {
+            pw[i + j] = e[j] * s[i + j];
+            pm = pw[i + j] > pm ? pw[i + j] : pm;
+        }
+    }
+    *pmax = pm;
+    return sum;
+}
+
+/* Two tokens' codes of coordinates [16h, 16h + 16) of a chunk, interleaved: spread (one vpermt2b from both
+ * tokens' bytes) so that qword i holds the bytes of codes 16h + 4i .. + 3 of token 0 (bytes 0-2) and of token 1
+ * (bytes 3-5), vpmultishiftqb moving code 16h + 4i + m of token t to byte 2m + t, the int8 table: bytes
+ * (c0[j], c1[j]) for j in order, ready to widen into int16 pairs for vpdpwssd. */
+typedef struct {
+    __m256i spread[2], shifts[2], table;
+} unpack_pairs_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack_pairs_t unpack_pairs_setup(const int bits,
+                                                                                     const uint8_t *table) {
+    unpack_pairs_t u;
+    for (int h = 0; h < 2; h++) {
+        uint8_t sp[32], sh[32];
+        for (int i = 0; i < 4; i++) {
+            const int first = (16 * h + 4 * i) * bits, byte = first / 8, off = first % 8;
+            for (int k = 0; k < 8; k++) {
+                sp[8 * i + k] = (uint8_t)(k < 3 ? byte + k : k < 6 ? 32 + byte + k - 3 : 0);
+                sh[8 * i + k] = (uint8_t)((k & 1 ? 24 : 0) + off + bits * (k >> 1));
+            }
+        }
+        u.spread[h] = _mm256_loadu_si256((const __m256i *)sp);
+        u.shifts[h] = _mm256_loadu_si256((const __m256i *)sh);
+    }
+    u.table = _mm256_loadu_si256((const __m256i *)table);
+    return u;
+}
+
+/* two tokens' int16 weights as the int32 vpdpwssd pairs them with, in every lane (a broadcast from memory: a
+ * value built in a general register and moved over costs a transfer per row and pair) */
+QJL_VNNI static inline __attribute__((always_inline)) __m512i pair_weights(const int16_t *w) {
+    int32_t pair;
+    memcpy(&pair, w, 4);
+    return _mm512_set1_epi32(pair);
+}
+
+/* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens, each
+ * pair one 32-bit broadcast from memory; an odd span's last token alone, its partner weight zero; accumulators
+ * named so that they stay in registers) */
+QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int bits, const int nr, const qjl_value_view *v,
+                                                                  int ns, const uint8_t *const *codes,
+                                                                  const int64_t *offs, const int64_t *cnts,
+                                                                  const int16_t *w16, const uint8_t *table,
+                                                                  const float *mul, float *acc) {
+    const unpack_pairs_t u = unpack_pairs_setup(bits, table);
+    const int64_t n = v->n, n32 = (n + 31) / 32 * 32, chunks = n32 / 32, cs = v->codes.stride_token,
+                  gs = v->group_size;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t g = v->groups == 1 ? 0 : (32 * c) / gs;
+        const __mmask32 m = chunk_mask(n, c, bits);
+        const int16_t *w0 = w16 + g * RW * (SUB + 2), *w1 = w0 + (SUB + 2), *w2 = w1 + (SUB + 2), *w3 = w2 + (SUB + 2);
+        __m512i lo0 = _mm512_setzero_si512(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0,
+                hi3 = lo0;
+        __m512i lo0b = lo0, lo1b = lo0, lo2b = lo0, lo3b = lo0, hi0b = lo0, hi1b = lo0, hi2b = lo0, hi3b = lo0;
+#define QJL_ROW(R, SFX, W)                                                                                             \
+    if (nr > R) {                                                                                                      \
+        const __m512i w = W;                                                                                           \
+        lo##R##SFX = _mm512_dpwssd_epi32(lo##R##SFX, plo, w);                                                          \
+        hi##R##SFX = _mm512_dpwssd_epi32(hi##R##SFX, phi, w);                                                          \
+    }
+#define QJL_PAIR(R, I) pair_weights(w##R + off + (I))                        /* the pair's weights, one broadcast load */
+#define QJL_ALONE(R, I) _mm512_set1_epi32((int32_t)(uint16_t)w##R[off + (I)]) /* the last token's weight, partner zero */
+#define QJL_MIX(S0, S1, I, SFX, ODD)                                                                                   \
+    {                                                                                                                  \
+        const __m256i r0 = _mm256_maskz_loadu_epi8(m, S0), r1 = _mm256_maskz_loadu_epi8(m, S1);                       \
+        const __m256i c0 = _mm256_multishift_epi64_epi8(u.shifts[0], _mm256_permutex2var_epi8(r0, u.spread[0], r1)); \
+        const __m256i c1 = _mm256_multishift_epi64_epi8(u.shifts[1], _mm256_permutex2var_epi8(r0, u.spread[1], r1)); \
+        const __m512i plo = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c0, u.table)); /* coords 0-15 */             \
+        const __m512i phi = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c1, u.table)); /* coords 16-31 */           \
+        if (!(ODD)) {                                                                                                  \
+            QJL_ROW(0, SFX, QJL_PAIR(0, I)) QJL_ROW(1, SFX, QJL_PAIR(1, I))                                           \
+            QJL_ROW(2, SFX, QJL_PAIR(2, I)) QJL_ROW(3, SFX, QJL_PAIR(3, I))                                           \
+        } else {                                                                                                       \
+            QJL_ROW(0, SFX, QJL_ALONE(0, I)) QJL_ROW(1, SFX, QJL_ALONE(1, I))                                         \
+            QJL_ROW(2, SFX, QJL_ALONE(2, I)) QJL_ROW(3, SFX, QJL_ALONE(3, I))                                         \
+        }                                                                                                              \
+    }
+        const int quad = getenv("QJL_QUAD") != NULL;
+        for (int si = 0; si < ns; si++) { /* the pass's spans, into the same accumulators */
+            const uint8_t *src = codes[si] + c * 4 * bits;
+            const int64_t count = cnts[si], off = offs[si];
+            int64_t i = 0;
+            if (quad)
+                for (; i + 4 <= count; i += 4, src += 4 * cs) {
+                    if (c == 0) {
+                        _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(src + 66 * cs), _MM_HINT_T0);
+                    }
+                    QJL_MIX(src, src + cs, i, , 0)
+                    QJL_MIX(src + 2 * cs, src + 3 * cs, i + 2, b, 0)
+                }
+            for (; i < count; i += 2, src += 2 * cs) {
+                const int odd = i + 1 >= count; /* an odd span's last token: it goes alone */
+                if (c == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
+                QJL_MIX(src, odd ? src : src + cs, i, , odd)
+            }
+        }
+#undef QJL_MIX
+#undef QJL_ROW
+#undef QJL_PAIR
+#undef QJL_ALONE
+        lo0 = _mm512_add_epi32(lo0, lo0b), lo1 = _mm512_add_epi32(lo1, lo1b), lo2 = _mm512_add_epi32(lo2, lo2b);
+        lo3 = _mm512_add_epi32(lo3, lo3b), hi0 = _mm512_add_epi32(hi0, hi0b), hi1 = _mm512_add_epi32(hi1, hi1b);
+        hi2 = _mm512_add_epi32(hi2, hi2b), hi3 = _mm512_add_epi32(hi3, hi3b);
+        const int64_t live = n - 32 * c < 32 ? n - 32 * c : 32;
+        const __m512i L[4] = {lo0, lo1, lo2, lo3}, H[4] = {hi0, hi1, hi2, hi3};
+        for (int r = 0; r < nr; r++) {
+            int32_t s[32];
+            _mm512_storeu_si512(s, L[r]);
+            _mm512_storeu_si512(s + 16, H[r]);
+            const float f = mul[g * RW + r];
+            float *o = acc + r * n + 32 * c;
+            for (int64_t j = 0; j < live; j++) o[j] += f * (float)s[j];
+        }
+    }
+}
+
+#define QJL_BY_BITS4(F, NR, ...)                                                                                        \
+    switch (bits) {                                                                                                    \
+    case 1: F(1, NR, __VA_ARGS__); break;                                                                              \
+    case 2: F(2, NR, __VA_ARGS__); break;                                                                              \
+    case 3: F(3, NR, __VA_ARGS__); break;                                                                              \
+    default: F(4, NR, __VA_ARGS__); break;                                                                             \
+    }
+/* Four tokens' codes of coordinates [16h, 16h + 16) of a chunk (b <= 4 bits), as vpdpbusd reads them: int32 lane
+ * j holds the int8 centroids of coordinate 16h + j for tokens 0-3 (bytes 0-3).  The tokens' bytes sit in two zmm
+ * (a: tokens 0 | 1, b: tokens 2 | 3, 32 bytes each); one vpermt2b gives qword i the two bytes of each token that
+ * hold coordinates 16h + 2i and 16h + 2i + 1 (bytes 2t, 2t + 1), vpmultishiftqb moves code (2i + e) of token t to
+ * byte 4e + t, and vpermb looks them up in the 64-byte table. */
+typedef struct {
+    __m512i spread[2], shifts[2], table;
+} unpack_q4_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack_q4_t unpack_q4_setup(const int bits,
+                                                                                     const uint8_t *table) {
+    unpack_q4_t u;
+    for (int h = 0; h < 2; h++) {
+        uint8_t sp[64], sh[64];
+        for (int i = 0; i < 8; i++) {
+            const int q = 8 * h + i, first = (2 * q * bits) >> 3;
+            for (int t = 0; t < 4; t++)
+                for (int k = 0; k < 2; k++) sp[8 * i + 2 * t + k] = (uint8_t)(64 * (t >> 1) + 32 * (t & 1) + first + k);
+            for (int e = 0; e < 2; e++)
+                for (int t = 0; t < 4; t++) sh[8 * i + 4 * e + t] = (uint8_t)(16 * t + (2 * q + e) * bits - 8 * first);
+        }
+        u.spread[h] = _mm512_loadu_si512((const void *)sp);
+        u.shifts[h] = _mm512_loadu_si512((const void *)sh);
+    }
+    uint8_t tb[64];
+    for (int j = 0; j < 64; j++) tb[j] = table[j & 31];
+    u.table = _mm512_loadu_si512((const void *)tb);
+    return u;
+}
+
+/* The same sums as mix_vnni_ for b <= 4 bits, four tokens per vpdpbusd lane: each int16 weight split into its bytes
+ * (w = 256 hi + lo, hi <= 127), the low and high bytes of four tokens broadcast as the unsigned operand against the
+ * signed centroids, and the chunk's sums put together as 256 hi + lo: the integers of mix_vnni_ exactly (|256 hi +
+ * lo| is bounded as its sum is), so the same outputs bit for bit. */
+QJL_VNNI static inline __attribute__((always_inline)) void mix_quads_(const int bits, const int nr,
+                                                                   const qjl_value_view *v, int ns,
+                                                                   const uint8_t *const *codes, const int64_t *offs,
+                                                                   const int64_t *cnts, const int16_t *w16,
+                                                                   const uint8_t *table, const float *mul,
+                                                                   float *acc) {
+    const unpack_q4_t u = unpack_q4_setup(bits, table);
+    const int64_t n = v->n, n32 = (n + 31) / 32 * 32, chunks = n32 / 32, cs = v->codes.stride_token,
+                  gs = v->group_size;
+    int64_t tot = 0;
+    for (int si = 0; si < ns; si++) tot = offs[si] + cnts[si] > tot ? offs[si] + cnts[si] : tot;
+    uint8_t wb[2][RW][SUB + 8] __attribute__((aligned(64))); /* [lo, hi][row][token] of the current group */
+    int64_t built = -1;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t g = v->groups == 1 ? 0 : (32 * c) / gs;
+        const __mmask32 m = chunk_mask(n, c, bits);
+        const __mmask64 m1 = (__mmask64)m << 32;
+        if (g != built) {
+            for (int r = 0; r < nr; r++) {
+                const int16_t *w = w16 + (g * RW + r) * (SUB + 2);
+                for (int64_t i = 0; i < tot; i++) wb[0][r][i] = (uint8_t)(w[i] & 255), wb[1][r][i] = (uint8_t)(w[i] >> 8);
+            }
+            built = g;
+        }
+        __m512i l0 = _mm512_setzero_si512(), l1 = l0, l2 = l0, l3 = l0, L0 = l0, L1 = l0, L2 = l0, L3 = l0;
+        __m512i h0 = l0, h1 = l0, h2 = l0, h3 = l0, H0 = l0, H1 = l0, H2 = l0, H3 = l0;
+        for (int si = 0; si < ns; si++) {
+            const uint8_t *src = codes[si] + c * 4 * bits;
+            const int64_t count = cnts[si], off = offs[si];
+            for (int64_t i = 0; i < count; i += 4, src += 4 * cs) {
+                const int64_t left = count - i;
+                if (c == 0) {
+                    _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(src + 66 * cs), _MM_HINT_T0);
+                }
+                const uint8_t *s1 = left > 1 ? src + cs : src, *s2 = left > 2 ? src + 2 * cs : src,
+                              *s3 = left > 3 ? src + 3 * cs : src;
+                const uint32_t keep = left >= 4 ? 0xffffffffu : (1u << (8 * left)) - 1u;
+                __m512i a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(m, src));
+                a = _mm512_mask_loadu_epi8(a, m1, s1 - 32);
+                __m512i b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(m, s2));
+                b = _mm512_mask_loadu_epi8(b, m1, s3 - 32);
+                const __m512i v0 = _mm512_permutexvar_epi8(
+                    _mm512_multishift_epi64_epi8(u.shifts[0], _mm512_permutex2var_epi8(a, u.spread[0], b)), u.table);
+                const __m512i v1 = _mm512_permutexvar_epi8(
+                    _mm512_multishift_epi64_epi8(u.shifts[1], _mm512_permutex2var_epi8(a, u.spread[1], b)), u.table);
+#define QJL_ROW(R)                                                                                                     \
+    if (nr > R) {                                                                                                      \
+        uint32_t lo, hi;                                                                                               \
+        memcpy(&lo, wb[0][R] + off + i, 4);                                                                            \
+        memcpy(&hi, wb[1][R] + off + i, 4);                                                                            \
+        const __m512i wl = _mm512_set1_epi32((int32_t)(lo & keep)), wh = _mm512_set1_epi32((int32_t)(hi & keep));     \
+        l##R = _mm512_dpbusd_epi32(l##R, wl, v0);                                                                      \
+        L##R = _mm512_dpbusd_epi32(L##R, wl, v1);                                                                      \
+        h##R = _mm512_dpbusd_epi32(h##R, wh, v0);                                                                      \
+        H##R = _mm512_dpbusd_epi32(H##R, wh, v1);                                                                      \
+    }
+                QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
+#undef QJL_ROW
+            }
+        }
+        const int64_t live = n - 32 * c < 32 ? n - 32 * c : 32;
+        const __m512i LO[4] = {_mm512_add_epi32(_mm512_slli_epi32(h0, 8), l0), _mm512_add_epi32(_mm512_slli_epi32(h1, 8), l1),
+                               _mm512_add_epi32(_mm512_slli_epi32(h2, 8), l2), _mm512_add_epi32(_mm512_slli_epi32(h3, 8), l3)};
+        const __m512i HI[4] = {_mm512_add_epi32(_mm512_slli_epi32(H0, 8), L0), _mm512_add_epi32(_mm512_slli_epi32(H1, 8), L1),
+                               _mm512_add_epi32(_mm512_slli_epi32(H2, 8), L2), _mm512_add_epi32(_mm512_slli_epi32(H3, 8), L3)};
+        for (int r = 0; r < nr; r++) {
+            int32_t s[32];
+            _mm512_storeu_si512(s, LO[r]);
+            _mm512_storeu_si512(s + 16, HI[r]);
+            const float f = mul[g * RW + r];
+            float *o = acc + r * n + 32 * c;
+            for (int64_t j = 0; j < live; j++) o[j] += f * (float)s[j];
+        }
+    }
+}
+
+/* the pass's value codes, as ns spans (codes[s]: its first token's codes, offs[s]: its first token's index in
+ * the pass, cnts[s]: its tokens), mixed with the pass's int16 weights w16 [G][RW][SUB + 2] */
+QJL_VNNI static void mix_vnni(const qjl_value_view *v, int nr, int ns, const uint8_t *const *codes, const int64_t *offs,
+                              const int64_t *cnts, const int16_t *w16, const uint8_t *table, const float *mul,
+                              float *acc) {
+    if (getenv("QJL_NOMIX")) return;
+    const int bits = v->bits;
+    if (bits <= 4 && getenv("QJL_MIX4")) {
+        QJL_ROWS_OF(QJL_BY_BITS4, mix_quads_, v, ns, codes, offs, cnts, w16, table, mul, acc)
+        return;
+    }
+    QJL_BY_ROWS5(mix_vnni_, v, ns, codes, offs, cnts, w16, table, mul, acc)
+}
+#else
+#define QJL_HAVE_VNNI 0
+#define VNNI_MAX_BITS 0
+static int cpu_has_vnni(void) { return 0; }
+#endif
