@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["install", "holding", "residual_terms", "output_gain"]
 
-_FLAG = "_qjl_residual_slot"
+_FLAG = "_qjl_residual_slot"  # the hook slot, on the model and on each hooked attention module
 
 
 def _decoder_layers(model) -> list:
@@ -61,7 +61,7 @@ def install(model) -> bool:
     for idx, module in layers:
         module.register_forward_pre_hook(enter(idx), with_kwargs=True)
         module.register_forward_hook(leave, with_kwargs=True, always_call=True)  # (also when the layer raises)
-        module.self_attn._qjl_residual_slot = slot  # (read by residual_terms from the attention module)
+        setattr(module.self_attn, _FLAG, slot)  # (read by residual_terms from the attention module)
     setattr(model, _FLAG, slot)
     return bool(layers)
 
@@ -73,7 +73,7 @@ def holding(model) -> bool:
 
 
 def output_gain(module, heads: int, head_dim: int) -> torch.Tensor | None:
-    """``[heads]`` float64: ``||W_o^(h)||_F^2 / head_dim`` of the attention ``module``'s ``o_proj`` (columns of query
+    """``[heads]`` float64 (summed from float32 column norms): ``||W_o^(h)||_F^2 / head_dim`` of the attention ``module``'s ``o_proj`` (columns of query
     head h), or None where there is no such projection of ``heads * head_dim`` inputs."""
     for name, v in (("heads", heads), ("head_dim", head_dim)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -98,7 +98,7 @@ def residual_terms(module, query: torch.Tensor, rows: int) -> tuple | None:
         raise ValueError(f"query must be a tensor [B, H_q, t, D], got {tuple(getattr(query, 'shape', ())) or query!r}")
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows must be an int >= 1, got {rows!r}")
-    slot = getattr(module, "_qjl_residual_slot", None)
+    slot = getattr(module, _FLAG, None)
     current = None if slot is None else slot["current"]
     if current is None or current[0] != getattr(module, "layer_idx", None):
         return None

@@ -226,6 +226,7 @@ static void run_item(const qjl_decode_args *a, int mode, const qjl_item *it, flo
     for (int k = 0; k < a->n_terms; k++) {
         ik[k] = mode >= 2 && vnni_term(&a->key[k]); /* (other codes: the AVX2 loops) */
         if (ik[k]) {
+            vnni_tables(); /* (the unpackings' index vectors, once per process) */
             q8[k] = malloc((size_t)RW * (size_t)((a->key[k].n + 31) / 32 * 32));
             const int g = a->key[k].group;
             ksc[k] = g == 1 ? int8_table(a->key[k].cent, a->key[k].bits, 128, ktab[k])

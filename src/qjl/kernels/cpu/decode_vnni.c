@@ -109,8 +109,9 @@ static inline void unpack_indices(const int bits, int qwords, uint8_t *sp, uint8
         }
 }
 
-/* The unpackings' index vectors and masks, built once (score_vnni calls vnni_tables; idempotent, so a race between
- * threads writes the same bytes): the setups below run once per span, and blocks of 16 slots make a span of 16 tokens */
+/* The unpackings' index vectors and masks, built once (the decode calls vnni_tables where it takes the integer path
+ * for keys; idempotent, so a race between threads writes the same bytes): the setups below run once per span, and
+ * blocks of 16 slots make a span of 16 tokens */
 static uint8_t U2_SP[6][64], U2_SH[6][64]; /* unpack2x32, widths 1-5 */
 static uint8_t UP_SP[32], UP_SH[32];       /* unpack_pairs32 */
 static uint8_t UJ_SP[5][64];               /* unpack_joint, g = 2, 4 */
@@ -336,7 +337,6 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
                                 const int8_t *q8, const uint8_t *table, const float *mul, const int32_t *off,
                                 float *logits) {
     const int bits = k->bits;
-    vnni_tables();
 /* the usual head dims' chunk counts as constants (the chunk loop unrolled), rows by QJL_ROWS_OF, widths by BY */
 #define QJL_BY_CHUNKS(BY, GRP)                                                                                         \
     switch ((k->n + 31) / 32) {                                                                                        \
