@@ -13,7 +13,9 @@ tokens, score 512 in chunks of 32 against the full-precision cache):
    Prints the spread (standard deviation of log(measured / predicted) over the layers) of both, and the slope of
    log(measured / unweighted prediction) against log(weight) (the first-order theory says 1).
 3. cost: the time spent building the candidates, measuring and allocating (``candidate_codecs``,
-   ``Allocator.observe``, ``Allocator.allocate``) against the whole prefill of the same prompt, at
+   ``Allocator.observe``, ``Allocator.allocate``) and fitting the coded keys' scale (``LayerStore._fit_scale``,
+   ``fit_key_scale``: every auto's default since 2026-11-30) against the whole prefill of the same prompt and one
+   step after it (where an allocation's pending first flush runs; since 2026-11-30, before which the prefill alone), at
    ``--cost-contexts`` (median of ``--repeats`` runs), beside the prefill times of a fixed preset (``tq-k3v3``) and
    of ``auto`` with scalar key codebooks (the default's keys use vector codebooks: their nearest-codeword search
    is in C, ``qjl_vq_nearest`` / ``qjl_vq_nearest_grid``).
@@ -170,6 +172,10 @@ def cost(model, tok, text, context, repeats, smooth, preset=None) -> dict:
     real_candidates = allocation.candidate_codecs
     allocation.Allocator.observe, allocation.Allocator.allocate = timed(real_observe), timed(real_allocate)
     allocation.candidate_codecs = timed(real_candidates)
+    from qjl.cache.storage import LayerStore
+
+    real_fit = LayerStore._fit_scale  # the coded keys' scale (fit_key_scale, every auto's default): counted too
+    LayerStore._fit_scale = timed(real_fit)
     try:
         fixed, scalar, auto, share, share_scalar = [], [], [], [], []
         for _ in range(repeats):
@@ -179,13 +185,16 @@ def cost(model, tok, text, context, repeats, smooth, preset=None) -> dict:
                                QJLConfig.auto(bits_per_value=3.0, smooth_keys=smooth), auto)):
                 spent.append(0.0)
                 t = time.perf_counter()
-                model(ids, **cache_kwargs(QJLCache(model, cfg)))
+                cache = QJLCache(model, cfg)
+                model(ids, **cache_kwargs(cache))
+                model(ids[:, -1:], **cache_kwargs(cache))  # one step more: a pending allocation flushes here
                 sink.append(time.perf_counter() - t)
             share.append(spent[-1] / auto[-1])
             share_scalar.append(spent[-2] / scalar[-1])
     finally:
         allocation.Allocator.observe, allocation.Allocator.allocate = real_observe, real_allocate
         allocation.candidate_codecs = real_candidates
+        LayerStore._fit_scale = real_fit
     r = {"context": context, "auto": preset or "auto(3.0)", "prefill_fixed_s": statistics.median(fixed),
          "prefill_auto_s": statistics.median(auto),
          "prefill_auto_scalar_keys_s": statistics.median(scalar), "measure_share": statistics.median(share),

@@ -175,7 +175,23 @@ def test_bad_input_is_refused_and_leaves_the_caches_empty(model):
     with pytest.raises(ValueError, match="smooth_values"):
         replay_prefill(smoothed, calls)
     assert smoothed.get_seq_length() == 0
+    scaled = make_cache(model, qjl.QJLConfig.preset("tq-k3v2", smooth_values=False, heavy_tokens=0, fit_key_scale=True))
+    with pytest.raises(ValueError, match="fit_key_scale"):  # (the coded keys' scale fits to them too)
+        replay_prefill(scaled, calls)
 
     # a single cache without a key prefills on its own
     out = shared_prefill(model, [auto], _forward(model, ids))
     assert auto.get_seq_length() == 40 and out.logits.shape[1] == 40
+
+
+def test_a_replayed_prefill_fits_the_same_key_scale(model):
+    """The coded keys' scale is fitted from the prompt's last queries, recorded with the updates: a replayed cache holds
+    the same gamma and key norms as its own prefill, and they differ from the cache without the fit."""
+    ids = _ids(PROMPT)
+    a, b = (make_cache(model, qjl.QJLConfig.preset("tq-k3v2", fit_key_scale=f)) for f in (False, True))
+    assert prefill_key(model, a) == prefill_key(model, b)  # the prefill's logits do not depend on it
+    shared_prefill(model, [a, b], _forward(model, ids))
+    own = make_cache(model, qjl.QJLConfig.preset("tq-k3v2", fit_key_scale=True))
+    model(ids, **cache_kwargs(own), use_cache=True)
+    assert _same(_held(b), _held(own)) and not _same(_held(a), _held(b))
+    assert torch.equal(b.layers[0].store.key_scale, own.layers[0].store.key_scale)

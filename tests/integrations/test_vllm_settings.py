@@ -49,6 +49,8 @@ def test_unserved_options_are_refused_by_name():
     check_servable(dataclasses.replace(PRESETS["tq-k45v3"], smooth_keys=True, smooth_values=True, heavy_tokens=0))
     with pytest.raises(ValueError, match="heavy_tokens=0"):
         check_servable(dataclasses.replace(PRESETS["tq-k3v2"], smooth_keys=False, smooth_values=False, heavy_tokens=4))
+    with pytest.raises(ValueError, match="fit_key_scale=True"):
+        check_servable(dataclasses.replace(PRESETS["tq-k45v3"], heavy_tokens=0, fit_key_scale=True))
 
 
 @pytest.mark.parametrize("name", ["decode", "prefill"])

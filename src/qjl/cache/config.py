@@ -146,6 +146,12 @@ class QJLConfig:
             coded.  Attention sinks are not only the first tokens (KVSink, arXiv:2508.04257); an error in a token
             that takes much of the attention moves the output most.  Counted with the exact tokens; 16 by default
             (measured better on every text, docs/cache.md).
+        fit_key_scale: per sequence, layer and KV head, scale the coded keys' scores by a factor fitted from the
+            prompt's last queries at the first flush (:mod:`qjl.cache.key_scale`: quantization noise sharpens the
+            softmax over the codes; the factor, in [0.8, 1], is folded into the stored key norms, so every attention
+            path reads it; the exact tokens keep their exact scores).  Key codecs ``turboquant_mse`` and
+            ``turboquant_vq`` only.  Off by default; on in :meth:`auto` (measured better, docs/cache.md).  Not served
+            by the vLLM backend yet (refused there).
         allocation: None, or widths chosen per layer and KV head from the prompt
             (:class:`qjl.cache.allocation.AutoBits`; made by :meth:`QJLConfig.auto`); then
             ``key``/``value``/``late_key``/``layer_overrides`` are unused.
@@ -172,6 +178,7 @@ class QJLConfig:
     smooth_keys: bool = True
     smooth_values: bool = True
     heavy_tokens: int = 16
+    fit_key_scale: bool = False
     allocation: object = None
     seed: int = 0
     kernel: str = "auto"
@@ -183,7 +190,7 @@ class QJLConfig:
         _check_int("flush_block", self.flush_block, 1)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < _MAX_CONFIG_SEED:
             raise ValueError(f"seed must be an int in [0, 2**62), got {self.seed!r}")
-        for name in ("compress_sliding", "smooth_keys", "smooth_values"):
+        for name in ("compress_sliding", "smooth_keys", "smooth_values", "fit_key_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__} "
                                 f"{getattr(self, name)!r}")
@@ -210,6 +217,15 @@ class QJLConfig:
                                 f"got {type(self.allocation).__name__}")
         for role, spec in self._all_specs():
             self._check_role(role, spec)
+        if self.fit_key_scale:
+            from qjl.cache.key_scale import SCALED_CODECS
+
+            keys = ([s for r, s in self._all_specs() if r == "key"] if self.allocation is None
+                    else list(self.allocation.key_candidates))
+            bad = sorted({s.name for s in keys if s.name not in SCALED_CODECS})
+            if bad:
+                raise ValueError(f"fit_key_scale needs key codecs whose scores are linear in a stored norm "
+                                 f"({', '.join(SCALED_CODECS)}); got {', '.join(bad)}")
 
     @staticmethod
     def _checked_overrides(overrides) -> FrozenDict:
@@ -288,7 +304,8 @@ class QJLConfig:
 
     def describe(self, head_dim: int, num_layers: int | None = None) -> str:
         smooth = "".join(f", {name}" for on, name in ((self.smooth_keys, "key smoothing"),
-                                                       (self.smooth_values, "value smoothing")) if on)
+                                                       (self.smooth_values, "value smoothing"),
+                                                       (self.fit_key_scale, "key scale fitted")) if on)
         if self.allocation is not None:
             return (f"{self.allocation.describe()}, residual {self.residual_length}, sinks {self.sink_tokens}{smooth}")
         b = self.bits_per_value(head_dim, num_layers)
@@ -345,8 +362,8 @@ class QJLConfig:
         within ``bits_per_value`` (compressed part, keys and values averaged); see
         :class:`qjl.cache.allocation.AutoBits` for the error proxy and the candidates.
 
-        ``fields`` are other :class:`QJLConfig` fields (e.g. ``residual_length``) or AutoBits fields
-        (``key_candidates``, ``value_candidates``, ``queries``).
+        ``fields`` are other :class:`QJLConfig` fields (e.g. ``residual_length``; ``fit_key_scale`` is True unless
+        given) or AutoBits fields (``key_candidates``, ``value_candidates``, ``queries``).
         """
         from dataclasses import fields as dc_fields
 
@@ -354,4 +371,5 @@ class QJLConfig:
 
         auto_names = {f.name for f in dc_fields(AutoBits)}
         auto_kw = {k: fields.pop(k) for k in list(fields) if k in auto_names}
+        fields.setdefault("fit_key_scale", True)  # (measured better for the 5x point and 3 bits: docs/cache.md)
         return QJLConfig(allocation=AutoBits(bits_per_value=bits_per_value, **auto_kw), late_key=None, **fields)

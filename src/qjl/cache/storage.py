@@ -37,8 +37,9 @@ from __future__ import annotations
 import torch
 
 from qjl import kernels
-from qjl.cache import checks, padding
+from qjl.cache import checks, key_scale, padding
 from qjl.cache.buffers import CodeBuffer, TokenBuffer, storage_bytes
+from qjl.cache.key_scale import FIT_ROWS
 from qjl.cache.smoothing import VALUE_MEAN_ROWS, attention_weighted_mean, attention_weights, channel_mean
 from qjl.codecs.base import Codec, Codes
 from qjl.core.validation import STORAGE_DTYPES
@@ -95,6 +96,9 @@ class LayerStore:
         self.heavy_w = None  # heavy tokens: [B, n] the prompt's attention per position (until the sinks form)
         self.mu = None  # key smoothing: [B, H, D] float32
         self.mu_v = None  # value smoothing: [B, H, D_v] float32
+        self.key_scale = None  # fit_key_scale: [B, H] float32, the coded keys' score scale (folded into their norms)
+        self.scale_q = None  # fit_key_scale, until the first flush: the last FIT_ROWS queries [B, H_q, R, D] float32,
+        # their attention's (scaling, softcap) and the tokens held when they were read (qjl.cache.key_scale)
         self.row_start = None  # [B]: first real position of each row (left padding)
         self.pads = None  # [B]: padding tokens of each row (when the first slots are reordered: slot_order)
         self.heavy_pos = None  # [B, K] int32: each row's heavy tokens' positions (ascending), or None
@@ -284,6 +288,8 @@ class LayerStore:
         ``query_mask`` [B, 1|H_q, t, L] (default: ``attention_mask``; a replayed prefill passes the recorded rows)."""
         if self.row_start is None:
             self.row_start = padding.row_starts(attention_mask, self.batch, self.device)
+        if query is not None and self.config.fit_key_scale and self.key_scale is None:
+            self._keep_scale_rows(query, scaling, softcap)
         self.fit_means(attention_mask if isinstance(query_mask, str) else query_mask, query, scaling, softcap)
 
     def fit_means(self, attention_mask=None, query=None, scaling: float = 1.0, softcap=None) -> None:
@@ -371,20 +377,24 @@ class LayerStore:
 
     def _flush_quantized(self, wk: torch.Tensor, wv: torch.Tensor, n: int, at: int) -> None:
         """The window's first ``n`` tokens (code positions ``at ..``) coded by :meth:`_quantize` and appended to the
-        code buffers (the first block fits the key codec's per-sequence choice, if it has one)."""
-        if self.groups is not None:  # each run of heads through its own codecs (no per-sequence fits)
-            coded = [(g, self._quantize(g.key_codec, wk[:, g.heads, :n], start=at),
-                      self._quantize(g.value_codec, wv[:, g.heads, :n], start=at)) for g in self.groups]
-            for g, kc, vc in coded:
-                g.kc.append(kc)
-                g.vc.append(vc)
-            return
-        if self.key_fit is None:
+        code buffers (the first block fits the key codec's per-sequence choice, if it has one, and with
+        ``fit_key_scale`` the coded keys' score scale: :meth:`_fit_scale`)."""
+        runs = ([(g.heads, g.key_codec, g.value_codec, g.kc, g.vc) for g in self.groups] if self.groups is not None
+                else [(slice(0, self.heads), self.key_codec, self.value_codec, self._kc, self._vc)])
+        if self.groups is None and self.key_fit is None:
             self.key_fit = self._fit_keys(self._without_padding(wk[:, :, :n]))
-        key_codes = self._quantize(self.key_codec, wk[:, :, :n], *self.key_fit, start=at)
-        value_codes = self._quantize(self.value_codec, wv[:, :, :n], start=at)
-        self._kc.append(key_codes)
-        self._vc.append(value_codes)
+        fit = () if self.groups is not None else self.key_fit  # (head groups take no fitted codecs)
+        coded = [(heads, self._quantize(kcodec, wk[:, heads, :n], *fit, start=at),
+                  self._quantize(vcodec, wv[:, heads, :n], start=at)) for heads, kcodec, vcodec, _, _ in runs]
+        if self.config.fit_key_scale:
+            if self.key_scale is None:  # the first flush: one gamma per sequence and KV head, then the rows go
+                parts = [(heads, kcodec, kc) for (heads, kc, _), (_, kcodec, _, _, _) in zip(coded, runs)]
+                self.key_scale, self.scale_q = self._fit_scale(wk[:, :, :n], parts, n), None
+            for heads, kc, _ in coded:
+                self._scale_keys(heads, kc.fields["norm"])
+        for (_, kc, vc), (_, _, _, kbuf, vbuf) in zip(coded, runs):
+            kbuf.append(kc)
+            vbuf.append(vc)
 
     def _flush_stored(self, wk: torch.Tensor, wv: torch.Tensor, n: int, at: int) -> bool:
         """A flush of the window's first ``n`` tokens (code positions ``at ..``) stored by the C encoder straight
@@ -421,10 +431,49 @@ class LayerStore:
                 jobs.append((codec, x.transpose(1, 2).reshape(b * n, x.shape[1], x.shape[3]), fm[p.codes],
                              fm[p.norm]))
             kernels.store_cpu(jobs, blocks, slots, bounds, memo=kf.memo, positions=slots)
-        for _, _, _, kc, vc in runs:
+        for heads, _, _, kc, vc in runs:
             kc.extend(n)
             vc.extend(n)
+            if self.key_scale is not None:  # (fit at the first flush, which is never a stored one)
+                self._scale_keys(heads, kc.fields["norm"][:, :, kc.n - n:kc.n])
         return True
+
+    def _keep_scale_rows(self, query: torch.Tensor, scaling: float, softcap) -> None:
+        """fit_key_scale: keep the last FIT_ROWS query rows seen (across forwards, until the first flush fits), with
+        their attention's scaling and softcap and the tokens held when they were read."""
+        rows = query[:, :, -FIT_ROWS:].detach().float()
+        if self.scale_q is not None and self.scale_q[3] + query.shape[2] == self.seq_length():  # contiguous rows
+            rows = torch.cat([self.scale_q[0], rows], dim=2)[:, :, -FIT_ROWS:]
+        self.scale_q = (rows, float(scaling), softcap, self.seq_length())
+
+    def _fit_scale(self, xk: torch.Tensor, parts: list, n: int) -> torch.Tensor:
+        """The first flush with fit_key_scale: gamma [B, H] for the tokens ``xk`` [B, H, n, D] just coded (the window's
+        first ``n``; ``parts``: (heads, codec, codes) of each run of heads), from the prompt's last queries over the
+        sinks, these tokens and the window's rest (:mod:`qjl.cache.key_scale`); ones where no query rows match the
+        tokens held (no attention through this store before its first flush)."""
+        b, h = xk.shape[:2]
+        rec = self.scale_q
+        wk, wv = self._wk.view(), self._wv.view()
+        w = wk.shape[2] - n  # the window's tokens that stay exact
+        if rec is None or rec[3] != self.seq_length():
+            return torch.ones(b, h, device=xk.device)
+        q, scaling, softcap, _ = rec
+        r = min(q.shape[2], w + 1)  # rows that see every coded token: the last w + 1 positions
+        q = q[:, :, q.shape[2] - r:].reshape(b, h, q.shape[1] // h, r, q.shape[-1])
+        visible = None
+        if self.pads is not None and not self.n_codes:  # each row's padding slots, first in its first block
+            visible = torch.arange(n, device=xk.device)[None, :] >= self.pads.to(xk.device)[:, None]
+        hat = torch.empty(xk.shape, device=xk.device)
+        for heads, codec, codes in parts:
+            hat[:, heads] = codec.dequantize(codes)
+        err = key_scale.scale_error(q, self.sink_k, self.sink_v, xk, hat, wv[:, :, :n], wk[:, :, n:], wv[:, :, n:],
+                                    scaling, softcap, visible)
+        return key_scale.fit_key_scale(err)
+
+    def _scale_keys(self, heads: slice, norm: torch.Tensor) -> None:
+        """Multiply the stored key norms ``norm`` [B, h, m] (of KV heads ``heads``) by their heads' gamma, in place."""
+        gamma = self.key_scale[:, heads].to(norm.device)
+        norm.copy_((norm.float() * gamma[:, :, None]).to(norm.dtype))
 
     def _fit_keys(self, block: torch.Tensor) -> tuple:
         """The key codec's per-sequence fit from the first flushed block [B, H, n, D] (and the prompt's last queries
@@ -560,6 +609,9 @@ class LayerStore:
         self.mu, self.mu_v = sel(self.mu), sel(self.mu_v)
         self.row_start, self.pads, self.heavy_pos = sel(self.row_start), sel(self.pads), sel(self.heavy_pos)
         self.heavy_w, self.fit_q = sel(self.heavy_w), sel(self.fit_q)
+        self.key_scale = sel(self.key_scale)
+        if self.scale_q is not None:
+            self.scale_q = (sel(self.scale_q[0]), *self.scale_q[1:])
         if self.key_fit is not None:
             self.key_fit = tuple(sel(t) for t in self.key_fit)
         self.batch = index.numel()
@@ -574,7 +626,8 @@ class LayerStore:
                 "exact": [*(self._wk.tensors() if self._wk else []), *(self._wv.tensors() if self._wv else []),
                           self.sink_k, self.sink_v],
                 "smoothing": [self.mu, self.mu_v, *(g.mean[1] for g in groups if g.mean is not None)],
-                "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos, self.heavy_w, self.fit_q]}
+                "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos, self.heavy_w, self.fit_q,
+                                                   self.key_scale, None if self.scale_q is None else self.scale_q[0]]}
 
     def nbytes(self) -> dict:
         """Bytes of storage held by part (each storage counted once, capacity included)."""

@@ -128,10 +128,10 @@ def replay_prefill(cache, calls: list, attention_mask=None) -> None:
                     raise ValueError("replay_prefill cannot fill a cache whose widths are chosen from the prompt's "
                                      "queries (QJLConfig.auto): prefill it with the model")
                 c = layer.store.config
-                if attn is None and (c.smooth_values or c.heavy_tokens):
+                if attn is None and (c.smooth_values or c.heavy_tokens or c.fit_key_scale):
                     raise ValueError(f"replay_prefill: layer {i} has no recorded attention (its query), which value "
-                                     "smoothing (smooth_values) and heavy_tokens fit to: record the prefill through a "
-                                     "patched model")
+                                     "smoothing (smooth_values), heavy_tokens and fit_key_scale fit to: record the "
+                                     "prefill through a patched model")
                 if attn is None:
                     layer.store.before_attention(mask)
                 else:  # the recorded rows: the same value mean as the cache's own prefill

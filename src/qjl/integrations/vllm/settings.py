@@ -130,6 +130,9 @@ def check_servable(config: QJLConfig) -> None:
         raise ValueError("the qjl vLLM backend serves fixed widths: a configuration whose widths are chosen per layer "
                          "from each prompt (QJLConfig.auto, e.g. the preset 'tqa-5x') is not served; choose a fixed "
                          "preset (e.g. 'tqv-k3v2' at the same 5x point)")
+    if config.fit_key_scale:
+        raise ValueError("the qjl vLLM backend does not fit the coded keys' score scale from each prompt "
+                         "(fit_key_scale=True): serve the configuration with fit_key_scale=False")
     specs = [("key", config.key), ("value", config.value)]
     if config.late_key is not None:
         specs.append(("late_key", config.late_key))

@@ -1,0 +1,152 @@
+"""A scale on the coded keys' scores, fitted per sequence, layer and KV head from the prompt (``QJLConfig.fit_key_scale``).
+
+A coded key's score is the exact score plus noise: ``s_hat = s + n``.  With TurboQuant's norm correction
+(``<x, x_hat> = ||x||^2``) the noise is orthogonal to the key and the scores are unbiased, but softmax is not
+linear: over many coded tokens the largest noisy scores win, and the attention over the codes comes out sharper
+than the exact attention.  The estimate of ``s`` from ``s_hat`` that accounts for the noise shrinks it towards the
+scores' mean (for Gaussian scores of spread ``tau`` and noise ``sigma``: ``tau^2 / (tau^2 + sigma^2)``); how
+much depends on each head's spread of scores, so the factor is measured, not derived:
+
+* at the first flush (the end of prefill when the prompt outgrows the window), the prompt's last ``FIT_ROWS``
+  queries of each KV head's query heads attend over the prompt as the cache will hold it -- sinks and heavy tokens
+  and the window exact, the tokens just coded with ``gamma * s_hat`` -- and over the prompt with every score exact
+  (:func:`scale_error`: the squared error of the attention outputs, exact values everywhere: the keys' part of the
+  error alone);
+* ``gamma`` is found by successive parabolic interpolation over ``[GAMMA_MIN, GAMMA_MAX]`` for each sequence and
+  KV head (:func:`fit_key_scale`: five evaluations);
+* the store multiplies every stored key norm of that sequence and KV head by ``gamma`` -- the codes' scores are
+  linear in the norm for the codecs that take the fit (TurboQuant MSE and its vector codebooks), so every
+  attention path (the reference, SDPA over dequantized keys, the C and Triton kernels) reads the scaled scores
+  without a change, and the exact tokens keep their exact scores.  ``GAMMA_MAX`` = 1: no stored norm grows, so
+  none can leave its dtype's range.
+
+A sliding-window layer compressed with ``compress_sliding`` is fitted as if its last queries saw the whole prompt
+(the store does not know the window): its gamma is then chosen for a wider attention than the one it serves.
+
+Measured on the embedded model (GPL-3, the tuning text; 1.5k context, three seeds; docs/cache.md, "A scale on
+the coded keys' scores"): a constant ``gamma`` helps a little near 0.99 and hurts beyond (0.97 or 1.03 raise KL
+by 14% and 160% for ``tqv-k3v2``), while the fitted ``gamma`` lowers the 5x point's KL by about a third.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GAMMA_MIN", "GAMMA_MAX", "FIT_ROWS", "attention_error", "scale_error", "fit_key_scale",
+           "SCALED_CODECS"]
+
+GAMMA_MIN, GAMMA_MAX = 0.80, 1.00  # the search interval (both ends candidates; at most 1: no stored norm grows)
+FIT_ROWS = 32  # the prompt's last queries per query head that the fit reads
+# key codecs whose scores are linear in their stored field "norm" (the fit folds gamma into it)
+SCALED_CODECS = ("turboquant_mse", "turboquant_vq")
+
+
+def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, scaling: float,
+                softcap=None, coded_visible=None):
+    """The squared error of the attention outputs with the coded keys' scores times ``gamma``, against every score
+    exact, as a function ``error(gammas)``: gammas [K, B, H] (or broadcastable, e.g. [K, 1, 1]) -> [K, B, H], the
+    mean over query rows of ``||o_gamma - o||^2``.  What does not depend on ``gamma`` is computed once here (the
+    scores, the exact tokens' part of every output, the exact outputs), so an evaluation costs one exp and one
+    [rows, n] x [n, D] product per KV head.
+
+    ``query`` [B, H, G, R, D] float32: each KV head's G query heads' last R queries (row ``r`` at prompt position
+    ``P - R + r``); ``exact_k`` / ``exact_v`` [B, H, s, D]: sinks and heavy tokens (seen by every row), or None;
+    ``coded_k`` / ``coded_hat`` / ``coded_v`` [B, H, n, D]: the tokens just coded, their keys exact and as coded,
+    their exact values (seen by every row: ``R`` is at most the window's length + 1); ``window_k`` / ``window_v``
+    [B, H, w, D]: the exact window, the prompt's last ``w`` tokens (row ``r`` sees its first ``w - R + r + 1``);
+    ``coded_visible`` [B, n] bool or None: coded slots a row attends (left padding: False).  ``softcap``: the
+    model's attention logit softcapping (applied after the scale, as the attention applies it)."""
+    b, h, g, r, d = query.shape
+    q = query.reshape(b, h, g * r, d)
+    w = window_k.shape[2]
+    if r > w + 1:
+        raise ValueError(f"the fit's query rows ({r}) must be at most the window's tokens + 1 ({w + 1})")
+
+    def logits(keys):
+        return torch.matmul(q, keys.float().transpose(-1, -2)) * scaling
+
+    def capped(x):
+        return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+    row = torch.arange(r, device=q.device).repeat(g)  # row index within its query head, [G R]
+    lw = capped(logits(window_k)).masked_fill(torch.arange(w, device=q.device)[None, :] > (w - r + row)[:, None],
+                                              float("-inf"))
+    lx, vx = lw, window_v.float()  # the exact tokens' scores [B, H, M, s + w] and values
+    if exact_k is not None and exact_k.shape[2]:
+        lx, vx = torch.cat([capped(logits(exact_k)), lw], dim=-1), torch.cat([exact_v.float(), vx], dim=2)
+    mx = lx.amax(-1, keepdim=True)  # [B, H, M, 1]; -inf where a row sees no exact token
+    mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    px = torch.exp(lx - mx)
+    nx, zx = torch.matmul(px, vx), px.sum(-1, keepdim=True)  # the exact part of every output, at max mx
+    hidden = None if coded_visible is None else ~coded_visible.to(q.device)[:, None, None, :]
+    s, s_hat, vc = logits(coded_k), logits(coded_hat), coded_v.float()
+
+    def out(coded):  # coded scores [..., B, H, M, n] (capped, masked) -> the outputs [..., B, H, M, D]
+        if hidden is not None:
+            coded = coded.masked_fill(hidden, float("-inf"))
+        m = torch.maximum(mx, coded.amax(-1, keepdim=True))
+        pc = torch.exp(coded - m)
+        f = torch.exp(mx - m)
+        return (f * nx + torch.matmul(pc, vc)) / (f * zx + pc.sum(-1, keepdim=True))
+
+    ref = out(capped(s))
+    if softcap is None:  # the scores' max and the exponent in one pass each (gamma > 0: max(gamma x) = gamma max x)
+        if hidden is not None:
+            s_hat = s_hat.masked_fill(hidden, float("-inf"))
+        s_max = s_hat.amax(-1, keepdim=True)
+
+        def scaled(g):  # g [B|1, H|1, 1, 1]
+            m = torch.maximum(mx, g * s_max)
+            pc = torch.addcmul(-m, g, s_hat).exp_()
+            f = torch.exp(mx - m)
+            return (f * nx + torch.matmul(pc, vc)) / (f * zx + pc.sum(-1, keepdim=True))
+    else:
+        def scaled(g):
+            return out(capped(g * s_hat))
+
+    def error(gammas) -> torch.Tensor:
+        gm = torch.as_tensor(gammas, dtype=torch.float32, device=q.device)
+        return torch.stack([(scaled(x[..., None, None]) - ref).square().sum(-1).mean(-1) for x in gm])
+
+    return error
+
+
+def attention_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, gammas, scaling: float,
+                    softcap=None, coded_visible=None) -> torch.Tensor:
+    """:func:`scale_error`'s function evaluated at ``gammas`` [K, B, H] (or broadcastable) -> [K, B, H]."""
+    return scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, scaling, softcap,
+                       coded_visible)(gammas)
+
+
+def _vertex(x: torch.Tensor, e: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """The minimum of the parabola through three points per head: x, e [3, B, H] -> [B, H], within [lo, hi] (the
+    best of the three where the parabola opens downwards or is flat)."""
+    x0, x1, x2 = x
+    e0, e1, e2 = e
+    num = (x1 - x0) ** 2 * (e1 - e2) - (x1 - x2) ** 2 * (e1 - e0)
+    den = (x1 - x0) * (e1 - e2) - (x1 - x2) * (e1 - e0)
+    best = torch.gather(x, 0, e.argmin(0, keepdim=True))[0]
+    v = x1 - 0.5 * num / torch.where(den == 0, torch.ones_like(den), den)
+    curved = (den * ((x1 - x0) * (x1 - x2) * (x2 - x0)).sign()) > 0  # a minimum, not a maximum
+    return torch.where(curved & torch.isfinite(v), v, best).clamp(lo, hi)
+
+
+def fit_key_scale(error_of, lo: float = GAMMA_MIN, hi: float = GAMMA_MAX) -> torch.Tensor:
+    """``gamma`` in [lo, hi] minimizing ``error_of`` for every sequence and KV head at once -> gamma [B, H] float32,
+    the best point evaluated.  ``error_of(gammas)``: gammas [K, B, H] (or broadcastable: [K, 1, 1]) -> the error at
+    each, [K, B, H] (:func:`scale_error`).  Successive parabolic interpolation, five evaluations in three calls: the
+    ends and the middle, the parabola's minimum through them, then the parabola's minimum through that point and
+    its two nearest neighbours (near its minimum the error is close to a parabola in ``gamma``)."""
+    x = torch.tensor([lo, (lo + hi) / 2, hi]).view(3, 1, 1)
+    e = error_of(x)  # [3, B, H]
+    x = x.expand_as(e).clone()
+    x3, e3 = x, e
+    for _ in range(2):
+        v = _vertex(x3, e3, lo, hi)
+        x, e = torch.cat([x, v[None]]), torch.cat([e, error_of(v[None])])
+        # the best point so far and its two nearest (by gamma), in order: the next parabola's
+        near = (x - torch.gather(x, 0, e.argmin(0, keepdim=True))).abs().argsort(0)[:3]
+        x3, e3 = torch.gather(x, 0, near), torch.gather(e, 0, near)
+        order = x3.argsort(0)
+        x3, e3 = torch.gather(x3, 0, order), torch.gather(e3, 0, order)
+    return torch.gather(x, 0, e.argmin(0, keepdim=True))[0].float()
