@@ -80,7 +80,7 @@ PRESETS = {
     # taken in the residual stream (AutoBits residual_weights, every auto's default since the ninth session: on
     # GPL-3 KL 0.0060 -> 0.0053 over three seeds; docs/cache.md, "Errors in the residual stream"); the coded keys'
     # score scale fitted from the prompt (fit_key_scale, every auto's default since 2026-11-30: GPL-3 KL 0.0053 ->
-    # 0.0034; docs/cache.md, "A scale on the coded keys' scores"); transformers only (vLLM serves fixed widths:
+    # 0.0035; docs/cache.md, "A scale on the coded keys' scores"); transformers only (vLLM serves fixed widths:
     # tqv-k3v2)
     "tqa-5x": QJLConfig.auto(bits_per_value=2.72, vector_values=True, residual_length=120, flush_block=8,
                              exact_dtype="fp16", budget_tokens=4096),
