@@ -7,7 +7,7 @@ import torch
 
 from qjl import CodecSpec, QJLConfig
 from qjl.cache.attention import attend
-from qjl.cache.key_scale import GAMMA_MAX, GAMMA_MIN, attention_error, fit_key_scale
+from qjl.cache.key_scale import GAMMA_MAX, GAMMA_MIN, fit_key_scale, scale_error
 
 TOL = 0.005
 from qjl.cache.storage import LayerStore
@@ -38,6 +38,10 @@ def _parts(seed=0, b=2, h=2, g=3, r=4, s=3, n=20, w=6, d=8):
     x = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
     return dict(query=x(b, h, g, r, d), exact_k=x(b, h, s, d), exact_v=x(b, h, s, d), coded_k=x(b, h, n, d),
                 coded_hat=x(b, h, n, d), coded_v=x(b, h, n, d), window_k=x(b, h, w, d), window_v=x(b, h, w, d))
+
+
+def attention_error(gammas, scaling, softcap=None, coded_visible=None, **parts):
+    return scale_error(**parts, scaling=scaling, softcap=softcap, coded_visible=coded_visible)(gammas)
 
 
 def _error_by_definition(p, gamma: float, scaling: float, visible=None, softcap=None) -> torch.Tensor:
@@ -193,3 +197,21 @@ def test_config_checks_the_option():
         QJLConfig(key=CodecSpec("qjl", {}, per_dim={"sketch_dim": 2.0}), fit_key_scale=True)
     with pytest.raises(ValueError, match="fit_key_scale.*kivi"):
         QJLConfig(key=CodecSpec("kivi", {"bits": 2}), flush_block=32, fit_key_scale=True)
+
+
+def test_bad_parts_and_search_arguments_are_named():
+    p = _parts()
+    with pytest.raises(ValueError, match="query"):
+        scale_error(**{**p, "query": p["query"][0]}, scaling=1.0)
+    with pytest.raises(ValueError, match="coded_hat"):
+        scale_error(**{**p, "coded_hat": p["coded_hat"][..., :4]}, scaling=1.0)
+    with pytest.raises(ValueError, match="coded_k, coded_hat, coded_v"):
+        scale_error(**{**p, "coded_v": p["coded_v"][:, :, :5]}, scaling=1.0)
+    with pytest.raises(ValueError, match="exact_k and exact_v"):
+        scale_error(**{**p, "exact_v": None}, scaling=1.0)
+    with pytest.raises(ValueError, match="coded_visible"):
+        scale_error(**p, scaling=1.0, coded_visible=torch.ones(2, 20))
+    with pytest.raises(TypeError, match="error_of"):
+        fit_key_scale(None)
+    with pytest.raises(ValueError, match="lo"):
+        fit_key_scale(lambda g: g, lo=1.0, hi=0.9)

@@ -32,13 +32,38 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GAMMA_MIN", "GAMMA_MAX", "FIT_ROWS", "attention_error", "scale_error", "fit_key_scale",
+__all__ = ["GAMMA_MIN", "GAMMA_MAX", "FIT_ROWS", "scale_error", "fit_key_scale",
            "SCALED_CODECS"]
 
 GAMMA_MIN, GAMMA_MAX = 0.80, 1.00  # the search interval (both ends candidates; at most 1: no stored norm grows)
 FIT_ROWS = 32  # the prompt's last queries per query head that the fit reads
 # key codecs whose scores are linear in their stored field "norm" (the fit folds gamma into it)
 SCALED_CODECS = ("turboquant_mse", "turboquant_vq")
+
+
+def _check_parts(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, coded_visible) -> None:
+    """ValueError / TypeError naming the argument whose shape or type does not fit :func:`scale_error`'s."""
+    if not isinstance(query, torch.Tensor) or query.dim() != 5:
+        raise ValueError(f"query must be a [B, H, G, R, D] tensor, got {getattr(query, 'shape', type(query))}")
+    b, h, _, _, d = query.shape
+    named = {"coded_k": coded_k, "coded_hat": coded_hat, "coded_v": coded_v, "window_k": window_k,
+             "window_v": window_v, "exact_k": exact_k, "exact_v": exact_v}
+    if (exact_k is None) != (exact_v is None):
+        raise ValueError("exact_k and exact_v must be given together (or both None)")
+    for name, x in named.items():
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or tuple(x.shape[:2]) != (b, h) or x.shape[3] != d:
+            raise ValueError(f"{name} must be a [B={b}, H={h}, n, D={d}] tensor, got {getattr(x, 'shape', type(x))}")
+    for group in (("coded_k", "coded_hat", "coded_v"), ("window_k", "window_v"), ("exact_k", "exact_v")):
+        sizes = {named[n].shape[2] for n in group if named[n] is not None}
+        if len(sizes) > 1:
+            raise ValueError(f"{', '.join(group)} must hold the same number of tokens, got {sorted(sizes)}")
+    n = coded_k.shape[2]
+    if coded_visible is not None and (not isinstance(coded_visible, torch.Tensor) or coded_visible.dtype != torch.bool
+                                      or tuple(coded_visible.shape) != (b, n)):
+        raise ValueError(f"coded_visible must be None or a bool [B={b}, n={n}] tensor, got "
+                         f"{getattr(coded_visible, 'dtype', type(coded_visible))} {getattr(coded_visible, 'shape', '')}")
 
 
 def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, scaling: float,
@@ -56,6 +81,7 @@ def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, 
     [B, H, w, D]: the exact window, the prompt's last ``w`` tokens (row ``r`` sees its first ``w - R + r + 1``);
     ``coded_visible`` [B, n] bool or None: coded slots a row attends (left padding: False).  ``softcap``: the
     model's attention logit softcapping (applied after the scale, as the attention applies it)."""
+    _check_parts(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, coded_visible)
     b, h, g, r, d = query.shape
     q = query.reshape(b, h, g * r, d)
     w = window_k.shape[2]
@@ -81,13 +107,15 @@ def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, 
     hidden = None if coded_visible is None else ~coded_visible.to(q.device)[:, None, None, :]
     s, s_hat, vc = logits(coded_k), logits(coded_hat), coded_v.float()
 
-    def out(coded):  # coded scores [..., B, H, M, n] (capped, masked) -> the outputs [..., B, H, M, D]
+    def mix(pc, m):  # the codes' weights exp(score - m) and the rows' max m -> the outputs [..., B, H, M, D]
+        f = torch.exp(mx - m)
+        return (f * nx + torch.matmul(pc, vc)) / (f * zx + pc.sum(-1, keepdim=True))
+
+    def out(coded):  # coded scores [..., B, H, M, n] (capped) -> the outputs
         if hidden is not None:
             coded = coded.masked_fill(hidden, float("-inf"))
         m = torch.maximum(mx, coded.amax(-1, keepdim=True))
-        pc = torch.exp(coded - m)
-        f = torch.exp(mx - m)
-        return (f * nx + torch.matmul(pc, vc)) / (f * zx + pc.sum(-1, keepdim=True))
+        return mix(torch.exp(coded - m), m)
 
     ref = out(capped(s))
     if softcap is None:  # the scores' max and the exponent in one pass each (gamma > 0: max(gamma x) = gamma max x)
@@ -97,9 +125,7 @@ def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, 
 
         def scaled(g):  # g [B|1, H|1, 1, 1]
             m = torch.maximum(mx, g * s_max)
-            pc = torch.addcmul(-m, g, s_hat).exp_()
-            f = torch.exp(mx - m)
-            return (f * nx + torch.matmul(pc, vc)) / (f * zx + pc.sum(-1, keepdim=True))
+            return mix(torch.addcmul(-m, g, s_hat).exp_(), m)
     else:
         def scaled(g):
             return out(capped(g * s_hat))
@@ -109,13 +135,6 @@ def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, 
         return torch.stack([(scaled(x[..., None, None]) - ref).square().sum(-1).mean(-1) for x in gm])
 
     return error
-
-
-def attention_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, gammas, scaling: float,
-                    softcap=None, coded_visible=None) -> torch.Tensor:
-    """:func:`scale_error`'s function evaluated at ``gammas`` [K, B, H] (or broadcastable) -> [K, B, H]."""
-    return scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, scaling, softcap,
-                       coded_visible)(gammas)
 
 
 def _vertex(x: torch.Tensor, e: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
@@ -137,6 +156,10 @@ def fit_key_scale(error_of, lo: float = GAMMA_MIN, hi: float = GAMMA_MAX) -> tor
     each, [K, B, H] (:func:`scale_error`).  Successive parabolic interpolation, five evaluations in three calls: the
     ends and the middle, the parabola's minimum through them, then the parabola's minimum through that point and
     its two nearest neighbours (near its minimum the error is close to a parabola in ``gamma``)."""
+    if not callable(error_of):
+        raise TypeError(f"error_of must be a function of gammas [K, B, H], got {type(error_of).__name__}")
+    if not 0 < lo < hi:
+        raise ValueError(f"need 0 < lo < hi, got lo={lo!r}, hi={hi!r}")
     x = torch.tensor([lo, (lo + hi) / 2, hi]).view(3, 1, 1)
     e = error_of(x)  # [3, B, H]
     x = x.expand_as(e).clone()
