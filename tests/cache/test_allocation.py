@@ -348,10 +348,18 @@ def test_planned_budget_names_bad_arguments():
     # heavy tokens: their positions, int32 per row, shared by the KV heads
     want = (3.0 - 32.0 * 64 / (6400 * 96) - 32.0 * 16 / (3 * 6400 * 96)) / (1 + 100 / 6400)
     assert planned_budget(3.0, 6400, 32, True, 64, 32, heavy_tokens=16, heads=3) == pytest.approx(want)
+    # the fitted key scale: one fp32 per row
+    want = (3.0 - 32.0 / (6400 * 96)) / (1 + 100 / 6400)
+    assert planned_budget(3.0, 6400, 32, False, 64, 32, key_scale=True) == pytest.approx(want, rel=1e-12)
+    assert planned_budget(3.0, 6400, 32, False, 64, 32, key_scale=True) < planned_budget(3.0, 6400, 32, False, 64, 32)
     for kw, name in ((dict(budget=0.0), "budget"), (dict(tokens=-1), "tokens"), (dict(flush_block=0), "flush_block"),
                      (dict(key_dim=1.5), "key_dim"), (dict(heavy_tokens=-1), "heavy_tokens"), (dict(heads=0), "heads")):
         args = dict(budget=3.0, tokens=100, flush_block=32, smooth_keys=True, key_dim=64, value_dim=64) | kw
         with pytest.raises(ValueError, match=name):
+            planned_budget(**args)
+    for name in ("smooth_keys", "smooth_values", "key_scale"):
+        args = dict(budget=3.0, tokens=100, flush_block=32, smooth_keys=True, key_dim=64, value_dim=64) | {name: 1}
+        with pytest.raises(TypeError, match=name):
             planned_budget(**args)
 
 

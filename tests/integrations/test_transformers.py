@@ -542,6 +542,31 @@ def test_auto_holds_its_budget(prompt, new, heavy):
     assert max(held) > 2.7  # and it uses the budget
 
 
+def test_auto_plans_room_for_the_fitted_key_scale(monkeypatch):
+    """#14: with ``fit_key_scale`` the allocation's plan leaves room for the scale's float32 per sequence and KV head
+    (``memory_report`` counts it under "fit"): the codes' budget is that much lower than without the fit."""
+    from qjl.cache import allocation
+
+    model = _patched("llama")
+    planned, real = [], allocation.planned_budget
+
+    def spy(*args, **kwargs):
+        planned.append(real(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(allocation, "planned_budget", spy)
+    for fit in (False, True):
+        cache = QJLCache(model, QJLConfig.auto(bits_per_value=3.0, residual_length=8, flush_block=4,
+                                               boundary_layers=0, fit_key_scale=fit))
+        model(_prompt(200), **cache_kwargs(cache))
+        model(_prompt(1), **cache_kwargs(cache))
+        assert cache.memory_report()["compressed_bits"] <= 3.0
+    store = cache.layers[0].store
+    assert len(planned) == 2
+    # one float32 per row over the >= 150 compressed prompt tokens' key and value coordinates, at most
+    assert 0 < planned[0] - planned[1] <= 32.0 / (150 * (store.key_dim + store.value_dim))
+
+
 @pytest.mark.parametrize("heavy", [0, 16])
 def test_auto_budget_stated_at_a_length(heavy):
     """#14: ``QJLConfig.auto(..., budget_tokens=N0)`` (the 5x preset's rule): a prompt of N0 tokens chooses what the

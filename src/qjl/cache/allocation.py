@@ -489,18 +489,22 @@ def choose_widths(stats: list, budget: float, exact_bits: float, boundary: int, 
 
 
 def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bool, key_dim: int,
-                   value_dim: int, smooth_values: bool = False, heavy_tokens: int = 0, heads: int = 1) -> float:
+                   value_dim: int, smooth_values: bool = False, heavy_tokens: int = 0, heads: int = 1,
+                   key_scale: bool = False) -> float:
     """Bits per value the codecs may use so that the storage *held* stays within ``budget`` from the end of
     the prefill on (``tokens`` compressed per row then).  Two things are held beyond the codes' own bits:
     the buffers' spare capacity (:func:`qjl.cache.buffers.grown_capacity`: at most ``max(n / 64, step)`` codes
     beyond the ``n`` in use, a fraction that only shrinks as ``n`` grows past ``tokens``), and with key
     smoothing one float32 mean per row and key channel (``32 key_dim / n`` bits per key coordinate), with value
     smoothing one per value channel, with heavy tokens their positions (``heavy_tokens`` int32 per row, shared by the
-    ``heads`` KV heads)."""
+    ``heads`` KV heads), with ``key_scale`` (``fit_key_scale``) one float32 per row."""
     from qjl.cache.buffers import GROWTH
 
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
         raise ValueError(f"budget must be a positive number, got {budget!r}")
+    for name, flag in (("smooth_keys", smooth_keys), ("smooth_values", smooth_values), ("key_scale", key_scale)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
     for name, v, lo in (("tokens", tokens, 0), ("flush_block", flush_block, 1), ("key_dim", key_dim, 1),
                         ("value_dim", value_dim, 1), ("heavy_tokens", heavy_tokens, 0), ("heads", heads, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -509,6 +513,7 @@ def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bo
     spare = 1.0 + max(n // GROWTH, flush_block) / n
     means = 32.0 * (key_dim * smooth_keys + value_dim * smooth_values) / (n * (key_dim + value_dim))
     means += 32.0 * heavy_tokens / (heads * n * (key_dim + value_dim))
+    means += 32.0 * key_scale / (n * (key_dim + value_dim))
     return (budget - means) / spare
 
 
@@ -637,7 +642,7 @@ class Allocator:
         codes = self.auto.codes_budget(length, length - tokens + heavy, exact_bits)  # (budget_tokens: past N0, more)
         budget = planned_budget(codes, tokens, self.config.flush_block, self.config.smooth_keys,
                                 live[0].key_dim, live[0].value_dim, self.config.smooth_values,
-                                self.config.heavy_tokens, live[0].heads)
+                                self.config.heavy_tokens, live[0].heads, self.config.fit_key_scale)
         cheapest = sum(min(b for b, _ in st["keys"]) + min(b for b, _ in st["values"]) for st in stats) / (2 * len(stats))
         if cheapest > nominal + 1e-9:
             raise ValueError(f"bits_per_value={nominal:g} is below the cheapest candidates ({cheapest:.3f} bits/value)")
