@@ -492,7 +492,7 @@ def planned_budget(budget: float, tokens: int, flush_block: int, smooth_keys: bo
                    value_dim: int, smooth_values: bool = False, heavy_tokens: int = 0, heads: int = 1,
                    key_scale: bool = False) -> float:
     """Bits per value the codecs may use so that the storage *held* stays within ``budget`` from the end of
-    the prefill on (``tokens`` compressed per row then).  Two things are held beyond the codes' own bits:
+    the prefill on (``tokens`` compressed per row then).  Held beyond the codes' own bits:
     the buffers' spare capacity (:func:`qjl.cache.buffers.grown_capacity`: at most ``max(n / 64, step)`` codes
     beyond the ``n`` in use, a fraction that only shrinks as ``n`` grows past ``tokens``), and with key
     smoothing one float32 mean per row and key channel (``32 key_dim / n`` bits per key coordinate), with value
