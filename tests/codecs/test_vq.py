@@ -47,6 +47,27 @@ def test_codes_are_the_nearest_codeword_of_each_group(bits):
     assert int(e.max()) < 2 ** (g * bits)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [64, 96, 36, 20])
+def test_codewords_read_straight_from_the_packed_stream(bits, d):
+    """stored_codewords (what rotated / dequantize read) equals the per-coordinate fields joined, for every codeword
+    in every position, at dimensions whose packed bytes do not fill whole words."""
+    g = GROUPS[bits]
+    if d % g:
+        pytest.skip("the group divides the dimension")
+    codec = TurboQuantVQ(d, bits, seed=1)
+    e = torch.randint(0, 2 ** (g * bits), (5, 7, d // g), generator=torch.Generator().manual_seed(d + bits))
+    from qjl.core.packing import pack_bits
+    from qjl.core.vq_codebook import split_codes
+
+    packed = pack_bits(split_codes(e, g, bits), bits)
+    assert torch.equal(codec.stored_codewords(packed), e)
+    assert torch.equal(codec.stored_codewords(packed), codec.joint_codes(unpack_bits(packed, bits, d)))
+    codes = codec.quantize(torch.randn(9, d))
+    assert torch.equal(codec.rotated(codes), codec.table[codec.joint_codes(unpack_bits(codes.fields["codes"], bits, d))]
+                       .reshape(9, d) * codes.fields["norm"].float().unsqueeze(-1))
+
+
 def test_reconstruction_is_the_norm_times_the_rotated_back_codewords():
     codec = TurboQuantVQ(D, 2, seed=5, norm_dtype="fp32")
     x = torch.randn(7, 3, D)

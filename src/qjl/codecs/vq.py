@@ -123,6 +123,16 @@ class TurboQuantVQ(TurboQuantMSE):
         """Per-coordinate fields idx [..., n] -> each group's codeword [..., n / g] int64."""
         return joint_codes(idx, self.group, self.bits)
 
+    def stored_codewords(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed codes [..., bytes] uint8 -> each group's codeword [..., n / g] int64, read straight from the bit
+        stream: a group's g fields of b bits are consecutive in it (field ``s`` at bits ``[s b, (s + 1) b)`` of the
+        codeword, :func:`qjl.core.vq_codebook.joint_codes`), so its codeword is one field of g b bits -- a byte at 2 bits
+        (quads) and 4 bits (pairs), 6 bits at 3 (pairs).  Equal to ``joint_codes(unpack_bits(packed, b, n))``."""
+        width, m = self.group * self.bits, self.rotation.out_dim // self.group
+        if width == 8:
+            return packed[..., :m].long()
+        return unpack_bits(packed, width, m)
+
     def rotated(self, codes) -> torch.Tensor:
         """The reconstruction in the rotated basis: [..., n] float32."""
         self._check_codes(codes, "codes", "norm", kind="TurboQuantVQ")
@@ -130,7 +140,7 @@ class TurboQuantVQ(TurboQuantMSE):
         n = self.rotation.out_dim
         if packed.shape[-1] != packed_size(n, self.bits):
             raise ValueError(f"codes hold {packed.shape[-1]} bytes per vector; this codec stores {packed_size(n, self.bits)}")
-        e = self.joint_codes(unpack_bits(packed, self.bits, n))
+        e = self.stored_codewords(packed)
         y = on_device(self.table, packed.device)[e].reshape(*packed.shape[:-1], n)
         return y * codes.fields["norm"].float().unsqueeze(-1)
 
