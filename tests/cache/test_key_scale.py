@@ -94,6 +94,56 @@ def test_attention_error_is_the_definition_causal_window_and_padding_included():
                         gammas=[1.0], scaling=scaling)
 
 
+def _error_by_row_masks(p, gamma: float, scaling: float, vis) -> torch.Tensor:
+    """The error written out row by row under each row's own mask ``vis`` [B, 1|H, G R, s + n + w] (slots: exact,
+    coded, window), taken with the causal window; the mean over the rows that see some slot."""
+    b, h, g, r, d = p["query"].shape
+    w, n = p["window_k"].shape[2], p["coded_k"].shape[2]
+    out = torch.zeros(b, h)
+    for bi in range(b):
+        for hi in range(h):
+            tot, rows = 0.0, 0
+            for gi in range(g):
+                for ri in range(r):
+                    q = p["query"][bi, hi, gi, ri]
+                    causal = torch.arange(w) < w - r + ri + 1
+                    m = vis[bi, min(hi, vis.shape[1] - 1), gi * r + ri]
+                    ns = p["exact_k"].shape[2]
+                    keep = torch.cat([m[:ns], m[ns:ns + n], m[ns + n:] & causal])
+                    if not keep.any():
+                        continue
+                    ks = torch.cat([p["exact_k"][bi, hi], p["coded_k"][bi, hi], p["window_k"][bi, hi]])[keep]
+                    vs = torch.cat([p["exact_v"][bi, hi], p["coded_v"][bi, hi], p["window_v"][bi, hi]])[keep]
+                    scale = torch.cat([torch.ones(ns), torch.full((n,), gamma), torch.ones(w)])[keep]
+                    kh = torch.cat([p["exact_k"][bi, hi], p["coded_hat"][bi, hi], p["window_k"][bi, hi]])[keep]
+                    exact = torch.softmax(ks @ q * scaling, 0) @ vs
+                    tot += (torch.softmax(scale * (kh @ q) * scaling, 0) @ vs - exact).square().sum()
+                    rows += 1
+            out[bi, hi] = tot / max(rows, 1)
+    return out
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_each_rows_own_mask_is_the_definition(heads):
+    """``visible``: a mask per query row over the slots (a sliding window's, say), with the causal window; a row that
+    sees nothing counts for nothing."""
+    p = _parts(seed=5)
+    vis = torch.rand(2, heads, 12, 3 + 20 + 6, generator=torch.Generator().manual_seed(6)) > 0.3
+    vis[0, 0, 1] = False  # sees nothing
+    vis[1, -1, 5, :23] = False  # sees only window slots beyond its causal window: nothing either
+    got = scale_error(**p, scaling=0.35, visible=vis)(torch.tensor([1.0, 0.85]).view(2, 1, 1))
+    for i, gm in enumerate((1.0, 0.85)):
+        assert torch.isfinite(got[i]).all()
+        assert torch.allclose(got[i], _error_by_row_masks(p, gm, 0.35, vis), rtol=1e-4, atol=1e-7)
+    none = torch.zeros(2, heads, 12, 29, dtype=torch.bool)
+    none[..., :3] = True  # only the exact tokens: the error does not depend on gamma, and the fit leaves it at 1
+    assert torch.equal(fit_key_scale(scale_error(**p, scaling=0.35, visible=none)), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="visible"):
+        scale_error(**p, scaling=0.35, visible=vis[..., :-1])
+    with pytest.raises(ValueError, match="visible"):
+        scale_error(**p, scaling=0.35, visible=vis.float())
+
+
 def test_fit_recovers_a_known_inflation_of_the_coded_scores():
     """Coded keys that are the exact keys times c_h score c_h times too high: the fit undoes it, gamma = 1 / c_h."""
     p = _parts(seed=3, n=64)
@@ -174,6 +224,48 @@ def test_gamma_is_per_sequence_blind_to_padding_and_follows_select():
     g = a.key_scale.clone()
     a.select(torch.tensor([1, 0]))
     assert torch.equal(a.key_scale, g[[1, 0]])
+
+
+def test_a_sliding_window_fits_what_its_rows_see():
+    """A compressed sliding-window layer: the fit's rows attend through their window, so the tokens none of them sees
+    do not move gamma (unlike the full attention's fit); a window of one token sees no coded token: gamma 1; an
+    explicit causal mask is no mask.  Left padding without sinks is hidden as the mask hides it."""
+    from dataclasses import replace
+
+    k, v, q = _kv(seed=2)
+    length, width = 60, 24
+    pos = torch.arange(length)
+
+    def window(w):
+        return ((pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - w))[None, None].expand(2, 1, -1, -1)
+
+    cfg = replace(_config(True), smooth_keys=False)
+
+    def fit(keys, mask, config=cfg):
+        store = LayerStore(0, config)
+        _prefill(store, keys[:, :, :length], v[:, :, :length], q[:, :, :length], mask)
+        return store.key_scale
+
+    full, slid = fit(k, None), fit(k, window(width))
+    assert (slid - full).abs().max() > 1e-3
+    k2 = k.clone()
+    k2[:, :, 2:length - 16 - width + 1] = 5 * torch.randn(2, 2, length - 16 - width - 1, 32)  # unseen by every row
+    assert torch.allclose(fit(k2, window(width)), slid, atol=1e-6)
+    assert not torch.allclose(fit(k2, None), full, atol=1e-3)
+    assert torch.equal(fit(k, window(1)), torch.ones(2, 2))
+    assert torch.equal(fit(k, window(length)), full)  # the causal mask itself
+    bare = replace(cfg, sink_tokens=0)
+    pad = window(length).clone()
+    pad[1, ..., :5] = False
+    k3 = k.clone()
+    k3[1, :, :5] = 100 * torch.randn(2, 5, 32)
+    assert torch.allclose(fit(k, pad, bare), fit(k3, pad, bare), atol=1e-6)
+    # with sinks, a padded row's sinks are its first real tokens (slots reordered): its rows see them
+    base = fit(k, pad)
+    k4 = k.clone()
+    k4[1, :, 5:7] *= 4
+    moved = fit(k4, pad)
+    assert torch.allclose(moved[0], base[0], atol=1e-6) and (moved[1] - base[1]).abs().max() > 1e-4
 
 
 def test_no_queries_before_the_first_flush_means_no_scale():

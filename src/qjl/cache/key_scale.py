@@ -20,8 +20,9 @@ much depends on each head's spread of scores, so the factor is measured, not der
   without a change, and the exact tokens keep their exact scores.  ``GAMMA_MAX`` = 1: no stored norm grows, so
   none can leave its dtype's range.
 
-A sliding-window layer compressed with ``compress_sliding`` is fitted as if its last queries saw the whole prompt
-(the store does not know the window): its gamma is then chosen for a wider attention than the one it serves.
+Each query row attends through its own mask (``scale_error``'s ``visible``, from the attention mask the store saw
+with the query: left padding, and a sliding-window layer's window when ``compress_sliding`` compresses it), so a
+sliding layer's gamma is fitted to the attention it serves; where no row sees a coded token, gamma stays 1.
 
 Measured on the embedded model (GPL-3, the tuning text; 1.5k context, three seeds; docs/cache.md, "A scale on
 the coded keys' scores"): a constant ``gamma`` helps a little near 0.99 and hurts beyond (0.97 or 1.03 raise KL
@@ -41,7 +42,8 @@ FIT_ROWS = 16  # the prompt's last queries per query head that the fit reads (32
 SCALED_CODECS = ("turboquant_mse", "turboquant_vq")
 
 
-def _check_parts(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, coded_visible) -> None:
+def _check_parts(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, coded_visible,
+                 visible=None) -> None:
     """ValueError / TypeError naming the argument whose shape or type does not fit :func:`scale_error`'s."""
     if not isinstance(query, torch.Tensor) or query.dim() != 5:
         raise ValueError(f"query must be a [B, H, G, R, D] tensor, got {getattr(query, 'shape', type(query))}")
@@ -64,10 +66,17 @@ def _check_parts(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k,
                                       or tuple(coded_visible.shape) != (b, n)):
         raise ValueError(f"coded_visible must be None or a bool [B={b}, n={n}] tensor, got "
                          f"{getattr(coded_visible, 'dtype', type(coded_visible))} {getattr(coded_visible, 'shape', '')}")
+    if visible is not None:
+        m = query.shape[2] * query.shape[3]
+        slots = (0 if exact_k is None else exact_k.shape[2]) + n + window_k.shape[2]
+        if (not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool or visible.dim() != 4
+                or visible.shape[0] != b or visible.shape[1] not in (1, h) or tuple(visible.shape[2:]) != (m, slots)):
+            raise ValueError(f"visible must be None or a bool [B={b}, 1|H={h}, G R={m}, s + n + w={slots}] tensor, got "
+                             f"{getattr(visible, 'dtype', type(visible))} {tuple(getattr(visible, 'shape', ()))}")
 
 
 def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, scaling: float,
-                softcap=None, coded_visible=None):
+                softcap=None, coded_visible=None, visible=None):
     """The squared error of the attention outputs with the coded keys' scores times ``gamma``, against every score
     exact, as a function ``error(gammas)``: gammas [K, B, H] (or broadcastable, e.g. [K, 1, 1]) -> [K, B, H], the
     mean over query rows of ``||o_gamma - o||^2``.  What does not depend on ``gamma`` is computed once here (the
@@ -79,9 +88,12 @@ def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, 
     ``coded_k`` / ``coded_hat`` / ``coded_v`` [B, H, n, D]: the tokens just coded, their keys exact and as coded,
     their exact values (seen by every row: ``R`` is at most the window's length + 1); ``window_k`` / ``window_v``
     [B, H, w, D]: the exact window, the prompt's last ``w`` tokens (row ``r`` sees its first ``w - R + r + 1``);
-    ``coded_visible`` [B, n] bool or None: coded slots a row attends (left padding: False).  ``softcap``: the
-    model's attention logit softcapping (applied after the scale, as the attention applies it)."""
-    _check_parts(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, coded_visible)
+    ``coded_visible`` [B, n] bool or None: coded slots a row attends (left padding: False).  ``visible`` [B, 1|H,
+    G R, s + n + w] bool or None: each query row's own mask over the slots (exact, coded, window; rows ordered by
+    query head, then position), e.g. a sliding window's (taken with the causal window and ``coded_visible``); a row
+    that sees no slot counts for nothing.  ``softcap``: the model's attention logit softcapping (applied after the
+    scale, as the attention applies it)."""
+    _check_parts(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, window_v, coded_visible, visible)
     b, h, g, r, d = query.shape
     q = query.reshape(b, h, g * r, d)
     w = window_k.shape[2]
@@ -98,13 +110,24 @@ def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, 
     lw = capped(logits(window_k)).masked_fill(torch.arange(w, device=q.device)[None, :] > (w - r + row)[:, None],
                                               float("-inf"))
     lx, vx = lw, window_v.float()  # the exact tokens' scores [B, H, M, s + w] and values
+    ns = 0
     if exact_k is not None and exact_k.shape[2]:
+        ns = exact_k.shape[2]
         lx, vx = torch.cat([capped(logits(exact_k)), lw], dim=-1), torch.cat([exact_v.float(), vx], dim=2)
+    n = coded_k.shape[2]
+    if visible is not None:
+        vis = visible.to(q.device)
+        lx = lx.masked_fill(~torch.cat([vis[..., :ns], vis[..., ns + n:]], dim=-1), float("-inf"))
     mx = lx.amax(-1, keepdim=True)  # [B, H, M, 1]; -inf where a row sees no exact token
     mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     px = torch.exp(lx - mx)
     nx, zx = torch.matmul(px, vx), px.sum(-1, keepdim=True)  # the exact part of every output, at max mx
     hidden = None if coded_visible is None else ~coded_visible.to(q.device)[:, None, None, :]
+    live = None  # with ``visible``: the rows that see some slot [B, H, M]
+    if visible is not None:
+        rows = ~vis[..., ns:ns + n]  # [B, 1|H, M, n]
+        hidden = rows if hidden is None else hidden | rows
+        live = (lx > float("-inf")).any(-1) | (~hidden).any(-1)
     s, s_hat, vc = logits(coded_k), logits(coded_hat), coded_v.float()
 
     def mix(pc, m):  # the codes' weights exp(score - m) and the rows' max m -> the outputs [..., B, H, M, D]
@@ -132,7 +155,11 @@ def scale_error(query, exact_k, exact_v, coded_k, coded_hat, coded_v, window_k, 
 
     def error(gammas) -> torch.Tensor:
         gm = torch.as_tensor(gammas, dtype=torch.float32, device=q.device)
-        return torch.stack([(scaled(x[..., None, None]) - ref).square().sum(-1).mean(-1) for x in gm])
+        if live is None:
+            return torch.stack([(scaled(x[..., None, None]) - ref).square().sum(-1).mean(-1) for x in gm])
+        count = live.sum(-1).clamp(min=1)
+        return torch.stack([(scaled(x[..., None, None]) - ref).square().sum(-1).where(live, 0.0).sum(-1) / count
+                            for x in gm])
 
     return error
 
@@ -155,7 +182,8 @@ def fit_key_scale(error_of, lo: float = GAMMA_MIN, hi: float = GAMMA_MAX) -> tor
     the best point evaluated.  ``error_of(gammas)``: gammas [K, B, H] (or broadcastable: [K, 1, 1]) -> the error at
     each, [K, B, H] (:func:`scale_error`).  Successive parabolic interpolation, five evaluations in three calls: the
     ends and the middle, the parabola's minimum through them, then the parabola's minimum through that point and
-    its two nearest neighbours (near its minimum the error is close to a parabola in ``gamma``)."""
+    its two nearest neighbours (near its minimum the error is close to a parabola in ``gamma``).  Where the error is
+    the same at every point (no query row sees a coded token), ``hi``: no evidence, no scale below it."""
     if not callable(error_of):
         raise TypeError(f"error_of must be a function of gammas [K, B, H], got {type(error_of).__name__}")
     if not 0 < lo < hi:
@@ -172,4 +200,6 @@ def fit_key_scale(error_of, lo: float = GAMMA_MIN, hi: float = GAMMA_MAX) -> tor
         x3, e3 = torch.gather(x, 0, near), torch.gather(e, 0, near)
         order = x3.argsort(0)
         x3, e3 = torch.gather(x3, 0, order), torch.gather(e3, 0, order)
-    return torch.gather(x, 0, e.argmin(0, keepdim=True))[0].float()
+    best = torch.gather(x, 0, e.argmin(0, keepdim=True))[0].float()
+    flat = e.amax(0) == e.amin(0)  # the error does not depend on gamma (no row sees a coded token): no scale
+    return torch.where(flat, torch.full_like(best, hi), best)

@@ -98,7 +98,8 @@ class LayerStore:
         self.mu_v = None  # value smoothing: [B, H, D_v] float32
         self.key_scale = None  # fit_key_scale: [B, H] float32, the coded keys' score scale (folded into their norms)
         self.scale_q = None  # fit_key_scale, until the first flush: the last FIT_ROWS queries [B, H_q, R, D] float32,
-        # their attention's (scaling, softcap) and the tokens held when they were read (qjl.cache.key_scale)
+        # their attention's (scaling, softcap), the tokens held when they were read and what each saw ([B, 1|H_q, R,
+        # L] bool in position order: its mask, e.g. padding or a sliding window) (qjl.cache.key_scale)
         self.row_start = None  # [B]: first real position of each row (left padding)
         self.pads = None  # [B]: padding tokens of each row (when the first slots are reordered: slot_order)
         self.heavy_pos = None  # [B, K] int32: each row's heavy tokens' positions (ascending), or None
@@ -289,7 +290,7 @@ class LayerStore:
         if self.row_start is None:
             self.row_start = padding.row_starts(attention_mask, self.batch, self.device)
         if query is not None and self.config.fit_key_scale and self.key_scale is None:
-            self._keep_scale_rows(query, scaling, softcap)
+            self._keep_scale_rows(query, scaling, softcap, attention_mask if isinstance(query_mask, str) else query_mask)
         self.fit_means(attention_mask if isinstance(query_mask, str) else query_mask, query, scaling, softcap)
 
     def fit_means(self, attention_mask=None, query=None, scaling: float = 1.0, softcap=None) -> None:
@@ -438,13 +439,24 @@ class LayerStore:
                 self._scale_keys(heads, kc.fields["norm"][:, :, kc.n - n:kc.n])
         return True
 
-    def _keep_scale_rows(self, query: torch.Tensor, scaling: float, softcap) -> None:
+    def _keep_scale_rows(self, query: torch.Tensor, scaling: float, softcap, mask=None) -> None:
         """fit_key_scale: keep the last FIT_ROWS query rows seen (across forwards, until the first flush fits), with
-        their attention's scaling and softcap and the tokens held when they were read."""
+        their attention's scaling and softcap, the tokens held when they were read and the positions each row saw
+        (``mask`` [B, 1|H_q, t, L] in position order, or None: causal)."""
+        t, length = query.shape[2], self.seq_length()
         rows = query[:, :, -FIT_ROWS:].detach().float()
-        if self.scale_q is not None and self.scale_q[3] + query.shape[2] == self.seq_length():  # contiguous rows
+        pos = torch.arange(length, device=query.device)
+        seen = (pos[None, :] <= pos[length - rows.shape[2]:, None])[None, None]  # causal [1, 1, r, L]
+        if mask is not None and tuple(mask.shape[-2:]) == (t, length):
+            seen = seen & padding.visible(mask[..., t - rows.shape[2]:, :]).to(query.device)
+        seen = seen.expand(query.shape[0], -1, -1, -1)
+        if self.scale_q is not None and self.scale_q[3] + t == length:  # contiguous rows
+            before = self.scale_q[4]
+            before = torch.nn.functional.pad(before, (0, length - before.shape[-1]))  # later tokens: unseen by them
+            heads = max(before.shape[1], seen.shape[1])
             rows = torch.cat([self.scale_q[0], rows], dim=2)[:, :, -FIT_ROWS:]
-        self.scale_q = (rows, float(scaling), softcap, self.seq_length())
+            seen = torch.cat([before.expand(-1, heads, -1, -1), seen.expand(-1, heads, -1, -1)], dim=2)[:, :, -FIT_ROWS:]
+        self.scale_q = (rows, float(scaling), softcap, length, seen)
 
     def _fit_scale(self, xk: torch.Tensor, parts: list, n: int) -> torch.Tensor:
         """The first flush with fit_key_scale: gamma [B, H] for the tokens ``xk`` [B, H, n, D] just coded (the window's
@@ -457,9 +469,10 @@ class LayerStore:
         w = wk.shape[2] - n  # the window's tokens that stay exact
         if rec is None or rec[3] != self.seq_length():
             return torch.ones(b, h, device=xk.device)
-        q, scaling, softcap, _ = rec
-        r = min(q.shape[2], w + 1)  # rows that see every coded token: the last w + 1 positions
-        q = q[:, :, q.shape[2] - r:].reshape(b, h, q.shape[1] // h, r, q.shape[-1])
+        q, scaling, softcap, _, seen = rec
+        r = min(q.shape[2], w + 1)  # rows that see every coded token causally: the last w + 1 positions
+        g = q.shape[1] // h
+        q = q[:, :, q.shape[2] - r:].reshape(b, h, g, r, q.shape[-1])
         visible = None
         if self.pads is not None and not self.n_codes:  # each row's padding slots, first in its first block
             visible = torch.arange(n, device=xk.device)[None, :] >= self.pads.to(xk.device)[:, None]
@@ -467,8 +480,25 @@ class LayerStore:
         for heads, codec, codes in parts:
             hat[:, heads] = codec.dequantize(codes)
         err = key_scale.scale_error(q, self.sink_k, self.sink_v, xk, hat, wv[:, :, :n], wk[:, :, n:], wv[:, :, n:],
-                                    scaling, softcap, visible)
+                                    scaling, softcap, visible, self._seen_slots(seen[:, :, seen.shape[2] - r:], h, g))
         return key_scale.fit_key_scale(err)
+
+    def _seen_slots(self, seen: torch.Tensor, h: int, g: int) -> torch.Tensor | None:
+        """The fit's rows' masks ``seen`` [B, 1|H_q, R, L] (positions; row ``r`` at position ``L - R + r``) -> [B, 1|H,
+        G R, L] in slot order (the first slots as ``slot_order`` reorders them: sinks and heavy tokens), or None where
+        each row sees exactly the positions up to its own (the fit's causal window then says it all)."""
+        b, _, r, length = seen.shape
+        pos = torch.arange(length, device=seen.device)
+        if bool((seen == (pos[None, :] <= pos[length - r:, None])).all()):
+            return None
+        slots = pos.expand(b, length)
+        order = self.slot_order
+        if order is not None:
+            slots = torch.cat([order.to(seen.device), slots[:, order.shape[1]:]], dim=1)
+        got = torch.gather(seen, 3, slots[:, None, None, :].expand(b, seen.shape[1], r, length))
+        if got.shape[1] == 1:
+            return got.repeat(1, 1, g, 1)
+        return got.reshape(b, h, g * r, length)
 
     def _scale_keys(self, heads: slice, norm: torch.Tensor) -> None:
         """Multiply the stored key norms ``norm`` [B, h, m] (of KV heads ``heads``) by their heads' gamma, in place."""
@@ -611,7 +641,8 @@ class LayerStore:
         self.heavy_w, self.fit_q = sel(self.heavy_w), sel(self.fit_q)
         self.key_scale = sel(self.key_scale)
         if self.scale_q is not None:
-            self.scale_q = (sel(self.scale_q[0]), *self.scale_q[1:])
+            rows, scaling, softcap, length, seen = self.scale_q
+            self.scale_q = (sel(rows), scaling, softcap, length, sel(seen))
         if self.key_fit is not None:
             self.key_fit = tuple(sel(t) for t in self.key_fit)
         self.batch = index.numel()
@@ -627,7 +658,7 @@ class LayerStore:
                           self.sink_k, self.sink_v],
                 "smoothing": [self.mu, self.mu_v, *(g.mean[1] for g in groups if g.mean is not None)],
                 "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos, self.heavy_w, self.fit_q,
-                                                   self.key_scale, None if self.scale_q is None else self.scale_q[0]]}
+                                                   self.key_scale, *(() if self.scale_q is None else (self.scale_q[0], self.scale_q[4]))]}
 
     def nbytes(self) -> dict:
         """Bytes of storage held by part (each storage counted once, capacity included)."""
