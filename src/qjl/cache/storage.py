@@ -289,9 +289,10 @@ class LayerStore:
         ``query_mask`` [B, 1|H_q, t, L] (default: ``attention_mask``; a replayed prefill passes the recorded rows)."""
         if self.row_start is None:
             self.row_start = padding.row_starts(attention_mask, self.batch, self.device)
+        rows_mask = attention_mask if isinstance(query_mask, str) else query_mask
         if query is not None and self.config.fit_key_scale and self.key_scale is None:
-            self._keep_scale_rows(query, scaling, softcap, attention_mask if isinstance(query_mask, str) else query_mask)
-        self.fit_means(attention_mask if isinstance(query_mask, str) else query_mask, query, scaling, softcap)
+            self._keep_scale_rows(query, scaling, softcap, rows_mask)
+        self.fit_means(rows_mask, query, scaling, softcap)
 
     def fit_means(self, attention_mask=None, query=None, scaling: float = 1.0, softcap=None) -> None:
         """Key / value smoothing (as configured, once) from the window (the prompt, in position order): the keys'
@@ -455,7 +456,8 @@ class LayerStore:
             before = torch.nn.functional.pad(before, (0, length - before.shape[-1]))  # later tokens: unseen by them
             heads = max(before.shape[1], seen.shape[1])
             rows = torch.cat([self.scale_q[0], rows], dim=2)[:, :, -FIT_ROWS:]
-            seen = torch.cat([before.expand(-1, heads, -1, -1), seen.expand(-1, heads, -1, -1)], dim=2)[:, :, -FIT_ROWS:]
+            seen = torch.cat([before.expand(-1, heads, -1, -1), seen.expand(-1, heads, -1, -1)], dim=2)
+            seen = seen[:, :, -FIT_ROWS:]
         self.scale_q = (rows, float(scaling), softcap, length, seen)
 
     def _fit_scale(self, xk: torch.Tensor, parts: list, n: int) -> torch.Tensor:
@@ -658,7 +660,7 @@ class LayerStore:
                           self.sink_k, self.sink_v],
                 "smoothing": [self.mu, self.mu_v, *(g.mean[1] for g in groups if g.mean is not None)],
                 "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos, self.heavy_w, self.fit_q,
-                                                   self.key_scale, *(() if self.scale_q is None else (self.scale_q[0], self.scale_q[4]))]}
+                                                   self.key_scale, *(self.scale_q[0::4] if self.scale_q else ())]}
 
     def nbytes(self) -> dict:
         """Bytes of storage held by part (each storage counted once, capacity included)."""

@@ -126,8 +126,8 @@ class TurboQuantVQ(TurboQuantMSE):
     def stored_codewords(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed codes [..., bytes] uint8 -> each group's codeword [..., n / g] int64, read straight from the bit
         stream: a group's g fields of b bits are consecutive in it (field ``s`` at bits ``[s b, (s + 1) b)`` of the
-        codeword, :func:`qjl.core.vq_codebook.joint_codes`), so its codeword is one field of g b bits -- a byte at 2 bits
-        (quads) and 4 bits (pairs), 6 bits at 3 (pairs).  Equal to ``joint_codes(unpack_bits(packed, b, n))``."""
+        codeword, :func:`qjl.core.vq_codebook.joint_codes`), so its codeword is one field of g b bits -- a byte at 2
+        bits (quads) and 4 bits (pairs), 6 bits at 3 (pairs).  Equal to ``joint_codes(unpack_bits(packed, b, n))``."""
         width, m = self.group * self.bits, self.rotation.out_dim // self.group
         if width == 8:
             return packed[..., :m].long()
