@@ -63,6 +63,10 @@ def test_codewords_read_straight_from_the_packed_stream(bits, d):
     packed = pack_bits(split_codes(e, g, bits), bits)
     assert torch.equal(codec.stored_codewords(packed), e)
     assert torch.equal(codec.stored_codewords(packed), codec.joint_codes(unpack_bits(packed, bits, d)))
+    with pytest.raises(TypeError, match="packed"):
+        codec.stored_codewords(packed.long())
+    with pytest.raises(ValueError, match="bytes per vector"):
+        codec.stored_codewords(packed[..., :-1])
     codes = codec.quantize(torch.randn(9, d))
     assert torch.equal(codec.rotated(codes), codec.table[codec.joint_codes(unpack_bits(codes.fields["codes"], bits, d))]
                        .reshape(9, d) * codes.fields["norm"].float().unsqueeze(-1))

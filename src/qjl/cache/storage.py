@@ -34,6 +34,8 @@ the transformers cache layer is :mod:`qjl.integrations.transformers.layer`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from qjl import kernels
@@ -50,6 +52,22 @@ __all__ = ["LayerStore", "HeadGroup", "HeadGroupView", "EAGER_FLUSH", "exact_sto
 # attention that read it, so the prompt is not held at full precision; smaller overflows (decode steps,
 # speculative candidates that may be cropped again) wait for the next append, as a crop expects.
 EAGER_FLUSH = 512
+
+
+class ScaleRows(NamedTuple):
+    """What ``fit_key_scale`` keeps of the prompt's last queries until the first flush fits the scale."""
+
+    rows: torch.Tensor  # [B, H_q, R, D] float32: the last FIT_ROWS query rows
+    scaling: float  # their attention's scaling
+    softcap: float | None  # and logit softcap
+    length: int  # the tokens held when the last of them was read
+    seen: torch.Tensor  # [B, 1|H_q, R, L] bool, position order: what each row attends (its mask: padding, a window)
+
+
+def _causal(r: int, length: int, device) -> torch.Tensor:
+    """[r, L] bool: the last ``r`` positions of ``length`` each see the positions up to their own."""
+    pos = torch.arange(length, device=device)
+    return pos[None, :] <= pos[length - r:, None]
 
 
 def exact_storage(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
@@ -97,9 +115,7 @@ class LayerStore:
         self.mu = None  # key smoothing: [B, H, D] float32
         self.mu_v = None  # value smoothing: [B, H, D_v] float32
         self.key_scale = None  # fit_key_scale: [B, H] float32, the coded keys' score scale (folded into their norms)
-        self.scale_q = None  # fit_key_scale, until the first flush: the last FIT_ROWS queries [B, H_q, R, D] float32,
-        # their attention's (scaling, softcap), the tokens held when they were read and what each saw ([B, 1|H_q, R,
-        # L] bool in position order: its mask, e.g. padding or a sliding window) (qjl.cache.key_scale)
+        self.scale_q = None  # fit_key_scale, until the first flush: ScaleRows (qjl.cache.key_scale)
         self.row_start = None  # [B]: first real position of each row (left padding)
         self.pads = None  # [B]: padding tokens of each row (when the first slots are reordered: slot_order)
         self.heavy_pos = None  # [B, K] int32: each row's heavy tokens' positions (ascending), or None
@@ -446,19 +462,18 @@ class LayerStore:
         (``mask`` [B, 1|H_q, t, L] in position order, or None: causal)."""
         t, length = query.shape[2], self.seq_length()
         rows = query[:, :, -FIT_ROWS:].detach().float()
-        pos = torch.arange(length, device=query.device)
-        seen = (pos[None, :] <= pos[length - rows.shape[2]:, None])[None, None]  # causal [1, 1, r, L]
+        seen = _causal(rows.shape[2], length, query.device)[None, None]  # [1, 1, r, L]
         if mask is not None and tuple(mask.shape[-2:]) == (t, length):
             seen = seen & padding.visible(mask[..., t - rows.shape[2]:, :]).to(query.device)
         seen = seen.expand(query.shape[0], -1, -1, -1)
-        if self.scale_q is not None and self.scale_q[3] + t == length:  # contiguous rows
-            before = self.scale_q[4]
-            before = torch.nn.functional.pad(before, (0, length - before.shape[-1]))  # later tokens: unseen by them
+        kept = self.scale_q
+        if kept is not None and kept.length + t == length:  # contiguous rows
+            before = torch.nn.functional.pad(kept.seen, (0, length - kept.seen.shape[-1]))  # later tokens: unseen
             heads = max(before.shape[1], seen.shape[1])
-            rows = torch.cat([self.scale_q[0], rows], dim=2)[:, :, -FIT_ROWS:]
+            rows = torch.cat([kept.rows, rows], dim=2)[:, :, -FIT_ROWS:]
             seen = torch.cat([before.expand(-1, heads, -1, -1), seen.expand(-1, heads, -1, -1)], dim=2)
             seen = seen[:, :, -FIT_ROWS:]
-        self.scale_q = (rows, float(scaling), softcap, length, seen)
+        self.scale_q = ScaleRows(rows, float(scaling), softcap, length, seen)
 
     def _fit_scale(self, xk: torch.Tensor, parts: list, n: int) -> torch.Tensor:
         """The first flush with fit_key_scale: gamma [B, H] for the tokens ``xk`` [B, H, n, D] just coded (the window's
@@ -469,7 +484,7 @@ class LayerStore:
         rec = self.scale_q
         wk, wv = self._wk.view(), self._wv.view()
         w = wk.shape[2] - n  # the window's tokens that stay exact
-        if rec is None or rec[3] != self.seq_length():
+        if rec is None or rec.length != self.seq_length():
             return torch.ones(b, h, device=xk.device)
         q, scaling, softcap, _, seen = rec
         r = min(q.shape[2], w + 1)  # rows that see every coded token causally: the last w + 1 positions
@@ -490,10 +505,9 @@ class LayerStore:
         G R, L] in slot order (the first slots as ``slot_order`` reorders them: sinks and heavy tokens), or None where
         each row sees exactly the positions up to its own (the fit's causal window then says it all)."""
         b, _, r, length = seen.shape
-        pos = torch.arange(length, device=seen.device)
-        if bool((seen == (pos[None, :] <= pos[length - r:, None])).all()):
+        if bool((seen == _causal(r, length, seen.device)).all()):
             return None
-        slots = pos.expand(b, length)
+        slots = torch.arange(length, device=seen.device).expand(b, length)
         order = self.slot_order
         if order is not None:
             slots = torch.cat([order.to(seen.device), slots[:, order.shape[1]:]], dim=1)
@@ -643,8 +657,7 @@ class LayerStore:
         self.heavy_w, self.fit_q = sel(self.heavy_w), sel(self.fit_q)
         self.key_scale = sel(self.key_scale)
         if self.scale_q is not None:
-            rows, scaling, softcap, length, seen = self.scale_q
-            self.scale_q = (sel(rows), scaling, softcap, length, sel(seen))
+            self.scale_q = self.scale_q._replace(rows=sel(self.scale_q.rows), seen=sel(self.scale_q.seen))
         if self.key_fit is not None:
             self.key_fit = tuple(sel(t) for t in self.key_fit)
         self.batch = index.numel()
@@ -660,7 +673,7 @@ class LayerStore:
                           self.sink_k, self.sink_v],
                 "smoothing": [self.mu, self.mu_v, *(g.mean[1] for g in groups if g.mean is not None)],
                 "fit": list(self.key_fit or ()) + [self.row_start, self.pads, self.heavy_pos, self.heavy_w, self.fit_q,
-                                                   self.key_scale, *(self.scale_q[0::4] if self.scale_q else ())]}
+                                                   self.key_scale, *((self.scale_q.rows, self.scale_q.seen) if self.scale_q else ())]}
 
     def nbytes(self) -> dict:
         """Bytes of storage held by part (each storage counted once, capacity included)."""

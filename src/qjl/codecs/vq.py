@@ -128,9 +128,15 @@ class TurboQuantVQ(TurboQuantMSE):
         stream: a group's g fields of b bits are consecutive in it (field ``s`` at bits ``[s b, (s + 1) b)`` of the
         codeword, :func:`qjl.core.vq_codebook.joint_codes`), so its codeword is one field of g b bits -- a byte at 2
         bits (quads) and 4 bits (pairs), 6 bits at 3 (pairs).  Equal to ``joint_codes(unpack_bits(packed, b, n))``."""
-        width, m = self.group * self.bits, self.rotation.out_dim // self.group
+        n = self.rotation.out_dim
+        if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+            raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed))}")
+        if packed.dim() < 1 or packed.shape[-1] != packed_size(n, self.bits):
+            raise ValueError(f"codes hold {packed.shape[-1] if packed.dim() else 0} bytes per vector; this codec "
+                             f"stores {packed_size(n, self.bits)}")
+        width, m = self.group * self.bits, n // self.group
         if width == 8:
-            return packed[..., :m].long()
+            return packed.long()
         return unpack_bits(packed, width, m)
 
     def rotated(self, codes) -> torch.Tensor:
@@ -138,8 +144,6 @@ class TurboQuantVQ(TurboQuantMSE):
         self._check_codes(codes, "codes", "norm", kind="TurboQuantVQ")
         packed = codes.fields["codes"]
         n = self.rotation.out_dim
-        if packed.shape[-1] != packed_size(n, self.bits):
-            raise ValueError(f"codes hold {packed.shape[-1]} bytes per vector; this codec stores {packed_size(n, self.bits)}")
         e = self.stored_codewords(packed)
         y = on_device(self.table, packed.device)[e].reshape(*packed.shape[:-1], n)
         return y * codes.fields["norm"].float().unsqueeze(-1)
