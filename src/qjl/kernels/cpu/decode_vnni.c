@@ -219,8 +219,8 @@ QJL_VNNI static inline __attribute__((always_inline)) unpack2x32_t unpack2x32_se
 /* the int8 table entries of the 32 codes at p0 (low half) and p1 (high half), 4b bytes each under `mask` */
 QJL_VNNI static inline __attribute__((always_inline)) __m512i unpack2x32(const uint8_t *p0, const uint8_t *p1,
                                                                       __mmask32 mask, const unpack2x32_t *u) {
-    const __m512i a = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p0));
-    const __m512i b = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(mask, p1));
+    const __m512i a = _mm512_maskz_loadu_epi8((__mmask64)mask, p0); /* (zmm loads: a ymm load cast to zmm went */
+    const __m512i b = _mm512_maskz_loadu_epi8((__mmask64)mask, p1); /* through the stack in GCC's code) */
     const __m512i codes = _mm512_multishift_epi64_epi8(u->shifts, _mm512_permutex2var_epi8(a, u->spread, b));
     return _mm512_permutexvar_epi8(codes, u->table);
 }
@@ -303,6 +303,13 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
     const int64_t n32 = 32 * chunks;
     int32_t dots[(SUB + 8) * 4] __attribute__((aligned(32))); /* [token][4 rows]: the integer sums */
     const int8_t *q0 = q8, *q1 = q8 + n32, *q2 = q8 + 2 * n32, *q3 = q8 + 3 * n32;
+    /* fixed chunk counts: each row's chunks broadcast once, before the tokens (with the chunk loop unrolled they
+     * stay in registers: 16 at d = 128 with 4 rows) */
+    __m512i qb[4][4];
+    for (int r = 0; r < 4 && fixed; r++)
+        for (int c = 0; c < fixed; c++)
+            qb[r][c] = r < nr ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q8 + r * n32 + 32 * c)))
+                              : _mm512_setzero_si512();
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
         _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0); /* 40 tokens ahead (a prefetch past the codes */
@@ -323,7 +330,8 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
                 v = _mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1);
             }
 #define QJL_ROW(R)                                                                                                     \
-    if (nr > R) a##R = _mm512_dpbusd_epi32(a##R, v, _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q##R + 32 * c))));
+    if (nr > R) a##R = _mm512_dpbusd_epi32(a##R, v, fixed ? qb[R][c & 3] :                                             \
+                                                  _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q##R + 32 * c))));
             QJL_ROW(0) QJL_ROW(1) QJL_ROW(2) QJL_ROW(3)
 #undef QJL_ROW
         }
@@ -470,6 +478,78 @@ QJL_VNNI static inline __attribute__((always_inline)) __m512i pair_weights(const
     return _mm512_set1_epi32(pair);
 }
 
+/* mix_vnni_ for 2-bit codes with n a multiple of 32, its operands built on the vector ALU rather than the shuffle
+ * units: on the Zen 5 (family 26) vpdpwssd issues on the same pipes as vpermb, vpermt2b, vpmultishiftqb and
+ * vpmovsxbw, but not as blends and per-word shifts (a scratch loop, 8 vpdpwssd per step: alone 1.04 ns, with 8 vpermb
+ * 1.67-1.78, with 8 vpblendmw or 8 vpsrlvw 1.06-1.08).  A pair of tokens' chunk (8 bytes each: 32 codes, four 16-bit
+ * words of 8 codes) is broadcast to every qword of two registers, the tokens' words interleaved by one blend each:
+ *   X = (t0 w0, t1 w0, t0 w2, t1 w2) and Y = (t0 w1, t1 w1, t0 w3, t1 w3) per qword
+ * (t1's qword shifted up 16 bits for X, t0's down 16 for Y); qword q then shifts every word right by 2q (vpsrlvw),
+ * so 32-bit lane 2q + h of X holds code q of word 2h of both tokens: coordinate q + 16h of the chunk (of Y: q + 8 +
+ * 16h), and one vpermw looks the codes up in the int16 table (the int8 centroids repeated: the bits above a code
+ * index the same entry).  Two shuffles per pair and chunk instead of eight; the int32 sums are those of mix_vnni_
+ * (the same int16 products, added in another order), so the outputs are bit for bit the same. */
+QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni2_(const int nr, const qjl_value_view *v, int ns,
+                                                                   const uint8_t *const *codes, const int64_t *offs,
+                                                                   const int64_t *cnts, const int16_t *w16,
+                                                                   const uint8_t *table, const float *mul, float *acc) {
+    int16_t t16[32], sh[32];
+    for (int j = 0; j < 32; j++) t16[j] = (int16_t)(int8_t)table[j & 3], sh[j] = (int16_t)(2 * (j / 4));
+    const __m512i tab = _mm512_loadu_si512((const void *)t16), shv = _mm512_loadu_si512((const void *)sh);
+    const __mmask32 odd_words = 0xAAAAAAAAu;
+    const int64_t n = v->n, chunks = n / 32, cs = v->codes.stride_token, gs = v->group_size;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t g = v->groups == 1 ? 0 : (32 * c) / gs;
+        const int16_t *w0 = w16 + g * RW * (SUB + 2), *w1 = w0 + (SUB + 2), *w2 = w1 + (SUB + 2), *w3 = w2 + (SUB + 2);
+        __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
+        for (int si = 0; si < ns; si++) { /* the pass's spans, into the same accumulators */
+            const uint8_t *src = codes[si] + c * 8;
+            const int64_t count = cnts[si], off = offs[si];
+            for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
+                const int odd = i + 1 >= count; /* an odd span's last token: it goes alone */
+                if (c == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
+                /* (broadcasts from memory: a load each; from a general register they cost a transfer) */
+                const __m512i a = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)src));
+                const __m512i b = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(odd ? src : src + cs)));
+                const __m512i X = _mm512_mask_blend_epi16(odd_words, a, _mm512_slli_epi64(b, 16));
+                const __m512i Y = _mm512_mask_blend_epi16(odd_words, _mm512_srli_epi64(a, 16), b);
+                const __m512i px = _mm512_permutexvar_epi16(_mm512_srlv_epi16(X, shv), tab);
+                const __m512i py = _mm512_permutexvar_epi16(_mm512_srlv_epi16(Y, shv), tab);
+#define QJL_ROW(R, W)                                                                                                  \
+    if (nr > R) {                                                                                                      \
+        const __m512i w = W;                                                                                           \
+        x##R = _mm512_dpwssd_epi32(x##R, px, w);                                                                       \
+        y##R = _mm512_dpwssd_epi32(y##R, py, w);                                                                       \
+    }
+#define QJL_PAIR(R) pair_weights(w##R + off + i)                        /* the pair's weights, one broadcast load */
+#define QJL_ALONE(R) _mm512_set1_epi32((int32_t)(uint16_t)w##R[off + i]) /* the last token's weight, partner zero */
+                if (!odd) {
+                    QJL_ROW(0, QJL_PAIR(0)) QJL_ROW(1, QJL_PAIR(1)) QJL_ROW(2, QJL_PAIR(2)) QJL_ROW(3, QJL_PAIR(3))
+                } else {
+                    QJL_ROW(0, QJL_ALONE(0)) QJL_ROW(1, QJL_ALONE(1)) QJL_ROW(2, QJL_ALONE(2)) QJL_ROW(3, QJL_ALONE(3))
+                }
+#undef QJL_ROW
+#undef QJL_PAIR
+#undef QJL_ALONE
+            }
+        }
+        const __m512i X[4] = {x0, x1, x2, x3}, Y[4] = {y0, y1, y2, y3};
+        for (int r = 0; r < nr; r++) { /* lane 2q + h: coordinate q + 16h (X), q + 8 + 16h (Y) */
+            int32_t sx[16], sy[16];
+            _mm512_storeu_si512(sx, X[r]);
+            _mm512_storeu_si512(sy, Y[r]);
+            const float f = mul[g * RW + r];
+            float *o = acc + r * n + 32 * c;
+            for (int q = 0; q < 8; q++) {
+                o[q] += f * (float)sx[2 * q];
+                o[q + 16] += f * (float)sx[2 * q + 1];
+                o[q + 8] += f * (float)sy[2 * q];
+                o[q + 24] += f * (float)sy[2 * q + 1];
+            }
+        }
+    }
+}
+
 /* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens, each
  * pair one 32-bit broadcast from memory; an odd span's last token alone, its partner weight zero; accumulators
  * named so that they stay in registers) */
@@ -478,6 +558,10 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
                                                                   const int64_t *offs, const int64_t *cnts,
                                                                   const int16_t *w16, const uint8_t *table,
                                                                   const float *mul, float *acc) {
+    if (bits == 2 && v->n % 32 == 0) { /* (the usual head dims) */
+        mix_vnni2_(nr, v, ns, codes, offs, cnts, w16, table, mul, acc);
+        return;
+    }
     const unpack_pairs_t u = unpack_pairs_setup(bits, table);
     const int64_t n = v->n, n32 = (n + 31) / 32 * 32, chunks = n32 / 32, cs = v->codes.stride_token,
                   gs = v->group_size;
