@@ -225,6 +225,44 @@ QJL_VNNI static inline __attribute__((always_inline)) __m512i unpack2x32(const u
     return _mm512_permutexvar_epi8(codes, u->table);
 }
 
+/* unpack2x32 for codes of 2-4 bits in full chunks (n a multiple of 32), without the spreading vpermt2b: qword i of a
+ * token (codes 8i .. 8i + 7, bytes b i .. b i + b - 1 of the chunk's 4 b) lies in the 8 bytes at 0 (i < 2) or at
+ * 4 b - 8 (i >= 2), so four 8-byte broadcasts from memory (loads, not shuffles: on the Zen 5 the shuffles share their
+ * pipes with vpdpbusd) merged by qword masks give the register vpmultishiftqb reads, its shifts offset by where each
+ * qword's bytes sit in its window.  The same table entries as unpack2x32, in the same bytes. */
+typedef struct {
+    __m512i shifts, table;
+} unpack2x32b_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) unpack2x32b_t unpack2x32b_setup(const int bits,
+                                                                                   const uint8_t *table) {
+    unpack2x32b_t u;
+    uint8_t sh[64];
+    const int hi = 4 * bits - 8; /* the second window's first byte */
+    for (int i = 0; i < 8; i++)
+        for (int k = 0; k < 8; k++) {
+            const int q = i & 3, start = q < 2 ? 0 : hi;
+            sh[8 * i + k] = (uint8_t)((8 * (bits * q - start) + bits * k) & 63);
+        }
+    u.shifts = _mm512_loadu_si512((const void *)sh);
+    u.table = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)table)); /* the 32 bytes twice */
+    return u;
+}
+
+QJL_VNNI static inline __attribute__((always_inline)) __m512i unpack2x32b(const int bits, const uint8_t *p0,
+                                                                       const uint8_t *p1, const unpack2x32b_t *u) {
+    const int hi = 4 * bits - 8;
+    __m512i x = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)p0)); /* token 0: qwords 0-3, 1: 4-7 */
+    if (hi) {
+        x = _mm512_mask_broadcastq_epi64(x, 0x0C, _mm_loadl_epi64((const __m128i *)(p0 + hi)));
+        x = _mm512_mask_broadcastq_epi64(x, 0x30, _mm_loadl_epi64((const __m128i *)p1));
+        x = _mm512_mask_broadcastq_epi64(x, 0xC0, _mm_loadl_epi64((const __m128i *)(p1 + hi)));
+    } else { /* 2 bits: the chunk is one 8-byte window */
+        x = _mm512_mask_broadcastq_epi64(x, 0xF0, _mm_loadl_epi64((const __m128i *)p1));
+    }
+    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(u->shifts, x), u->table);
+}
+
 /* [t0 r0..3, t1 r0..3] (int32): the sums over each 256-bit half (token 0 low, token 1 high) of the rows' four
  * accumulators.  Two unpack-and-add steps leave each 128-bit lane's four sums per row, one lane shuffle adds each
  * token's two lanes; no vphaddd (three uops each on these CPUs) */
@@ -294,6 +332,10 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
     unpack_pairs32_t up;
     memset(&uw, 0, sizeof(uw));
     if (grp == 0) uw = unpack2x32_setup(bits, table);
+    const int bcast = grp == 0 && fixed && bits >= 2 && bits <= 4; /* (fixed: full chunks) */
+    unpack2x32b_t ub;
+    memset(&ub, 0, sizeof(ub));
+    if (bcast) ub = unpack2x32b_setup(bits, table);
     unpack_joint_t uj;
     memset(&up, 0, sizeof(up));
     if (grp == 1) up = unpack_pairs32_setup(table);
@@ -312,14 +354,16 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
                               : _mm512_setzero_si512();
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
-        _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0); /* 40 tokens ahead (a prefetch past the codes */
-        _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0); /* never faults) */
+        _mm_prefetch((const char *)(r0 + 128 * cs), _MM_HINT_T0); /* 40 tokens ahead (a prefetch past the codes */
+        _mm_prefetch((const char *)(r0 + 129 * cs), _MM_HINT_T0); /* never faults) */
         /* both tokens in one zmm (token 0 in the low half), each row's 32 query bytes in both halves */
         __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t c = 0; c < chunks; c++) {
             const __mmask32 m = c + 1 < chunks ? (__mmask32)0xffffffffu : last;
             __m512i v;
-            if (grp == 0) {
+            if (bcast) {
+                v = unpack2x32b(bits, r0 + c * 4 * bits, r1 + c * 4 * bits, &ub);
+            } else if (grp == 0) {
                 v = unpack2x32(r0 + c * 4 * bits, r1 + c * 4 * bits, m, &uw);
             } else {
                 __m256i v0, v1;
@@ -347,7 +391,7 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
     const int bits = k->bits;
 /* the usual head dims' chunk counts as constants (the chunk loop unrolled), rows by QJL_ROWS_OF, widths by BY */
 #define QJL_BY_CHUNKS(BY, GRP)                                                                                         \
-    switch ((k->n + 31) / 32) {                                                                                        \
+    switch (k->n % 32 ? 0 : k->n / 32) { /* (full chunks only) */                                                    \
     case 2: QJL_ROWS_OF(BY, score_vnni_, 2, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;            \
     case 4: QJL_ROWS_OF(BY, score_vnni_, 4, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;            \
     default: QJL_ROWS_OF(BY, score_vnni_, 0, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;           \
@@ -550,6 +594,79 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni2_(const int 
     }
 }
 
+/* mix_vnni_ for codes of 1, 3, 4 or 5 bits with n a multiple of 32, in fewer shuffles (on the Zen 5 the shuffles
+ * share their pipes with vpdpwssd; see mix_vnni2_): for 16 coordinates j of a chunk at a time one vpermt2b gathers,
+ * into 32-bit lane j, the two bytes of token 0 holding code j (from byte B_j = floor(b j / 8) of the chunk) and the
+ * same two bytes of token 1; vpsrlvw shifts each word right by b j - 8 B_j (<= 7, so the code lies in the word's
+ * low bits: 7 + b <= 16), and one vpermw looks the words up in the int16 table (the int8 centroids repeated every
+ * 2^b entries: the bits above a code index the same entry).  Four shuffles per pair of tokens and chunk instead of
+ * eight (mix_vnni_'s vpermt2b, vpmultishiftqb, vpermb and vpmovsxbw per 16 coordinates); the same int16 products
+ * into the same lanes, so the outputs are bit for bit mix_vnni_'s. */
+QJL_VNNI static inline __attribute__((always_inline)) void mix_vnniw_(const int bits, const int nr,
+                                                                   const qjl_value_view *v, int ns,
+                                                                   const uint8_t *const *codes, const int64_t *offs,
+                                                                   const int64_t *cnts, const int16_t *w16,
+                                                                   const uint8_t *table, const float *mul, float *acc) {
+    uint8_t gi[2][64];
+    int16_t t16[32], sh[2][32];
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 16; l++) {
+            const int j = 16 * h + l, byte = bits * j / 8;
+            gi[h][4 * l] = (uint8_t)byte, gi[h][4 * l + 1] = (uint8_t)(byte + 1);
+            gi[h][4 * l + 2] = (uint8_t)(64 + byte), gi[h][4 * l + 3] = (uint8_t)(64 + byte + 1);
+            sh[h][2 * l] = sh[h][2 * l + 1] = (int16_t)(bits * j - 8 * byte);
+        }
+    for (int j = 0; j < 32; j++) t16[j] = (int16_t)(int8_t)table[j & ((1 << bits) - 1)];
+    const __m512i g0 = _mm512_loadu_si512((const void *)gi[0]), g1 = _mm512_loadu_si512((const void *)gi[1]);
+    const __m512i s0 = _mm512_loadu_si512((const void *)sh[0]), s1 = _mm512_loadu_si512((const void *)sh[1]);
+    const __m512i tab = _mm512_loadu_si512((const void *)t16);
+    const __mmask64 m = (__mmask64)((1ull << (4 * bits)) - 1); /* the chunk's 4 b bytes (<= 20) */
+    const int64_t n = v->n, chunks = n / 32, cs = v->codes.stride_token, gs = v->group_size;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t g = v->groups == 1 ? 0 : (32 * c) / gs;
+        const int16_t *w0 = w16 + g * RW * (SUB + 2), *w1 = w0 + (SUB + 2), *w2 = w1 + (SUB + 2), *w3 = w2 + (SUB + 2);
+        __m512i lo0 = _mm512_setzero_si512(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0,
+                hi3 = lo0;
+        for (int si = 0; si < ns; si++) { /* the pass's spans, into the same accumulators */
+            const uint8_t *src = codes[si] + c * 4 * bits;
+            const int64_t count = cnts[si], off = offs[si];
+            for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
+                const int odd = i + 1 >= count; /* an odd span's last token: it goes alone */
+                if (c == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
+                const __m512i r0 = _mm512_maskz_loadu_epi8(m, src);
+                const __m512i r1 = _mm512_maskz_loadu_epi8(m, odd ? src : src + cs);
+                const __m512i plo = _mm512_permutexvar_epi16(_mm512_srlv_epi16(_mm512_permutex2var_epi8(r0, g0, r1), s0), tab);
+                const __m512i phi = _mm512_permutexvar_epi16(_mm512_srlv_epi16(_mm512_permutex2var_epi8(r0, g1, r1), s1), tab);
+#define QJL_ROW(R, W)                                                                                                  \
+    if (nr > R) {                                                                                                      \
+        const __m512i w = W;                                                                                           \
+        lo##R = _mm512_dpwssd_epi32(lo##R, plo, w);                                                                    \
+        hi##R = _mm512_dpwssd_epi32(hi##R, phi, w);                                                                    \
+    }
+#define QJL_PAIR(R) pair_weights(w##R + off + i)                        /* the pair's weights, one broadcast load */
+#define QJL_ALONE(R) _mm512_set1_epi32((int32_t)(uint16_t)w##R[off + i]) /* the last token's weight, partner zero */
+                if (!odd) {
+                    QJL_ROW(0, QJL_PAIR(0)) QJL_ROW(1, QJL_PAIR(1)) QJL_ROW(2, QJL_PAIR(2)) QJL_ROW(3, QJL_PAIR(3))
+                } else {
+                    QJL_ROW(0, QJL_ALONE(0)) QJL_ROW(1, QJL_ALONE(1)) QJL_ROW(2, QJL_ALONE(2)) QJL_ROW(3, QJL_ALONE(3))
+                }
+#undef QJL_ROW
+#undef QJL_PAIR
+#undef QJL_ALONE
+            }
+        }
+        const __m512i L[4] = {lo0, lo1, lo2, lo3}, H[4] = {hi0, hi1, hi2, hi3};
+        for (int r = 0; r < nr; r++) {
+            int32_t sv[32];
+            _mm512_storeu_si512(sv, L[r]);
+            _mm512_storeu_si512(sv + 16, H[r]);
+            const float f = mul[g * RW + r];
+            float *o = acc + r * n + 32 * c;
+            for (int j = 0; j < 32; j++) o[j] += f * (float)sv[j];
+        }
+    }
+}
+
 /* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens, each
  * pair one 32-bit broadcast from memory; an odd span's last token alone, its partner weight zero; accumulators
  * named so that they stay in registers) */
@@ -560,6 +677,10 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
                                                                   const float *mul, float *acc) {
     if (bits == 2 && v->n % 32 == 0) { /* (the usual head dims) */
         mix_vnni2_(nr, v, ns, codes, offs, cnts, w16, table, mul, acc);
+        return;
+    }
+    if (v->n % 32 == 0) {
+        mix_vnniw_(bits, nr, v, ns, codes, offs, cnts, w16, table, mul, acc);
         return;
     }
     const unpack_pairs_t u = unpack_pairs_setup(bits, table);
