@@ -354,8 +354,8 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
                               : _mm512_setzero_si512();
     for (int64_t i = 0; i < count; i += 2) {
         const uint8_t *r0 = codes + i * cs, *r1 = codes + (i + 1 < count ? i + 1 : i) * cs;
-        _mm_prefetch((const char *)(r0 + 128 * cs), _MM_HINT_T0); /* 40 tokens ahead (a prefetch past the codes */
-        _mm_prefetch((const char *)(r0 + 129 * cs), _MM_HINT_T0); /* never faults) */
+        _mm_prefetch((const char *)(r0 + 40 * cs), _MM_HINT_T0); /* 40 tokens ahead (a prefetch past the codes */
+        _mm_prefetch((const char *)(r0 + 41 * cs), _MM_HINT_T0); /* never faults) */
         /* both tokens in one zmm (token 0 in the low half), each row's 32 query bytes in both halves */
         __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t c = 0; c < chunks; c++) {
