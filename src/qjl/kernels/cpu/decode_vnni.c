@@ -332,7 +332,7 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
     unpack_pairs32_t up;
     memset(&uw, 0, sizeof(uw));
     if (grp == 0) uw = unpack2x32_setup(bits, table);
-    const int bcast = grp == 0 && fixed && bits >= 2 && bits <= 4; /* (fixed: full chunks) */
+    const int bcast = grp == 0 && fixed && bits >= 2 && bits <= 4 && k->n % 32 == 0;
     unpack2x32b_t ub;
     memset(&ub, 0, sizeof(ub));
     if (bcast) ub = unpack2x32b_setup(bits, table);
@@ -391,7 +391,7 @@ QJL_VNNI static void score_vnni(const qjl_key_term *k, int nr, const uint8_t *co
     const int bits = k->bits;
 /* the usual head dims' chunk counts as constants (the chunk loop unrolled), rows by QJL_ROWS_OF, widths by BY */
 #define QJL_BY_CHUNKS(BY, GRP)                                                                                         \
-    switch (k->n % 32 ? 0 : k->n / 32) { /* (full chunks only) */                                                    \
+    switch ((k->n + 31) / 32) {                                                                                        \
     case 2: QJL_ROWS_OF(BY, score_vnni_, 2, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;            \
     case 4: QJL_ROWS_OF(BY, score_vnni_, 4, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;            \
     default: QJL_ROWS_OF(BY, score_vnni_, 0, GRP, k, codes, norm, count, q8, table, mul, off, logits) break;           \
