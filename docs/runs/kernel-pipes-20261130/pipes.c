@@ -32,6 +32,19 @@ int main(){
   RUN("8 dp+2pw+2rl+2bl+2sv", DP(0)PW(0)DP(1)PW(1)DP(2)RL(2)DP(3)RL(3)DP(4)BL(4)DP(5)BL(5)DP(6)SV(6)DP(7)SV(7))
   RUN("8 dp+2pb+2ms+2pt+2cv", DP(0)PB(0)DP(1)PB(1)DP(2)MS(2)DP(3)MS(3)DP(4)PT(4)DP(5)PT(5)DP(6)CV(6)DP(7)CV(7))
   RUN("8 vpermw", PW(0)PW(1)PW(2)PW(3)PW(4)PW(5)PW(6)PW(7))
+#define SR(i) s##i=_mm512_srli_epi16(s##i,2);
+#define AN(i) s##i=_mm512_and_si512(s##i,y);
+#define SB(i) s##i=_mm512_shuffle_epi8(y,s##i);
+#define BC(i) s##i=_mm512_add_epi32(s##i,_mm512_set1_epi32(n));
+#define MB(i) a##i=_mm512_dpbusd_epi32(a##i,x,y);
+  RUN("8 dp + 8 vpermt2b", DP(0)PT(0)DP(1)PT(1)DP(2)PT(2)DP(3)PT(3)DP(4)PT(4)DP(5)PT(5)DP(6)PT(6)DP(7)PT(7))
+  RUN("8 dp + 8 srli", DP(0)SR(0)DP(1)SR(1)DP(2)SR(2)DP(3)SR(3)DP(4)SR(4)DP(5)SR(5)DP(6)SR(6)DP(7)SR(7))
+  RUN("8 dp + 8 and", DP(0)AN(0)DP(1)AN(1)DP(2)AN(2)DP(3)AN(3)DP(4)AN(4)DP(5)AN(5)DP(6)AN(6)DP(7)AN(7))
+  RUN("8 dp + 8 pshufb", DP(0)SB(0)DP(1)SB(1)DP(2)SB(2)DP(3)SB(3)DP(4)SB(4)DP(5)SB(5)DP(6)SB(6)DP(7)SB(7))
+  RUN("8 dp + 8 vpmovsxbw", DP(0)CV(0)DP(1)CV(1)DP(2)CV(2)DP(3)CV(3)DP(4)CV(4)DP(5)CV(5)DP(6)CV(6)DP(7)CV(7))
+  RUN("8 dpbusd + 8 vpermb", MB(0)PB(0)MB(1)PB(1)MB(2)PB(2)MB(3)PB(3)MB(4)PB(4)MB(5)PB(5)MB(6)PB(6)MB(7)PB(7))
+  RUN("8 srli", SR(0)SR(1)SR(2)SR(3)SR(4)SR(5)SR(6)SR(7))
+  RUN("8 dp + 16 srli/and", DP(0)SR(0)AN(0)DP(1)SR(1)AN(1)DP(2)SR(2)AN(2)DP(3)SR(3)AN(3)DP(4)SR(4)AN(4)DP(5)SR(5)AN(5)DP(6)SR(6)AN(6)DP(7)SR(7)AN(7))
   __m512i r=_mm512_add_epi32(a0,s0);
 #define ADD(i) r=_mm512_add_epi32(r,_mm512_add_epi32(a##i,s##i));
   ADD(1)ADD(2)ADD(3)ADD(4)ADD(5)ADD(6)ADD(7)
