@@ -24,9 +24,12 @@
  * Keys of a vector codebook take the same sums: pairs of 3-bit codes through one 128-byte table of the codewords'
  * int8 coordinates (unpack_pairs32), 8-bit joint codes (pairs of 4-bit codes, fours of 2-bit codes) through 2 g
  * tables of 128 bytes (unpack_joint); the scale max|c| / 127 over all the codewords' coordinates.
- * For values two tokens are unpacked together, 16 coordinates at a time: one vpermt2b spreads both tokens'
- * bytes, vpmultishiftqb interleaves their codes (c0[j], c1[j]) and the table maps them, ready to widen to the
- * int16 pairs vpdpwssd reads.  Zero points (KIVI) stay in float as in the other paths. */
+ * For values two tokens are unpacked together into the int16 pairs (c0[j], c1[j]) vpdpwssd reads, with as few
+ * shuffles as the width allows (on the Zen 5 the shuffles share their pipes with the products; mix_operands: 2-bit
+ * codes from broadcasts, blends, per-word shifts and one vpermw; other widths one vpermt2b gather, a shift and one
+ * vpermw; chunks cut short by the head dim the spread, vpmultishiftqb, vpermb and widening of before), and 2-4-bit
+ * keys in full chunks come from 8-byte broadcasts instead of the spreading vpermt2b (unpack2x32b).  Zero points
+ * (KIVI) stay in float as in the other paths. */
 #if defined(__GNUC__) && defined(__x86_64__) && (__GNUC__ >= 9 || defined(__clang__))
 #define QJL_HAVE_VNNI 1
 #define QJL_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vbmi,avx512vnni")))
@@ -487,31 +490,101 @@ QJL_VNNI static float exp_weights(const float *x, int64_t len, float m, const fl
     return sum;
 }
 
-/* Two tokens' codes of coordinates [16h, 16h + 16) of a chunk, interleaved: spread (one vpermt2b from both
- * tokens' bytes) so that qword i holds the bytes of codes 16h + 4i .. + 3 of token 0 (bytes 0-2) and of token 1
- * (bytes 3-5), vpmultishiftqb moving code 16h + 4i + m of token t to byte 2m + t, the int8 table: bytes
- * (c0[j], c1[j]) for j in order, ready to widen into int16 pairs for vpdpwssd. */
-typedef struct {
-    __m256i spread[2], shifts[2], table;
-} unpack_pairs_t;
+/* Two tokens' int16 operands of vpdpwssd for a chunk of 32 coordinates, plo and phi: 32-bit lane l holds the pair
+ * (c8[code_t0], c8[code_t1]) of one coordinate.  On the Zen 5 (family 26) vpdpwssd issues on the same two pipes as the
+ * shuffles (vpermb, vpermt2b, vpermw, vpmultishiftqb, vpmovsxbw), but not as blends and per-word shifts (a scratch
+ * loop, 8 vpdpwssd per step: alone 1.03 ns, beside 8 of those shuffles 1.58-1.89, beside 8 vpblendmw or vpsrlvw
+ * 1.06-1.08; docs/runs/kernel-pipes-20261130/pipes.c), so the operands are built with as few shuffles as the codes
+ * allow.  Three ways (`kind`), the same int16 products in the same lanes up to the lane order of kind 1 (MIX_BCAST):
+ *
+ *   MIX_SPREAD (a chunk cut short: n not a multiple of 32): masked loads, one vpermt2b per 16 coordinates puts the
+ *     bytes of codes 16h + 4i .. + 3 of token 0 and of token 1 in qword i, vpmultishiftqb moves code 16h + 4i + m of
+ *     token t to byte 2m + t, vpermb looks the bytes up in the int8 table and vpmovsxbw widens them (8 shuffles per
+ *     pair and chunk); lane l: coordinate l (plo), 16 + l (phi).
+ *   MIX_BCAST (2-bit codes, full chunks): each token's chunk (8 bytes: four 16-bit words of 8 codes) broadcast from
+ *     memory to every qword (a load, no shuffle), one blend per register interleaves the two tokens' words
+ *     (plo: t0 w0, t1 w0, t0 w2, t1 w2 per qword, t1's qword shifted up 16 bits; phi: the odd words, t0's shifted
+ *     down), vpsrlvw shifts qword q's words right by 2q, and one vpermw looks the words up in the int16 table (the
+ *     int8 centroids widened and repeated every 4 entries: the bits above a code pick the same entry): 2 shuffles;
+ *     lane 2q + h: coordinate q + 16h (plo), q + 8 + 16h (phi).
+ *   MIX_WORDS (1, 3, 4, 5 bits, full chunks): one vpermt2b gathers into lane j the two bytes of each token holding
+ *     code j (from byte B_j = floor(b j / 8)), vpsrlvw shifts each word right by b j - 8 B_j (<= 7, so the code lies
+ *     in the word: 7 + b <= 16), one vpermw: 4 shuffles; lane l: coordinate l (plo), 16 + l (phi).
+ *
+ * int32 addition is exact, so every kind gives the same sums. */
+enum { MIX_SPREAD, MIX_BCAST, MIX_WORDS };
 
-QJL_VNNI static inline __attribute__((always_inline)) unpack_pairs_t unpack_pairs_setup(const int bits,
-                                                                                     const uint8_t *table) {
-    unpack_pairs_t u;
-    for (int h = 0; h < 2; h++) {
-        uint8_t sp[32], sh[32];
-        for (int i = 0; i < 4; i++) {
-            const int first = (16 * h + 4 * i) * bits, byte = first / 8, off = first % 8;
-            for (int k = 0; k < 8; k++) {
-                sp[8 * i + k] = (uint8_t)(k < 3 ? byte + k : k < 6 ? 32 + byte + k - 3 : 0);
-                sh[8 * i + k] = (uint8_t)((k & 1 ? 24 : 0) + off + bits * (k >> 1));
+typedef struct {
+    __m256i spread[2], shifts[2], table8; /* MIX_SPREAD */
+    __m512i gather[2], wshift[2], table16; /* MIX_WORDS (gather, wshift), MIX_BCAST (wshift[0]), both table16 */
+} mix_ops_t;
+
+QJL_VNNI static inline __attribute__((always_inline)) mix_ops_t mix_setup(const int kind, const int bits,
+                                                                       const uint8_t *table) {
+    mix_ops_t u;
+    memset(&u, 0, sizeof(u));
+    if (kind == MIX_SPREAD) {
+        for (int h = 0; h < 2; h++) {
+            uint8_t sp[32], sh[32];
+            for (int i = 0; i < 4; i++) {
+                const int first = (16 * h + 4 * i) * bits, byte = first / 8, off = first % 8;
+                for (int k = 0; k < 8; k++) {
+                    sp[8 * i + k] = (uint8_t)(k < 3 ? byte + k : k < 6 ? 32 + byte + k - 3 : 0);
+                    sh[8 * i + k] = (uint8_t)((k & 1 ? 24 : 0) + off + bits * (k >> 1));
+                }
             }
+            u.spread[h] = _mm256_loadu_si256((const __m256i *)sp);
+            u.shifts[h] = _mm256_loadu_si256((const __m256i *)sh);
         }
-        u.spread[h] = _mm256_loadu_si256((const __m256i *)sp);
-        u.shifts[h] = _mm256_loadu_si256((const __m256i *)sh);
+        u.table8 = _mm256_loadu_si256((const __m256i *)table);
+        return u;
     }
-    u.table = _mm256_loadu_si256((const __m256i *)table);
+    int16_t t16[32], sh16[2][32];
+    uint8_t gi[2][64];
+    for (int j = 0; j < 32; j++) t16[j] = (int16_t)(int8_t)table[j & ((1 << bits) - 1)];
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 16; l++) {
+            const int j = 16 * h + l, byte = bits * j / 8;
+            gi[h][4 * l] = (uint8_t)byte, gi[h][4 * l + 1] = (uint8_t)(byte + 1);
+            gi[h][4 * l + 2] = (uint8_t)(64 + byte), gi[h][4 * l + 3] = (uint8_t)(64 + byte + 1);
+            /* MIX_BCAST: qword q = words 4q .. 4q + 3 shift by 2q; MIX_WORDS: lane l's words by b j - 8 B_j */
+            sh16[h][2 * l] = sh16[h][2 * l + 1] = (int16_t)(kind == MIX_BCAST ? 2 * (l / 2) : bits * j - 8 * byte);
+        }
+    u.table16 = _mm512_loadu_si512((const void *)t16);
+    for (int h = 0; h < 2; h++) {
+        u.gather[h] = _mm512_loadu_si512((const void *)gi[h]);
+        u.wshift[h] = _mm512_loadu_si512((const void *)sh16[h]);
+    }
     return u;
+}
+
+/* the operands of the tokens at p0, p1 (the chunk's 4 b bytes each; `m` the bytes to read, MIX_SPREAD) */
+QJL_VNNI static inline __attribute__((always_inline)) void mix_operands(const int kind, const int bits,
+                                                                     const uint8_t *p0, const uint8_t *p1,
+                                                                     __mmask32 m, const mix_ops_t *u, __m512i *plo,
+                                                                     __m512i *phi) {
+    if (kind == MIX_SPREAD) {
+        const __m256i r0 = _mm256_maskz_loadu_epi8(m, p0), r1 = _mm256_maskz_loadu_epi8(m, p1);
+        const __m256i c0 = _mm256_multishift_epi64_epi8(u->shifts[0], _mm256_permutex2var_epi8(r0, u->spread[0], r1));
+        const __m256i c1 = _mm256_multishift_epi64_epi8(u->shifts[1], _mm256_permutex2var_epi8(r0, u->spread[1], r1));
+        *plo = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c0, u->table8));
+        *phi = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c1, u->table8));
+    } else if (kind == MIX_BCAST) { /* (broadcasts from memory: a load each; from a general register, a transfer) */
+        const __mmask32 odd_words = 0xAAAAAAAAu;
+        const __m512i a = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)p0));
+        const __m512i b = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)p1));
+        const __m512i x = _mm512_mask_blend_epi16(odd_words, a, _mm512_slli_epi64(b, 16));
+        const __m512i y = _mm512_mask_blend_epi16(odd_words, _mm512_srli_epi64(a, 16), b);
+        *plo = _mm512_permutexvar_epi16(_mm512_srlv_epi16(x, u->wshift[0]), u->table16);
+        *phi = _mm512_permutexvar_epi16(_mm512_srlv_epi16(y, u->wshift[0]), u->table16);
+    } else {
+        const __mmask64 mb = (__mmask64)((1ull << (4 * bits)) - 1); /* the chunk's 4 b bytes (<= 20) */
+        const __m512i r0 = _mm512_maskz_loadu_epi8(mb, p0), r1 = _mm512_maskz_loadu_epi8(mb, p1);
+        *plo = _mm512_permutexvar_epi16(_mm512_srlv_epi16(_mm512_permutex2var_epi8(r0, u->gather[0], r1), u->wshift[0]),
+                                        u->table16);
+        *phi = _mm512_permutexvar_epi16(_mm512_srlv_epi16(_mm512_permutex2var_epi8(r0, u->gather[1], r1), u->wshift[1]),
+                                        u->table16);
+    }
 }
 
 /* two tokens' int16 weights as the int32 vpdpwssd pairs them with, in every lane (a broadcast from memory: a
@@ -522,170 +595,16 @@ QJL_VNNI static inline __attribute__((always_inline)) __m512i pair_weights(const
     return _mm512_set1_epi32(pair);
 }
 
-/* mix_vnni_ for 2-bit codes with n a multiple of 32, its operands built on the vector ALU rather than the shuffle
- * units: on the Zen 5 (family 26) vpdpwssd issues on the same pipes as vpermb, vpermt2b, vpmultishiftqb and
- * vpmovsxbw, but not as blends and per-word shifts (a scratch loop, 8 vpdpwssd per step: alone 1.04 ns, with 8 vpermb
- * 1.67-1.78, with 8 vpblendmw or 8 vpsrlvw 1.06-1.08).  A pair of tokens' chunk (8 bytes each: 32 codes, four 16-bit
- * words of 8 codes) is broadcast to every qword of two registers, the tokens' words interleaved by one blend each:
- *   X = (t0 w0, t1 w0, t0 w2, t1 w2) and Y = (t0 w1, t1 w1, t0 w3, t1 w3) per qword
- * (t1's qword shifted up 16 bits for X, t0's down 16 for Y); qword q then shifts every word right by 2q (vpsrlvw),
- * so 32-bit lane 2q + h of X holds code q of word 2h of both tokens: coordinate q + 16h of the chunk (of Y: q + 8 +
- * 16h), and one vpermw looks the codes up in the int16 table (the int8 centroids repeated: the bits above a code
- * index the same entry).  Two shuffles per pair and chunk instead of eight; the int32 sums are those of mix_vnni_
- * (the same int16 products, added in another order), so the outputs are bit for bit the same. */
-QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni2_(const int nr, const qjl_value_view *v, int ns,
-                                                                   const uint8_t *const *codes, const int64_t *offs,
-                                                                   const int64_t *cnts, const int16_t *w16,
-                                                                   const uint8_t *table, const float *mul, float *acc) {
-    int16_t t16[32], sh[32];
-    for (int j = 0; j < 32; j++) t16[j] = (int16_t)(int8_t)table[j & 3], sh[j] = (int16_t)(2 * (j / 4));
-    const __m512i tab = _mm512_loadu_si512((const void *)t16), shv = _mm512_loadu_si512((const void *)sh);
-    const __mmask32 odd_words = 0xAAAAAAAAu;
-    const int64_t n = v->n, chunks = n / 32, cs = v->codes.stride_token, gs = v->group_size;
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t g = v->groups == 1 ? 0 : (32 * c) / gs;
-        const int16_t *w0 = w16 + g * RW * (SUB + 2), *w1 = w0 + (SUB + 2), *w2 = w1 + (SUB + 2), *w3 = w2 + (SUB + 2);
-        __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0, y0 = x0, y1 = x0, y2 = x0, y3 = x0;
-        for (int si = 0; si < ns; si++) { /* the pass's spans, into the same accumulators */
-            const uint8_t *src = codes[si] + c * 8;
-            const int64_t count = cnts[si], off = offs[si];
-            for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
-                const int odd = i + 1 >= count; /* an odd span's last token: it goes alone */
-                if (c == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
-                /* (broadcasts from memory: a load each; from a general register they cost a transfer) */
-                const __m512i a = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)src));
-                const __m512i b = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(odd ? src : src + cs)));
-                const __m512i X = _mm512_mask_blend_epi16(odd_words, a, _mm512_slli_epi64(b, 16));
-                const __m512i Y = _mm512_mask_blend_epi16(odd_words, _mm512_srli_epi64(a, 16), b);
-                const __m512i px = _mm512_permutexvar_epi16(_mm512_srlv_epi16(X, shv), tab);
-                const __m512i py = _mm512_permutexvar_epi16(_mm512_srlv_epi16(Y, shv), tab);
-#define QJL_ROW(R, W)                                                                                                  \
-    if (nr > R) {                                                                                                      \
-        const __m512i w = W;                                                                                           \
-        x##R = _mm512_dpwssd_epi32(x##R, px, w);                                                                       \
-        y##R = _mm512_dpwssd_epi32(y##R, py, w);                                                                       \
-    }
-#define QJL_PAIR(R) pair_weights(w##R + off + i)                        /* the pair's weights, one broadcast load */
-#define QJL_ALONE(R) _mm512_set1_epi32((int32_t)(uint16_t)w##R[off + i]) /* the last token's weight, partner zero */
-                if (!odd) {
-                    QJL_ROW(0, QJL_PAIR(0)) QJL_ROW(1, QJL_PAIR(1)) QJL_ROW(2, QJL_PAIR(2)) QJL_ROW(3, QJL_PAIR(3))
-                } else {
-                    QJL_ROW(0, QJL_ALONE(0)) QJL_ROW(1, QJL_ALONE(1)) QJL_ROW(2, QJL_ALONE(2)) QJL_ROW(3, QJL_ALONE(3))
-                }
-#undef QJL_ROW
-#undef QJL_PAIR
-#undef QJL_ALONE
-            }
-        }
-        const __m512i X[4] = {x0, x1, x2, x3}, Y[4] = {y0, y1, y2, y3};
-        for (int r = 0; r < nr; r++) { /* lane 2q + h: coordinate q + 16h (X), q + 8 + 16h (Y) */
-            int32_t sx[16], sy[16];
-            _mm512_storeu_si512(sx, X[r]);
-            _mm512_storeu_si512(sy, Y[r]);
-            const float f = mul[g * RW + r];
-            float *o = acc + r * n + 32 * c;
-            for (int q = 0; q < 8; q++) {
-                o[q] += f * (float)sx[2 * q];
-                o[q + 16] += f * (float)sx[2 * q + 1];
-                o[q + 8] += f * (float)sy[2 * q];
-                o[q + 24] += f * (float)sy[2 * q + 1];
-            }
-        }
-    }
-}
-
-/* mix_vnni_ for codes of 1, 3, 4 or 5 bits with n a multiple of 32, in fewer shuffles (on the Zen 5 the shuffles
- * share their pipes with vpdpwssd; see mix_vnni2_): for 16 coordinates j of a chunk at a time one vpermt2b gathers,
- * into 32-bit lane j, the two bytes of token 0 holding code j (from byte B_j = floor(b j / 8) of the chunk) and the
- * same two bytes of token 1; vpsrlvw shifts each word right by b j - 8 B_j (<= 7, so the code lies in the word's
- * low bits: 7 + b <= 16), and one vpermw looks the words up in the int16 table (the int8 centroids repeated every
- * 2^b entries: the bits above a code index the same entry).  Four shuffles per pair of tokens and chunk instead of
- * eight (mix_vnni_'s vpermt2b, vpmultishiftqb, vpermb and vpmovsxbw per 16 coordinates); the same int16 products
- * into the same lanes, so the outputs are bit for bit mix_vnni_'s. */
-QJL_VNNI static inline __attribute__((always_inline)) void mix_vnniw_(const int bits, const int nr,
-                                                                   const qjl_value_view *v, int ns,
-                                                                   const uint8_t *const *codes, const int64_t *offs,
-                                                                   const int64_t *cnts, const int16_t *w16,
-                                                                   const uint8_t *table, const float *mul, float *acc) {
-    uint8_t gi[2][64];
-    int16_t t16[32], sh[2][32];
-    for (int h = 0; h < 2; h++)
-        for (int l = 0; l < 16; l++) {
-            const int j = 16 * h + l, byte = bits * j / 8;
-            gi[h][4 * l] = (uint8_t)byte, gi[h][4 * l + 1] = (uint8_t)(byte + 1);
-            gi[h][4 * l + 2] = (uint8_t)(64 + byte), gi[h][4 * l + 3] = (uint8_t)(64 + byte + 1);
-            sh[h][2 * l] = sh[h][2 * l + 1] = (int16_t)(bits * j - 8 * byte);
-        }
-    for (int j = 0; j < 32; j++) t16[j] = (int16_t)(int8_t)table[j & ((1 << bits) - 1)];
-    const __m512i g0 = _mm512_loadu_si512((const void *)gi[0]), g1 = _mm512_loadu_si512((const void *)gi[1]);
-    const __m512i s0 = _mm512_loadu_si512((const void *)sh[0]), s1 = _mm512_loadu_si512((const void *)sh[1]);
-    const __m512i tab = _mm512_loadu_si512((const void *)t16);
-    const __mmask64 m = (__mmask64)((1ull << (4 * bits)) - 1); /* the chunk's 4 b bytes (<= 20) */
-    const int64_t n = v->n, chunks = n / 32, cs = v->codes.stride_token, gs = v->group_size;
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t g = v->groups == 1 ? 0 : (32 * c) / gs;
-        const int16_t *w0 = w16 + g * RW * (SUB + 2), *w1 = w0 + (SUB + 2), *w2 = w1 + (SUB + 2), *w3 = w2 + (SUB + 2);
-        __m512i lo0 = _mm512_setzero_si512(), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0,
-                hi3 = lo0;
-        for (int si = 0; si < ns; si++) { /* the pass's spans, into the same accumulators */
-            const uint8_t *src = codes[si] + c * 4 * bits;
-            const int64_t count = cnts[si], off = offs[si];
-            for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
-                const int odd = i + 1 >= count; /* an odd span's last token: it goes alone */
-                if (c == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
-                const __m512i r0 = _mm512_maskz_loadu_epi8(m, src);
-                const __m512i r1 = _mm512_maskz_loadu_epi8(m, odd ? src : src + cs);
-                const __m512i plo = _mm512_permutexvar_epi16(_mm512_srlv_epi16(_mm512_permutex2var_epi8(r0, g0, r1), s0), tab);
-                const __m512i phi = _mm512_permutexvar_epi16(_mm512_srlv_epi16(_mm512_permutex2var_epi8(r0, g1, r1), s1), tab);
-#define QJL_ROW(R, W)                                                                                                  \
-    if (nr > R) {                                                                                                      \
-        const __m512i w = W;                                                                                           \
-        lo##R = _mm512_dpwssd_epi32(lo##R, plo, w);                                                                    \
-        hi##R = _mm512_dpwssd_epi32(hi##R, phi, w);                                                                    \
-    }
-#define QJL_PAIR(R) pair_weights(w##R + off + i)                        /* the pair's weights, one broadcast load */
-#define QJL_ALONE(R) _mm512_set1_epi32((int32_t)(uint16_t)w##R[off + i]) /* the last token's weight, partner zero */
-                if (!odd) {
-                    QJL_ROW(0, QJL_PAIR(0)) QJL_ROW(1, QJL_PAIR(1)) QJL_ROW(2, QJL_PAIR(2)) QJL_ROW(3, QJL_PAIR(3))
-                } else {
-                    QJL_ROW(0, QJL_ALONE(0)) QJL_ROW(1, QJL_ALONE(1)) QJL_ROW(2, QJL_ALONE(2)) QJL_ROW(3, QJL_ALONE(3))
-                }
-#undef QJL_ROW
-#undef QJL_PAIR
-#undef QJL_ALONE
-            }
-        }
-        const __m512i L[4] = {lo0, lo1, lo2, lo3}, H[4] = {hi0, hi1, hi2, hi3};
-        for (int r = 0; r < nr; r++) {
-            int32_t sv[32];
-            _mm512_storeu_si512(sv, L[r]);
-            _mm512_storeu_si512(sv + 16, H[r]);
-            const float f = mul[g * RW + r];
-            float *o = acc + r * n + 32 * c;
-            for (int j = 0; j < 32; j++) o[j] += f * (float)sv[j];
-        }
-    }
-}
-
 /* acc[r][c] += mul[g(c)][r] * sum_i w16[g(c)][r][i] * c8[code[i][c]], i < count (weights in pairs of tokens, each
  * pair one 32-bit broadcast from memory; an odd span's last token alone, its partner weight zero; accumulators
- * named so that they stay in registers) */
-QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int bits, const int nr, const qjl_value_view *v,
-                                                                  int ns, const uint8_t *const *codes,
-                                                                  const int64_t *offs, const int64_t *cnts,
-                                                                  const int16_t *w16, const uint8_t *table,
-                                                                  const float *mul, float *acc) {
-    if (bits == 2 && v->n % 32 == 0) { /* (the usual head dims) */
-        mix_vnni2_(nr, v, ns, codes, offs, cnts, w16, table, mul, acc);
-        return;
-    }
-    if (v->n % 32 == 0) {
-        mix_vnniw_(bits, nr, v, ns, codes, offs, cnts, w16, table, mul, acc);
-        return;
-    }
-    const unpack_pairs_t u = unpack_pairs_setup(bits, table);
-    const int64_t n = v->n, n32 = (n + 31) / 32 * 32, chunks = n32 / 32, cs = v->codes.stride_token,
-                  gs = v->group_size;
+ * named so that they stay in registers), the operands built by mix_operands' `kind` */
+QJL_VNNI static inline __attribute__((always_inline)) void mix_kind_(const int kind, const int bits, const int nr,
+                                                                  const qjl_value_view *v, int ns,
+                                                                  const uint8_t *const *codes, const int64_t *offs,
+                                                                  const int64_t *cnts, const int16_t *w16,
+                                                                  const uint8_t *table, const float *mul, float *acc) {
+    const mix_ops_t u = mix_setup(kind, bits, table);
+    const int64_t n = v->n, chunks = (n + 31) / 32, cs = v->codes.stride_token, gs = v->group_size;
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t g = v->groups == 1 ? 0 : (32 * c) / gs;
         const __mmask32 m = chunk_mask(n, c, bits);
@@ -698,12 +617,8 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
             for (int64_t i = 0; i < count; i += 2, src += 2 * cs) {
                 const int odd = i + 1 >= count; /* an odd span's last token: it goes alone */
                 if (c == 0) _mm_prefetch((const char *)(src + 64 * cs), _MM_HINT_T0); /* the first chunk reads DRAM */
-                const __m256i r0 = _mm256_maskz_loadu_epi8(m, src);
-                const __m256i r1 = _mm256_maskz_loadu_epi8(m, odd ? src : src + cs);
-                const __m256i c0 = _mm256_multishift_epi64_epi8(u.shifts[0], _mm256_permutex2var_epi8(r0, u.spread[0], r1));
-                const __m256i c1 = _mm256_multishift_epi64_epi8(u.shifts[1], _mm256_permutex2var_epi8(r0, u.spread[1], r1));
-                const __m512i plo = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c0, u.table)); /* coords 0-15 */
-                const __m512i phi = _mm512_cvtepi8_epi16(_mm256_permutexvar_epi8(c1, u.table)); /* coords 16-31 */
+                __m512i plo, phi;
+                mix_operands(kind, bits, src, odd ? src : src + cs, m, &u, &plo, &phi);
 #define QJL_ROW(R, W)                                                                                                  \
     if (nr > R) {                                                                                                      \
         const __m512i w = W;                                                                                           \
@@ -730,9 +645,27 @@ QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int b
             _mm512_storeu_si512(s + 16, H[r]);
             const float f = mul[g * RW + r];
             float *o = acc + r * n + 32 * c;
-            for (int64_t j = 0; j < live; j++) o[j] += f * (float)s[j];
+            if (kind == MIX_BCAST) /* lane 2q + h: coordinate q + 16h (plo), q + 8 + 16h (phi) */
+                for (int q = 0; q < 8; q++) {
+                    o[q] += f * (float)s[2 * q];
+                    o[q + 16] += f * (float)s[2 * q + 1];
+                    o[q + 8] += f * (float)s[16 + 2 * q];
+                    o[q + 24] += f * (float)s[16 + 2 * q + 1];
+                }
+            else
+                for (int64_t j = 0; j < live; j++) o[j] += f * (float)s[j];
         }
     }
+}
+
+QJL_VNNI static inline __attribute__((always_inline)) void mix_vnni_(const int bits, const int nr, const qjl_value_view *v,
+                                                                  int ns, const uint8_t *const *codes,
+                                                                  const int64_t *offs, const int64_t *cnts,
+                                                                  const int16_t *w16, const uint8_t *table,
+                                                                  const float *mul, float *acc) {
+    if (v->n % 32) mix_kind_(MIX_SPREAD, bits, nr, v, ns, codes, offs, cnts, w16, table, mul, acc);
+    else if (bits == 2) mix_kind_(MIX_BCAST, bits, nr, v, ns, codes, offs, cnts, w16, table, mul, acc);
+    else mix_kind_(MIX_WORDS, bits, nr, v, ns, codes, offs, cnts, w16, table, mul, acc);
 }
 
 /* the pass's value codes, as ns spans (codes[s]: its first token's codes, offs[s]: its first token's index in
