@@ -334,11 +334,11 @@ QJL_VNNI static inline __attribute__((always_inline)) void score_vnni_(const int
     unpack2x32_t uw;
     unpack_pairs32_t up;
     memset(&uw, 0, sizeof(uw));
-    if (grp == 0) uw = unpack2x32_setup(bits, table);
     const int bcast = grp == 0 && fixed && bits >= 2 && bits <= 4 && k->n % 32 == 0;
     unpack2x32b_t ub;
     memset(&ub, 0, sizeof(ub));
     if (bcast) ub = unpack2x32b_setup(bits, table);
+    else if (grp == 0) uw = unpack2x32_setup(bits, table);
     unpack_joint_t uj;
     memset(&up, 0, sizeof(up));
     if (grp == 1) up = unpack_pairs32_setup(table);
@@ -552,7 +552,7 @@ QJL_VNNI static inline __attribute__((always_inline)) mix_ops_t mix_setup(const 
         }
     u.table16 = _mm512_loadu_si512((const void *)t16);
     for (int h = 0; h < 2; h++) {
-        u.gather[h] = _mm512_loadu_si512((const void *)gi[h]);
+        if (kind == MIX_WORDS) u.gather[h] = _mm512_loadu_si512((const void *)gi[h]); /* (MIX_BCAST: no gather) */
         u.wshift[h] = _mm512_loadu_si512((const void *)sh16[h]);
     }
     return u;
